@@ -1,0 +1,206 @@
+"""Callbacks: typed events that observe the loop and may ask it to stop or evaluate.
+
+The loop, with the events marked where they fire (tests/test_event_order.py
+pins this order)::
+
+    setup()                  seed; build model, datasets, loaders, optimizer, scheduler
+    on_fit_start(view)
+    while step < max_steps (and epoch < max_epochs):
+        for each group of `accumulate` micro-batches of the epoch:
+            train_step()     forward, backward, clip, optimizer step, zero_grad, LR step
+            step += 1
+            on_train_step_end(view, output)              -> Control | None
+            if step % log_every_n_steps == 0:
+                on_log(view, metrics)                    -> Control | None
+            if validation is due or a callback asked for it:
+                validate(); on_validation_end(view, metrics) -> Control | None
+            if a callback asked to stop or step == max_steps: leave
+        end of epoch: validation is due here when val_every_n_steps is null
+    on_log(view, metrics)    for the steps since the last log point, if any
+    validate(); on_validation_end(view, metrics)   unless the last step just validated
+    on_fit_end(view, metrics)
+    on_exception(view, exc)  instead, if anything above raised; the exception propagates
+
+A callback sees a read-only `TrainerView`, never the model or the optimizer,
+and its only lever is the `Control` it returns. Callbacks run in list order.
+`on_train_step_end` receives device tensors: reading their values (`.item()`,
+`float()`, `if t:`) forces a host sync every step; use `on_log`, whose
+metrics are already Python floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from .trainer import LoopState
+
+
+@dataclass(frozen=True)
+class Control:
+    """What a callback asks of the loop. The loop ORs the requests of all callbacks."""
+
+    stop: bool = False
+    """Stop training after this step (final validation and on_fit_end still run)."""
+    evaluate: bool = False
+    """Run validation after this step."""
+
+    def __or__(self, other: Optional["Control"]) -> "Control":
+        if other is None:
+            return self
+        return Control(stop=self.stop or other.stop, evaluate=self.evaluate or other.evaluate)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one optimizer step produced. The tensors stay on the device."""
+
+    loss: torch.Tensor
+    """Mean loss over the step's micro-batches (detached)."""
+    grad_norm: torch.Tensor
+    """Total gradient norm before clipping."""
+    logs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Extra scalars returned by training_step (detached)."""
+    num_samples: int = 0
+    """Samples in the step's micro-batches."""
+
+
+class TrainerView:
+    """Read-only view of the loop's state, handed to callbacks."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: "LoopState") -> None:
+        self._state = state
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self._state.step
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch (0-based)."""
+        return self._state.epoch
+
+    @property
+    def max_steps(self) -> int:
+        return self._state.max_steps
+
+    @property
+    def samples_seen(self) -> int:
+        return self._state.samples_seen
+
+    @property
+    def run_dir(self) -> str:
+        return self._state.run_dir
+
+    @property
+    def metrics(self) -> Mapping[str, float]:
+        """The latest value of every logged metric (host floats)."""
+        return MappingProxyType(self._state.metrics)
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        """The resolved run config as plain data."""
+        return MappingProxyType(self._state.config)
+
+    @property
+    def rank(self) -> int:
+        return self._state.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._state.world_size
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """The events a callback may implement. Subclass it to inherit no-op defaults."""
+
+    def on_fit_start(self, view: TrainerView) -> None:
+        """Training is about to start; everything is built."""
+
+    def on_train_step_end(self, view: TrainerView, output: StepOutput) -> Optional[Control]:
+        """An optimizer step finished. `output` holds device tensors: reading them syncs."""
+        return None
+
+    def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> Optional[Control]:
+        """Metrics averaged since the last log point, as host floats."""
+        return None
+
+    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> Optional[Control]:
+        """Validation finished; `metrics` are averages weighted by batch size."""
+        return None
+
+    def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        """Training finished normally; `metrics` are the final metrics."""
+
+    def on_exception(self, view: TrainerView, exc: BaseException) -> None:
+        """Training stopped with `exc`, which propagates after all callbacks ran."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in a checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class CallbackList(Callback):
+    """Calls each callback in list order and ORs the Controls they return."""
+
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def on_fit_start(self, view: TrainerView) -> None:
+        for cb in self.callbacks:
+            cb.on_fit_start(view)
+
+    def on_train_step_end(self, view: TrainerView, output: StepOutput) -> Optional[Control]:
+        control = None
+        for cb in self.callbacks:
+            control = _merge(control, cb.on_train_step_end(view, output))
+        return control
+
+    def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> Optional[Control]:
+        control = None
+        for cb in self.callbacks:
+            control = _merge(control, cb.on_log(view, metrics))
+        return control
+
+    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> Optional[Control]:
+        control = None
+        for cb in self.callbacks:
+            control = _merge(control, cb.on_validation_end(view, metrics))
+        return control
+
+    def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        for cb in self.callbacks:
+            cb.on_fit_end(view, metrics)
+
+    def on_exception(self, view: TrainerView, exc: BaseException) -> None:
+        for cb in self.callbacks:
+            cb.on_exception(view, exc)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for i, cb in enumerate(self.callbacks):
+            if _key(i, cb) in state:
+                cb.load_state_dict(state[_key(i, cb)])
+
+
+def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:
+    if a is None:
+        return b
+    return a | b
+
+
+def _key(index: int, cb: Callback) -> str:
+    return f"{index}:{type(cb).__name__}"

@@ -1,0 +1,207 @@
+"""Typed configuration: dataclasses that double as Hydra structured configs.
+
+`Config` is the whole run; each component reads only its own node (`trainer`,
+`optim`, `sched`, `model`, `data`). `load_config` turns a dataclass, a dict or
+an OmegaConf node into a validated `Config` of plain Python objects, so the
+training loop never touches OmegaConf (an OmegaConf attribute read costs
+about 10 us; a dataclass attribute about 0.03 us).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from .errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+EVAL_GRAD_MODES = ("inference_mode", "no_grad")
+
+
+@dataclass
+class TrainerConfig:
+    """Knobs of the training loop. Every field is checked in `__post_init__`."""
+
+    max_steps: int = 1000
+    """Optimizer steps to train for."""
+    max_epochs: Optional[int] = None
+    """Stop after this many passes over the training data (None: only max_steps)."""
+    batch_size: int = 32
+    """Samples per micro-batch."""
+    val_batch_size: Optional[int] = None
+    """Samples per validation batch (None: batch_size)."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the total gradient norm to this value (None: measure only, never clip)."""
+    log_every_n_steps: int = 50
+    """Read the on-device metric sums to the host every this many steps."""
+    val_every_n_steps: Optional[int] = None
+    """Validate every this many steps (None: at the end of each epoch)."""
+    limit_val_batches: Optional[int] = None
+    """Use at most this many validation batches (None: all)."""
+    eval_grad_mode: str = "inference_mode"
+    """How evaluation disables autograd: inference_mode or no_grad."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast, CPU or CUDA) or fp16 (autocast + GradScaler, CUDA only)."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    compile: bool = False
+    """Compile the model with torch.compile and check it against eager on the first batch."""
+    compile_backend: str = "inductor"
+    """torch.compile backend."""
+    compile_rtol: float = 1e-4
+    compile_atol: float = 1e-5
+    """Tolerances of the compiled-vs-eager check."""
+    frozen_modules: list[str] = field(default_factory=list)
+    """Submodule paths (as in named_modules) kept in eval mode with requires_grad=False."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    multiprocessing_context: Optional[str] = None
+    """Worker start method: fork, spawn, forkserver (None: Python's default)."""
+    pin_memory: Optional[bool] = None
+    """Pin host memory for batches (None: on when training on CUDA)."""
+    shuffle: bool = True
+    """Shuffle the training data each epoch."""
+    drop_last: bool = False
+    """Drop the last incomplete training batch of each epoch."""
+    progress_bar: Optional[bool] = None
+    """Show a tqdm bar (None: only when stderr is a terminal)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under run_dir/tensorboard."""
+    run_dir: Optional[str] = None
+    """Directory for this run's outputs (None: runs/<timestamp>)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps")
+        _positive_or_none(self, "max_epochs", "val_batch_size", "val_every_n_steps",
+                          "limit_val_batches", "max_grad_norm")
+        _one_of(self, "precision", PRECISIONS)
+        _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
+        if self.num_workers < 0:
+            raise ConfigError(f"trainer.num_workers must be >= 0, got {self.num_workers}.")
+        if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
+            raise ConfigError(
+                "trainer.multiprocessing_context must be fork, spawn, forkserver or null, "
+                f"got {self.multiprocessing_context!r}."
+            )
+        if self.compile_rtol < 0 or self.compile_atol < 0:
+            raise ConfigError("trainer.compile_rtol and trainer.compile_atol must be >= 0.")
+
+
+def _adamw() -> dict[str, Any]:
+    return {"_target_": "torch.optim.AdamW", "lr": 1e-3}
+
+
+@dataclass
+class Config:
+    """A whole run: the loop's knobs plus `_target_` nodes for the components."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: Any = field(default_factory=_adamw)
+    """Optimizer: `_target_` plus keyword arguments; `params` is passed by the Trainer."""
+    sched: Any = None
+    """LR scheduler stepped once per optimizer step: `_target_` plus arguments, or null."""
+    model: Any = None
+    """Model `_target_` node, used by the default `Trainer.build_model`."""
+    data: Any = None
+    """Data `_target_` node returning (train, val) datasets, used by `build_datasets`."""
+    seed: int = 0
+    """Seeds Python, NumPy and torch, the shuffling order and every DataLoader worker."""
+
+    def __post_init__(self) -> None:
+        for key in ("optim", "sched", "model", "data"):
+            _check_target_node(key, getattr(self, key), required=(key == "optim"))
+        lr = self.optim.get("lr") if isinstance(self.optim, Mapping) else None
+        if isinstance(lr, (int, float)) and lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0, got {lr}.")
+
+
+def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
+    """Validate `cfg` against the `Config` schema and return plain dataclasses.
+
+    Accepts a `Config`, a nested dict, an OmegaConf node or None (all defaults).
+    Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
+    the key.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(Config)
+    try:
+        if cfg is None:
+            merged = schema
+        elif isinstance(cfg, Config):
+            merged = OmegaConf.structured(cfg)
+        else:
+            merged = OmegaConf.merge(schema, cfg)
+        result = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe_omegaconf_error(e)) from None
+    assert isinstance(result, Config)
+    return result
+
+
+def _describe_omegaconf_error(e: Exception) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    first_line = str(e).splitlines()[0]
+    if type(e).__name__ == "ConfigKeyError":
+        return f"unknown config key '{key}': {first_line}. Check the spelling against saferun.config."
+    return f"config key '{key}': {first_line}."
+
+
+def _check_target_node(key: str, node: Any, required: bool) -> None:
+    if node is None:
+        if required:
+            raise ConfigError(f"{key} must be a node with a _target_, got null.")
+        return
+    if not isinstance(node, Mapping) or "_target_" not in node:
+        raise ConfigError(f"{key} must be a mapping with a '_target_' key, got {node!r}.")
+    check_target_signature(key, node)
+
+
+def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -> None:
+    """Resolve `node['_target_']` and check its keyword arguments bind to its signature.
+
+    Catches a renamed class or a misspelt argument before any work starts.
+    """
+    from hydra.utils import get_object
+
+    target = node["_target_"]
+    try:
+        obj = get_object(target)
+    except Exception as e:  # Hydra wraps ImportError/AttributeError in its own types
+        raise ConfigError(f"{key}._target_: cannot import '{target}' ({e}).") from None
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: instantiate will report problems
+    try:
+        sig.bind_partial(**kwargs, **provided)
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}: {target} does not accept these arguments ({e}). "
+            f"Accepted: {', '.join(sig.parameters)}."
+        ) from None
+
+
+def _positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ConfigError(f"trainer.{name} must be > 0, got {value}.")
+
+
+def _positive_or_none(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"trainer.{name} must be > 0 or null, got {value}.")
+
+
+def _one_of(cfg: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ConfigError(f"trainer.{name} must be one of {', '.join(choices)}; got {value!r}.")

@@ -1,0 +1,133 @@
+"""DataLoaders with seeded shuffling and workers, and moving batches to the device."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import SaferunError
+from .seeding import WorkerSeeder, derive_seed
+
+
+def make_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    num_workers: int,
+    pin_memory: bool,
+    seed: int,
+    rank: int = 0,
+    multiprocessing_context: Optional[str] = None,
+) -> DataLoader:
+    """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`)."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
+        multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        generator=torch.Generator(),
+    )
+
+
+def set_loader_epoch(loader: DataLoader, seed: int, epoch: int, rank: int = 0) -> None:
+    """Reseed `loader` so that epoch `epoch` has an order and worker seeds of its own.
+
+    Call before `iter(loader)`. Depends only on (seed, epoch, rank), so a resumed
+    run sees the same epochs as an uninterrupted one.
+    """
+    if loader.generator is not None:
+        loader.generator.manual_seed(derive_seed(seed, epoch, rank))
+    if isinstance(loader.worker_init_fn, WorkerSeeder):
+        loader.worker_init_fn.epoch = epoch
+    set_epoch = getattr(loader.sampler, "set_epoch", None)
+    if callable(set_epoch):  # DistributedSampler
+        set_epoch(epoch)
+
+
+def check_dataset(dataset: Any, name: str) -> None:
+    """Fail early, with the fix, on an empty or length-less dataset."""
+    try:
+        n = len(dataset)
+    except TypeError:
+        return  # iterable datasets have no length; an empty one is caught at the first step
+    if n == 0:
+        raise SaferunError(
+            f"the {name} dataset is empty (len == 0). Check the path or filter that builds it "
+            f"in build_datasets()."
+        )
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a nested batch (tuples, lists, dicts, dataclasses) to `device`.
+
+    Objects with their own `.to(device)` are moved with it; other leaves (ints,
+    strings, None) pass through. A NumPy array or a tensor that fails to move
+    raises `SaferunError` naming its place in the batch.
+    """
+    return _move(batch, device, non_blocking, "batch")
+
+
+def _move(obj: Any, device: torch.device, non_blocking: bool, path: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        try:
+            return obj.to(device, non_blocking=non_blocking)
+        except (RuntimeError, TypeError) as e:
+            raise SaferunError(
+                f"cannot move {path} (tensor of dtype {obj.dtype}, shape {tuple(obj.shape)}) "
+                f"to {device}: {e}. Return a supported dtype from the dataset or collate_fn."
+            ) from None
+    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return obj
+    if isinstance(obj, dict):
+        return type(obj)(
+            (k, _move(v, device, non_blocking, f"{path}[{k!r}]")) for k, v in obj.items()
+        )
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_move(v, device, non_blocking, f"{path}.{f}")
+                           for f, v in zip(obj._fields, obj)))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_move(v, device, non_blocking, f"{path}[{i}]") for i, v in enumerate(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _move(getattr(obj, f.name), device, non_blocking, f"{path}.{f.name}")
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if type(obj).__module__ == "numpy":
+        raise SaferunError(
+            f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which cannot be moved to "
+            f"{device}. Return torch tensors from the dataset (torch.from_numpy) or the collate_fn."
+        )
+    to = getattr(obj, "to", None)
+    if callable(to):
+        return to(device, non_blocking=non_blocking)
+    return obj
+
+
+def batch_size_of(batch: Any) -> int:
+    """The size of the first dimension of the first tensor found in `batch` (0 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else 1
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = batch_size_of(item)
+            if n:
+                return n
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            n = batch_size_of(item)
+            if n:
+                return n
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            n = batch_size_of(getattr(batch, f.name))
+            if n:
+                return n
+    return 0

@@ -1,0 +1,67 @@
+"""Module modes: frozen submodules, and evaluation that restores every flag it touched.
+
+`Module.train()` recurses and has no memory of per-submodule modes, so calling
+`model.train()` after validation would unfreeze a frozen BatchNorm (its running
+statistics then drift even though its parameters have requires_grad=False).
+saferun therefore never calls `model.train()` after evaluation: it saves each
+submodule's flag and puts it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+
+def resolve_modules(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """Look up submodules by their `named_modules` path; a wrong name raises `ConfigError`."""
+    known = dict(model.named_modules())
+    missing = [n for n in names if n not in known]
+    if missing:
+        top = ", ".join(n for n in known if n and "." not in n) or "(none)"
+        raise ConfigError(
+            f"trainer.frozen_modules: no submodule named {', '.join(map(repr, missing))} in "
+            f"{type(model).__name__}. Top-level submodules are: {top}. Use the dotted paths of "
+            f"model.named_modules()."
+        )
+    return [known[n] for n in names]
+
+
+def freeze(modules: Sequence[nn.Module]) -> None:
+    """Put `modules` in eval mode and stop gradients to their parameters."""
+    for m in modules:
+        m.eval()
+        m.requires_grad_(False)
+
+
+def set_train_modes(model: nn.Module, frozen: Sequence[nn.Module]) -> bool:
+    """Train mode for `model`, eval mode for the frozen submodules.
+
+    Returns True if some module that is not frozen was in eval mode before (as
+    a model from a pretrained loader often is), so the caller can say so.
+    """
+    frozen_ids = {id(m) for f in frozen for m in f.modules()}
+    was_eval = any(not m.training for m in model.modules() if id(m) not in frozen_ids)
+    model.train()
+    for m in frozen:
+        m.eval()
+    return was_eval
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module, grad_mode: str = "inference_mode") -> Iterator[None]:
+    """Eval mode plus `torch.inference_mode()` (or `no_grad`); restores every submodule's flag."""
+    flags = [(m, m.training) for m in model.modules()]
+    grad_ctx = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    model.eval()
+    try:
+        with grad_ctx:
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
