@@ -9,6 +9,7 @@ about 10 us; a dataclass attribute about 0.03 us).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -79,14 +80,14 @@ class TrainerConfig:
                           "limit_val_batches", "max_grad_norm")
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
-        if self.num_workers < 0:
+        if isinstance(self.num_workers, int) and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers must be >= 0, got {self.num_workers}.")
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise ConfigError(
                 "trainer.multiprocessing_context must be fork, spawn, forkserver or null, "
                 f"got {self.multiprocessing_context!r}."
             )
-        if self.compile_rtol < 0 or self.compile_atol < 0:
+        if min(self.compile_rtol, self.compile_atol) < 0:
             raise ConfigError("trainer.compile_rtol and trainer.compile_atol must be >= 0.")
 
 
@@ -133,7 +134,7 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
         if cfg is None:
             merged = schema
         elif isinstance(cfg, Config):
-            merged = OmegaConf.structured(cfg)
+            merged = OmegaConf.merge(schema, dataclasses.asdict(cfg))
         else:
             merged = OmegaConf.merge(schema, cfg)
         result = OmegaConf.to_object(merged)
@@ -190,14 +191,14 @@ def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -
 def _positive(cfg: Any, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if value <= 0:
+        if isinstance(value, (int, float)) and value <= 0:  # other types: OmegaConf reports them
             raise ConfigError(f"trainer.{name} must be > 0, got {value}.")
 
 
 def _positive_or_none(cfg: Any, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if value is not None and value <= 0:
+        if isinstance(value, (int, float)) and value <= 0:
             raise ConfigError(f"trainer.{name} must be > 0 or null, got {value}.")
 
 

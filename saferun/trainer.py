@@ -211,6 +211,7 @@ class Trainer:
             cbs.on_fit_end(self.view, dict(state.metrics))
         except BaseException as exc:
             cbs.on_exception(self.view, exc)
+            _raise_explained(exc, state.step)
             raise
         return dict(state.metrics)
 
@@ -389,6 +390,17 @@ def _loss_and_logs(out: Any, step: int, need_grad: bool = True
             f"the loss at step {step} does not require grad, so backward() cannot train anything. "
             f"Was it computed under torch.no_grad(), detached, or from frozen parameters only?")
     return out, logs
+
+
+def _raise_explained(exc: BaseException, step: int) -> None:
+    """Re-raise a bare torch error that saferun can explain, with the fix."""
+    if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved" in str(exc):
+        raise SaferunError(
+            f"step {step}: a tensor created during evaluation, which runs under "
+            f"torch.inference_mode(), was used in training (typically a cache or attribute set in "
+            f"forward or validation_step). Store a .clone() made outside inference mode, or set "
+            f"trainer.eval_grad_mode=no_grad."
+        ) from exc
 
 
 def _clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:

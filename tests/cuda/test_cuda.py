@@ -1,0 +1,75 @@
+"""CUDA paths: pinned memory, non_blocking copies, GradScaler, sync counting. Skipped without a GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from saferun.syncs import HostSyncCounter
+from toys import ToyTrainer, toy_config
+
+pytestmark = pytest.mark.cuda
+
+
+class SeesBatches(ToyTrainer):
+    def training_step(self, batch):
+        x, y = batch
+        self.devices.add((x.device.type, y.device.type))
+        return F.cross_entropy(self.model(x), y)
+
+
+def test_batches_arrive_on_the_gpu_from_pinned_memory(tmp_path):
+    t = SeesBatches(toy_config(tmp_path, device="cuda", max_steps=4))
+    t.devices = set()
+    t.setup()
+    assert t.train_loader.pin_memory and t._non_blocking
+    x, _ = next(iter(t.train_loader))
+    assert x.is_pinned()
+    t.fit()
+    assert t.devices == {("cuda", "cuda")}
+    assert next(t.model.parameters()).device.type == "cuda"
+
+
+def test_train_steps_between_log_points_never_sync(tmp_path):
+    t = ToyTrainer(toy_config(tmp_path, device="cuda", precision="bf16"))
+    t.setup()
+    t.model.train()
+    batches = [next(iter(t.train_loader)) for _ in range(3)]
+    t.train_step([batches[0]])  # warm-up: lazy CUDA initialisation may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches:
+            t.train_step([b])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sync_count_on_cuda_equals_log_points_plus_validations(tmp_path, precision):
+    t = ToyTrainer(toy_config(tmp_path, device="cuda", precision=precision, max_steps=300,
+                              log_every_n_steps=25, val_every_n_steps=100))
+    with HostSyncCounter() as counter:
+        t.fit()
+    assert counter.count == 12 + 3, counter.sites
+
+
+def test_fp16_trains_with_a_grad_scaler(tmp_path):
+    t = ToyTrainer(toy_config(tmp_path, device="cuda", precision="fp16", max_steps=60,
+                              log_every_n_steps=20))
+    t.setup()
+    assert t._scaler.is_enabled()
+    first = t.validate()["val/loss"]
+    metrics = t.fit()
+    assert metrics["val/loss"] < first
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert t._scaler.get_scale() > 0
+
+
+def test_fp16_grad_scaler_costs_one_sync_per_step(tmp_path):
+    # GradScaler.step reads found_inf with .item() on every step (torch/amp/grad_scaler.py);
+    # saferun documents this cost rather than hiding it.
+    t = ToyTrainer(toy_config(tmp_path, device="cuda", precision="fp16", max_steps=50,
+                              log_every_n_steps=25, val_every_n_steps=50))
+    with HostSyncCounter() as counter:
+        t.fit()
+    assert counter.count == 50 + 2 + 1, counter.sites  # steps + log points + validation

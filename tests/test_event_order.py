@@ -1,0 +1,116 @@
+"""The loop's event order, as documented in saferun.callbacks, pinned."""
+
+import pytest
+
+import saferun
+from saferun import Callback, Control
+from toys import ToyTrainer, toy_config
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_fit_start(self, view):
+        self.events.append(("fit_start", view.step))
+
+    def on_train_step_end(self, view, output):
+        self.events.append(("train_step_end", view.step))
+
+    def on_log(self, view, metrics):
+        self.events.append(("log", view.step))
+
+    def on_validation_end(self, view, metrics):
+        self.events.append(("validation_end", view.step))
+
+    def on_fit_end(self, view, metrics):
+        self.events.append(("fit_end", view.step))
+
+    def on_exception(self, view, exc):
+        self.events.append(("exception", view.step))
+
+
+def steps(a, b):
+    return [("train_step_end", s) for s in range(a, b + 1)]
+
+
+def test_two_epochs_with_logging_and_epoch_end_validation(tmp_path):
+    # 256 samples / 32 = 8 steps per epoch; 16 steps = 2 epochs; log every 5 steps
+    rec = Recorder()
+    ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=5), callbacks=[rec]).fit()
+    expected = (
+        [("fit_start", 0)] + steps(1, 5) + [("log", 5)] + steps(6, 8) + [("validation_end", 8)]
+        + steps(9, 10) + [("log", 10)] + steps(11, 15) + [("log", 15)] + steps(16, 16)
+        + [("validation_end", 16), ("log", 16), ("fit_end", 16)]
+    )
+    assert rec.events == expected
+
+
+def test_stop_mid_epoch_still_logs_validates_and_ends(tmp_path):
+    class StopAt3(Recorder):
+        def on_train_step_end(self, view, output):
+            super().on_train_step_end(view, output)
+            return Control(stop=view.step == 3)
+
+    rec = StopAt3()
+    ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=5), callbacks=[rec]).fit()
+    assert rec.events == [("fit_start", 0)] + steps(1, 3) + [
+        ("log", 3), ("validation_end", 3), ("fit_end", 3)]
+
+
+def test_evaluate_request_runs_validation_after_that_step(tmp_path):
+    class EvalAt2(Recorder):
+        def on_log(self, view, metrics):
+            super().on_log(view, metrics)
+            return Control(evaluate=True)
+
+    rec = EvalAt2()
+    ToyTrainer(toy_config(tmp_path, max_steps=4, log_every_n_steps=2), callbacks=[rec]).fit()
+    assert rec.events == [("fit_start", 0)] + steps(1, 2) + [("log", 2), ("validation_end", 2)] + steps(
+        3, 4) + [("log", 4), ("validation_end", 4), ("fit_end", 4)]
+
+
+def test_exception_reaches_callbacks_then_propagates(tmp_path):
+    class Boom(ToyTrainer):
+        def training_step(self, batch):
+            if self.state.step == 2:
+                raise KeyError("planted")
+            return super().training_step(batch)
+
+    rec = Recorder()
+    with pytest.raises(KeyError, match="planted"):
+        Boom(toy_config(tmp_path), callbacks=[rec]).fit()
+    assert rec.events == [("fit_start", 0)] + steps(1, 2) + [("exception", 2)]
+
+
+def test_callbacks_run_in_list_order_and_see_a_read_only_view(tmp_path):
+    order = []
+
+    class Named(Callback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_log(self, view, metrics):
+            order.append(self.name)
+            with pytest.raises(AttributeError):
+                view.step = 0
+            assert not hasattr(view, "model") and not hasattr(view, "optimizer")
+            with pytest.raises(TypeError):
+                view.metrics["train/loss"] = 0.0
+
+    ToyTrainer(toy_config(tmp_path, max_steps=2, log_every_n_steps=2),
+               callbacks=[Named("a"), Named("b")]).fit()
+    assert order == ["a", "b"]
+
+
+def test_metrics_in_on_log_are_host_floats(tmp_path):
+    seen = {}
+
+    class Keep(Callback):
+        def on_log(self, view, metrics):
+            seen.update(metrics)
+
+    ToyTrainer(toy_config(tmp_path, max_steps=4, log_every_n_steps=2), callbacks=[Keep()]).fit()
+    assert {"train/loss", "train/grad_norm", "train/lr", "perf/steps_per_sec",
+            "perf/samples_per_sec"} <= set(seen)
+    assert all(type(v) is float for v in seen.values())

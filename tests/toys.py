@@ -1,0 +1,102 @@
+"""Small Trainer subclasses and datasets shared by the tests (importable by spawn workers)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import saferun
+
+
+def make_classification(n: int = 256, dim: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return x, y
+
+
+class Net(nn.Module):
+    """MLP with a BatchNorm and a Dropout, so modes matter."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(dim, hidden), nn.BatchNorm1d(hidden), nn.ReLU())
+        self.dropout = nn.Dropout(0.2)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.dropout(self.backbone(x)))
+
+
+class ToyTrainer(saferun.Trainer):
+    """Classification on synthetic data; subclasses plant bugs by overriding one hook."""
+
+    n_train = 256
+    n_val = 64
+
+    def build_model(self) -> nn.Module:
+        return Net()
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        x, y = make_classification(self.n_train + self.n_val)
+        return (TensorDataset(x[: self.n_train], y[: self.n_train]),
+                TensorDataset(x[self.n_train:], y[self.n_train:]))
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self.model(x)
+        return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
+
+
+def toy_config(tmp_path: Any, **trainer: Any) -> dict[str, Any]:
+    """A fast config writing into tmp_path; keyword arguments override trainer keys."""
+    base = dict(max_steps=20, batch_size=32, log_every_n_steps=10, run_dir=str(tmp_path / "run"),
+                tensorboard=False, progress_bar=False)
+    base.update(trainer)
+    return {"trainer": base, "optim": {"_target_": "torch.optim.SGD", "lr": 0.05}}
+
+
+class AugmentedDataset(Dataset):
+    """Adds noise drawn from Python's random, NumPy's global RNG and torch to every sample."""
+
+    def __init__(self, n: int = 128, dim: int = 8) -> None:
+        self.x, self.y = make_classification(n, dim)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = random.random() + float(np.random.rand()) + torch.rand(self.x.shape[1])
+        return self.x[i] + 0.1 * noise, self.y[i]
+
+
+class AugmentedTrainer(ToyTrainer):
+    def build_datasets(self) -> tuple[Dataset, None]:
+        return AugmentedDataset(), None
+
+
+class DrawsDataset(Dataset):
+    """Returns the worker's random draws, to see that workers and epochs differ."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        info = torch.utils.data.get_worker_info()
+        wid = -1 if info is None else info.id
+        return torch.tensor([wid, random.random(), float(np.random.rand()), torch.rand(()).item()],
+                            dtype=torch.float64)
+
+
+def weights(trainer: saferun.Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}

@@ -1,0 +1,46 @@
+import pytest
+
+import saferun
+from saferun.config import Config, TrainerConfig, load_config
+
+
+def test_defaults_are_plain_dataclasses():
+    cfg = load_config(None)
+    assert isinstance(cfg, Config) and isinstance(cfg.trainer, TrainerConfig)
+    assert cfg.optim == {"_target_": "torch.optim.AdamW", "lr": 1e-3}
+
+
+def test_dict_and_dataclass_inputs_agree():
+    a = load_config({"trainer": {"max_steps": 7}, "seed": 3})
+    b = load_config(Config(trainer=TrainerConfig(max_steps=7), seed=3))
+    assert a == b
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"trainer": {"max_steps": "abc"}}, ["trainer.max_steps", "abc"]),
+    ({"trainer": {"max_stepz": 5}}, ["unknown config key", "trainer.max_stepz"]),
+    ({"trainer": {"max_steps": 0}}, ["trainer.max_steps", "> 0"]),
+    ({"trainer": {"log_every_n_steps": 0}}, ["trainer.log_every_n_steps"]),
+    ({"trainer": {"max_grad_norm": 0.0}}, ["trainer.max_grad_norm"]),
+    ({"trainer": {"precision": "fp8"}}, ["trainer.precision", "bf16"]),
+    ({"trainer": {"eval_grad_mode": "eval"}}, ["trainer.eval_grad_mode", "inference_mode"]),
+    ({"optim": {"lr": -0.1}}, ["optim.lr", ">= 0"]),
+    ({"optim": {"lrr": 0.1}}, ["optim", "lrr", "Accepted"]),
+    ({"optim": {"_target_": "torch.optim.Adamm"}}, ["optim._target_", "torch.optim.Adamm"]),
+    ({"sched": {"lr": 1}}, ["sched", "_target_"]),
+])
+def test_bad_config_names_the_key(override, words):
+    with pytest.raises(saferun.ConfigError) as e:
+        load_config(override)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_dataclass_instance_with_wrong_type_is_rejected():
+    with pytest.raises(saferun.ConfigError, match="trainer.batch_size"):
+        load_config(Config(trainer=TrainerConfig(batch_size="many")))  # type: ignore[arg-type]
+
+
+def test_trainer_validates_config_at_construction():
+    with pytest.raises(saferun.ConfigError, match="trainer.max_steps"):
+        saferun.Trainer({"trainer": {"max_steps": -1}})

@@ -1,0 +1,61 @@
+"""Guarantee 8: batches move to the device whatever their nesting; bad leaves are named."""
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+import saferun
+from saferun.data import batch_size_of, move_to_device
+
+META = torch.device("meta")  # a real device that every build of torch has
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: int
+    extra: dict
+
+
+def test_nested_batches_are_moved_and_keep_their_types():
+    batch = {"pair": Pair(torch.ones(2), torch.zeros(2)),
+             "list": [torch.ones(3), (torch.ones(1), "name")],
+             "sample": Sample(torch.ones(4, 2), 3, {"mask": torch.ones(4)}),
+             "n": 7, "none": None}
+    moved = move_to_device(batch, META)
+    assert isinstance(moved["pair"], Pair) and moved["pair"].x.device == META
+    assert moved["list"][0].device == META and moved["list"][1][0].device == META
+    assert moved["list"][1][1] == "name" and isinstance(moved["list"][1], tuple)
+    assert isinstance(moved["sample"], Sample) and moved["sample"].image.device == META
+    assert moved["sample"].extra["mask"].device == META and moved["sample"].label == 3
+    assert moved["n"] == 7 and moved["none"] is None
+
+
+def test_object_with_its_own_to_is_moved_with_it():
+    class Graph:
+        def __init__(self, nodes):
+            self.nodes = nodes
+
+        def to(self, device, non_blocking=False):
+            return Graph(self.nodes.to(device, non_blocking=non_blocking))
+
+    assert move_to_device([Graph(torch.ones(3))], META)[0].nodes.device == META
+
+
+def test_numpy_leaf_is_named_with_the_fix():
+    with pytest.raises(saferun.SaferunError, match=r"batch\['x'\]\[1\] is a numpy.ndarray.*torch.from_numpy"):
+        move_to_device({"x": [torch.ones(1), np.ones(3)]}, torch.device("cpu"))
+
+
+def test_batch_size_is_the_first_dimension_of_the_first_tensor():
+    assert batch_size_of((torch.ones(5, 2), torch.ones(5))) == 5
+    assert batch_size_of({"ids": [1, 2], "x": torch.ones(3, 1)}) == 3
+    assert batch_size_of(Sample(torch.ones(6, 1), 0, {})) == 6

@@ -1,0 +1,33 @@
+import torch
+from torch.utils.data import TensorDataset
+
+from toys import ToyTrainer, make_classification, toy_config
+
+
+def test_predict_returns_normal_cpu_tensors_in_order_without_changing_modes(tmp_path):
+    t = ToyTrainer(toy_config(tmp_path, max_steps=4))
+    t.fit()
+    x, y = make_classification(40, seed=9)
+    flags = [m.training for m in t.model.modules()]
+    out = t.predict(TensorDataset(x, y))
+    assert out.shape == (40, 3) and out.device.type == "cpu"
+    assert not out.is_inference() and not out.requires_grad  # safe to use in autograd later
+    assert [m.training for m in t.model.modules()] == flags
+    t.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(out, t.model(x))
+
+
+def test_validate_alone_returns_batch_size_weighted_means(tmp_path):
+    class Counting(ToyTrainer):
+        n_val = 70  # batches of 32, 32 and 6
+
+        def validation_step(self, batch):
+            x, _ = batch
+            return {"first": x[:, 0].mean(), "size": torch.tensor(float(len(x)))}
+
+    t = Counting(toy_config(tmp_path))
+    metrics = t.validate()
+    x, _ = make_classification(256 + 70)
+    assert abs(metrics["val/first"] - x[256:, 0].mean().item()) < 1e-6
+    assert abs(metrics["val/size"] - (32 * 32 + 32 * 32 + 6 * 6) / 70) < 1e-9

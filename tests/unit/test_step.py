@@ -1,0 +1,109 @@
+"""Guarantees 2, 4 and 7: zeroing, clipping, measuring, accumulation and precision."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import saferun
+from saferun.trainer import _clip_or_measure
+from toys import ToyTrainer, make_classification, toy_config, weights
+
+
+class Plain(ToyTrainer):
+    n_train = 64
+
+    def build_datasets(self):
+        x, y = make_classification(64)
+        return TensorDataset(x, y), None
+
+    def build_model(self):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))  # no BN: batch-size free
+
+
+def test_grads_are_set_to_none_after_each_step(tmp_path):
+    t = ToyTrainer(toy_config(tmp_path))
+    t.setup()
+    t.train_step([next(iter(t.train_loader))])
+    assert all(p.grad is None for p in t.model.parameters())
+
+
+def test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm(tmp_path):
+    t = Plain(toy_config(tmp_path, max_grad_norm=0.01))
+    t.setup()
+    batch = next(iter(t.train_loader))
+    reference = Plain(toy_config(tmp_path, max_grad_norm=0.01))
+    reference.setup()
+    # same init (same seed): compute the unclipped gradient by hand
+    x, y = batch
+    F.cross_entropy(reference.model(x), y).backward()
+    grads = [p.grad for p in reference.model.parameters()]
+    expected_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    before = weights(t)
+    out = t.train_step([batch])
+    assert torch.allclose(out.grad_norm, expected_norm)
+    assert expected_norm > 0.01
+    # SGD without momentum: the update is -lr * clipped grad, whose norm is lr * 0.01
+    delta = torch.cat([(before[k] - v).flatten() for k, v in weights(t).items()])
+    assert math.isclose(delta.norm().item(), 0.05 * 0.01, rel_tol=1e-3)
+
+
+def test_measuring_without_clipping_never_touches_gradients():
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    a.grad = torch.tensor([1.0, float("inf"), 2.0])
+    b.grad = torch.tensor([3.0, 4.0])
+    norm = _clip_or_measure([a, b], None)
+    assert math.isinf(norm.item())
+    assert torch.equal(b.grad, torch.tensor([3.0, 4.0]))  # clip_grad_norm_(inf) would make these NaN
+    assert a.grad[0] == 1.0 and a.grad[2] == 2.0
+
+
+def test_measured_norm_is_logged_when_clipping_is_off(tmp_path):
+    t = ToyTrainer(toy_config(tmp_path, max_grad_norm=None, max_steps=10))
+    metrics = t.fit()
+    assert metrics["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("micro, accumulate", [(16, 4), (24, 3)])
+def test_accumulated_micro_batches_equal_one_large_batch(tmp_path, micro, accumulate):
+    # 24 x 3 over 64 samples gives micro-batches of 24, 24 and 16: weights follow the sizes
+    big = Plain(toy_config(tmp_path, batch_size=64, max_steps=1, shuffle=False))
+    small = Plain(toy_config(tmp_path, batch_size=micro, accumulate=accumulate,
+                                    max_steps=1, shuffle=False))
+    big.fit()
+    small.fit()
+    wb, ws = weights(big), weights(small)
+    assert small.state.step == 1 and small.state.samples_seen == 64
+    for k in wb:
+        torch.testing.assert_close(ws[k], wb[k], rtol=0, atol=1e-6)
+
+
+def test_bf16_autocast_on_cpu(tmp_path):
+    class Dtypes(ToyTrainer):
+        def training_step(self, batch):
+            x, y = batch
+            logits = self.model(x)
+            self.seen.add(logits.dtype)
+            return F.cross_entropy(logits, y)
+
+    t = Dtypes(toy_config(tmp_path, precision="bf16", max_steps=3))
+    t.seen = set()
+    t.fit()
+    assert t.seen == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # master weights stay fp32
+
+
+def test_fp16_on_cpu_is_refused_with_the_alternative(tmp_path):
+    with pytest.raises(saferun.ConfigError, match="bf16 on CPU"):
+        ToyTrainer(toy_config(tmp_path, precision="fp16", device="cpu")).setup()
+
+
+def test_scheduler_steps_once_per_optimizer_step(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=8, accumulate=2)
+    cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.5}
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert math.isclose(t.optimizer.param_groups[0]["lr"], 0.05 * 0.5**8)

@@ -1,0 +1,59 @@
+"""Guarantee 3: between log points the loop reads nothing from the device."""
+
+import pytest
+import torch
+
+from saferun.syncs import HostSyncCounter
+from toys import ToyTrainer, toy_config
+
+
+def run_counted(tmp_path, **kw):
+    t = ToyTrainer(toy_config(tmp_path, **kw))
+    with HostSyncCounter() as counter:
+        t.fit()
+    return t, counter
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"accumulate": 2, "precision": "bf16", "max_grad_norm": None},
+    {"tensorboard": True, "progress_bar": True},
+])
+def test_syncs_equal_log_points_plus_one_per_validation(tmp_path, extra):
+    # 300 steps, a log point every 25 steps (12) and validation every 100 steps (3):
+    # each log point reads all its metrics in one sync, each validation in one more.
+    t, counter = run_counted(tmp_path, max_steps=300, log_every_n_steps=25,
+                             val_every_n_steps=100, **extra)
+    assert t.state.step == 300
+    assert counter.count == 12 + 3, counter.sites
+
+
+def test_a_per_step_item_in_user_code_is_counted_with_its_line(tmp_path):
+    class Chatty(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.last = loss.item()  # the classic per-step stall
+            return loss
+
+    t = Chatty(toy_config(tmp_path, max_steps=40, log_every_n_steps=20))
+    with HostSyncCounter() as counter:
+        t.fit()
+    user_sites = [s for s in counter.sites if s.endswith("test_syncs.py:" + str(
+        Chatty.training_step.__code__.co_firstlineno + 2))]
+    assert user_sites and counter.sites[user_sites[0]] == 40
+
+
+def test_counter_sees_reads_of_inference_tensors_and_skips_optimizer_internals():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters())  # Adam reads its host-side step counters
+    with HostSyncCounter() as counter:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        assert counter.count == 0
+        with torch.inference_mode():
+            out = model(torch.randn(2, 4)).sum()
+        out.item()
+        bool(out > 0)
+        torch.stack([out, out]).tolist()
+    assert counter.count == 3
