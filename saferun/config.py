@@ -69,8 +69,6 @@ class TrainerConfig:
     """Drop the last incomplete training batch of each epoch."""
     progress_bar: Optional[bool] = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under run_dir/tensorboard."""
     run_dir: Optional[str] = None
     """Directory for this run's outputs (None: runs/<timestamp>)."""
 
@@ -95,6 +93,10 @@ def _adamw() -> dict[str, Any]:
     return {"_target_": "torch.optim.AdamW", "lr": 1e-3}
 
 
+def _tensorboard() -> dict[str, Any]:
+    return {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
+
+
 @dataclass
 class Config:
     """A whole run: the loop's knobs plus `_target_` nodes for the components."""
@@ -108,12 +110,29 @@ class Config:
     """Model `_target_` node, used by the default `Trainer.build_model`."""
     data: Any = None
     """Data `_target_` node returning (train, val) datasets, used by `build_datasets`."""
+    callbacks: Any = None
+    """Named callback `_target_` nodes ({name: node}), called in this order."""
+    logger: Any = field(default_factory=_tensorboard)
+    """Named logger `_target_` nodes (callbacks that write metrics), called after callbacks."""
+    task: Any = None
+    """The Trainer subclass the command line runs: `_target_` plus its extra arguments."""
+    name: str = "run"
+    """Name of the run; the command line puts runs under runs/<name>/."""
     seed: int = 0
     """Seeds Python, NumPy and torch, the shuffling order and every DataLoader worker."""
 
     def __post_init__(self) -> None:
         for key in ("optim", "sched", "model", "data"):
             _check_target_node(key, getattr(self, key), required=(key == "optim"))
+        for key in ("callbacks", "logger"):
+            nodes = getattr(self, key) or {}
+            if not isinstance(nodes, Mapping):
+                raise ConfigError(f"{key} must map names to _target_ nodes, got {nodes!r}.")
+            for name, node in nodes.items():
+                if node is not None:  # `callbacks.name=null` removes one
+                    _check_target_node(f"{key}.{name}", node, required=True)
+        if self.task is not None:
+            _check_target_node("task", self.task, required=True)
         lr = self.optim.get("lr") if isinstance(self.optim, Mapping) else None
         if isinstance(lr, (int, float)) and lr < 0:
             raise ConfigError(f"optim.lr must be >= 0, got {lr}.")

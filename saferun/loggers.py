@@ -19,15 +19,16 @@ log = logging.getLogger("saferun")
 class TensorBoardLogger(Callback):
     """Writes every logged metric, validation metric and the resolved config as TensorBoard events."""
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: Optional[str] = None) -> None:
         self.log_dir = log_dir
         self._writer: Any = None
 
     def on_fit_start(self, view: TrainerView) -> None:
+        """Open the writer in `log_dir` (default: <run_dir>/tensorboard) and record the config."""
         from torch.utils.tensorboard import SummaryWriter
         import yaml
 
-        self._writer = SummaryWriter(self.log_dir)
+        self._writer = SummaryWriter(self.log_dir or os.path.join(view.run_dir, "tensorboard"))
         text = yaml.safe_dump(dict(view.config), sort_keys=False)
         # Markdown code block so TensorBoard keeps the indentation.
         self._writer.add_text("config", "    " + text.replace("\n", "\n    "), view.step)

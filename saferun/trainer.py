@@ -26,7 +26,7 @@ from .compile import check_compiled, unwrap_compiled
 from .config import Config, load_config
 from .data import batch_size_of, check_dataset, make_loader, move_to_device, set_loader_epoch
 from .errors import ConfigError, SaferunError
-from .loggers import LogLines, ProgressBar, TensorBoardLogger, ensure_log_handler, want_progress_bar
+from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .precision import autocast_factory, grad_scaler
 from .seeding import preserved_rng, seed_everything
@@ -77,11 +77,11 @@ class Trainer:
 
     def build_model(self) -> nn.Module:
         """Return the model. Default: instantiate the `model` config node."""
-        return self._instantiate("model", "build_model")
+        return self._instantiate("model", self._node("model", "build_model"))
 
     def build_datasets(self) -> tuple[Dataset, Optional[Dataset]]:
         """Return (train dataset, validation dataset or None). Default: the `data` node."""
-        datasets = self._instantiate("data", "build_datasets")
+        datasets = self._instantiate("data", self._node("data", "build_datasets"))
         if isinstance(datasets, Dataset):
             return datasets, None
         train, val = datasets
@@ -177,7 +177,7 @@ class Trainer:
         self._non_blocking = self.device.type == "cuda"
         self.state.run_dir = t.run_dir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-        self._callbacks = CallbackList(self._user_callbacks + self._default_callbacks())
+        self._callbacks = CallbackList(self._user_callbacks + self._configured_callbacks())
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -345,23 +345,30 @@ class Trainer:
         self.state.metrics.update(metrics)
         return self._callbacks.on_log(self.view, metrics)
 
-    def _default_callbacks(self) -> list[Callback]:
-        t = self.cfg.trainer
+    def _configured_callbacks(self) -> list[Callback]:
+        """The `callbacks` nodes, then the `logger` nodes, then the console output."""
         callbacks: list[Callback] = []
-        if t.tensorboard:
-            callbacks.append(TensorBoardLogger(os.path.join(self.state.run_dir, "tensorboard")))
-        callbacks.append(ProgressBar() if want_progress_bar(t.progress_bar) else LogLines())
+        for key in ("callbacks", "logger"):
+            for name, node in (getattr(self.cfg, key) or {}).items():
+                if node is not None:
+                    callbacks.append(self._instantiate(f"{key}.{name}", node))
+        callbacks.append(ProgressBar() if want_progress_bar(self.cfg.trainer.progress_bar)
+                         else LogLines())
         return callbacks
 
     def _pin_memory(self) -> bool:
         setting = self.cfg.trainer.pin_memory
         return self.device.type == "cuda" if setting is None else setting
 
-    def _instantiate(self, key: str, hook: str) -> Any:
+    def _node(self, key: str, hook: str) -> Mapping[str, Any]:
         node = getattr(self.cfg, key)
         if node is None:
             raise SaferunError(f"{type(self).__name__}.{hook}() is not overridden and the config "
                                f"has no '{key}' node. Override {hook}() or set {key}._target_.")
+        return node
+
+    @staticmethod
+    def _instantiate(key: str, node: Mapping[str, Any]) -> Any:
         from hydra.utils import instantiate
 
         try:

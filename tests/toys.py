@@ -58,12 +58,16 @@ class ToyTrainer(saferun.Trainer):
         return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
 
 
-def toy_config(tmp_path: Any, **trainer: Any) -> dict[str, Any]:
+TENSORBOARD = {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
+
+
+def toy_config(tmp_path: Any, tensorboard: bool = False, **trainer: Any) -> dict[str, Any]:
     """A fast config writing into tmp_path; keyword arguments override trainer keys."""
     base = dict(max_steps=20, batch_size=32, log_every_n_steps=10, run_dir=str(tmp_path / "run"),
-                tensorboard=False, progress_bar=False)
+                progress_bar=False)
     base.update(trainer)
-    return {"trainer": base, "optim": {"_target_": "torch.optim.SGD", "lr": 0.05}}
+    return {"trainer": base, "optim": {"_target_": "torch.optim.SGD", "lr": 0.05},
+            "logger": TENSORBOARD if tensorboard else {}}
 
 
 class AugmentedDataset(Dataset):
