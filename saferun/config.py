@@ -122,6 +122,9 @@ class Config:
     """Seeds Python, NumPy and torch, the shuffling order and every DataLoader worker."""
 
     def __post_init__(self) -> None:
+        lr = self.optim.get("lr") if isinstance(self.optim, Mapping) else None
+        if isinstance(lr, (int, float)) and lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0, got {lr}.")
         for key in ("optim", "sched", "model", "data"):
             _check_target_node(key, getattr(self, key), required=(key == "optim"))
         for key in ("callbacks", "logger"):
@@ -133,9 +136,6 @@ class Config:
                     _check_target_node(f"{key}.{name}", node, required=True)
         if self.task is not None:
             _check_target_node("task", self.task, required=True)
-        lr = self.optim.get("lr") if isinstance(self.optim, Mapping) else None
-        if isinstance(lr, (int, float)) and lr < 0:
-            raise ConfigError(f"optim.lr must be >= 0, got {lr}.")
 
 
 def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:

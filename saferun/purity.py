@@ -1,0 +1,176 @@
+"""Eval purity: evaluation must leave every parameter and buffer as it found them.
+
+`fingerprint(model)` takes a checksum of each parameter and buffer on its own
+device, without reading anything back to the host; `diff(before, after)`
+compares two fingerprints with one host read and names each tensor that
+changed, with its module and the likely cause. The checksums run over the
+tensors' bit patterns, so NaN compares equal to NaN and any change of any
+single element is seen.
+
+`find_inference_tensors(model)` finds tensors that evaluation under
+`torch.inference_mode()` left on the model (as parameters, buffers or plain
+attributes): the next training step that saves one for backward fails with
+torch's bare "Inference tensors cannot be saved for backward".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 24  # elements per step, so a large tensor needs 16 bytes x 2**24 of scratch at most
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Checksums of a module's parameters and buffers, still on the device.
+
+    Row i of `sums` is (sum of bit patterns, position-weighted sum) of tensor
+    `names[i]`, a `kinds[i]` ("parameter" or "buffer") of a module of class
+    `owners[i]`.
+    """
+
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    owners: tuple[type, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    sums: Optional[torch.Tensor]  # (N, 2) int64, or None for a module without tensors
+
+
+def fingerprint(module: nn.Module) -> Fingerprint:
+    """Checksum every parameter and buffer of `module` on its device; no host sync."""
+    names, kinds, owners, shapes, rows = [], [], [], [], []
+    for kind, name, owner, t in _named_tensors(module):
+        names.append(name)
+        kinds.append(kind)
+        owners.append(type(owner))
+        shapes.append(tuple(t.shape))
+        rows.append(_checksum(t))
+    sums = None
+    if rows:
+        device = rows[0].device
+        sums = torch.stack([r.to(device, non_blocking=True) for r in rows])
+    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(shapes), sums)
+
+
+def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
+    """Describe each tensor that differs between two fingerprints; one host read."""
+    changes = []
+    index = {n: i for i, n in enumerate(before.names)}
+    pairs = [(index[n], j) for j, n in enumerate(after.names) if n in index]
+    if pairs:
+        assert before.sums is not None and after.sums is not None
+        b = torch.stack([before.sums[i] for i, _ in pairs])
+        a = torch.stack([after.sums[j] for _, j in pairs]).to(b.device)
+        changed = (a != b).any(dim=1).tolist()  # the one host read
+        for (i, j), is_changed in zip(pairs, changed):
+            if is_changed:
+                changes.append(_explain(after, j, before.shapes[i]))
+    after_names = set(after.names)
+    for i, n in enumerate(before.names):
+        if n not in after_names:
+            changes.append(f"{before.kinds[i]} {n} ({before.owners[i].__name__}) was removed "
+                           f"(or set to None) during evaluation")
+    for j, n in enumerate(after.names):
+        if n not in index:
+            changes.append(f"{after.kinds[j]} {n} ({after.owners[j].__name__}) was added "
+                           f"during evaluation: register buffers in __init__, and write them "
+                           f"only when self.training is True")
+    return changes
+
+
+def find_inference_tensors(module: nn.Module) -> list[str]:
+    """Name every inference tensor held by `module`'s submodules, with the fix.
+
+    Looks at parameters, buffers and plain attributes, including tensors in
+    lists, tuples and dicts up to two levels deep. Reads only metadata.
+    """
+    found = []
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        owner = type(mod).__name__
+        for key, value in vars(mod).items():
+            if key == "_modules":
+                continue
+            if key in ("_parameters", "_buffers"):
+                kind = "parameter" if key == "_parameters" else "buffer"
+                items = [(f"{prefix}{k}", v) for k, v in value.items()]
+            else:
+                kind = "attribute"
+                items = list(_nested(f"{prefix}{key}", value, 2))
+            for path, t in items:
+                if isinstance(t, torch.Tensor) and t.is_inference():
+                    found.append(_inference_message(path, owner, kind))
+    return found
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, str, nn.Module, torch.Tensor]]:
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+            for name, t in table.items():
+                if t is not None and not isinstance(t, nn.parameter.UninitializedTensorMixin):
+                    yield kind, prefix + name, mod, t
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """(sum of the bit patterns, sum weighted by position) as an int64 pair on t's device.
+
+    Integer overflow wraps around, which keeps both sums deterministic. The
+    weighted sum also catches values that moved without changing.
+    """
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    bits = t.view(_BITS[t.element_size()]).reshape(-1)
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start:start + _CHUNK].to(torch.int64)
+        position = torch.arange(start + 1, start + 1 + chunk.numel(), device=t.device)
+        total += torch.stack([chunk.sum(), (chunk * position).sum()])
+    return total
+
+
+def _explain(fp: Fingerprint, j: int, old_shape: tuple[int, ...]) -> str:
+    name, kind, owner = fp.names[j], fp.kinds[j], fp.owners[j]
+    what = f"{kind} {name} ({owner.__name__}) changed during evaluation"
+    if fp.shapes[j] != old_shape:
+        what += f" (shape {old_shape} -> {fp.shapes[j]})"
+    if issubclass(owner, nn.modules.batchnorm._NormBase) and name.rsplit(".", 1)[-1] in _BN_STATS:
+        return (f"{what}: a BatchNorm in train mode updates its running statistics, even under "
+                f"no_grad or inference_mode. Look for .train() or .training = True in forward "
+                f"or validation_step.")
+    if kind == "parameter":
+        return (f"{what}: look for an optimizer step or an in-place write (p.data, p.copy_, "
+                f"p.add_) in validation_step or forward.")
+    return (f"{what}: the module writes it in forward even in eval mode. Update it only when "
+            f"self.training is True, or keep per-evaluation state outside the model.")
+
+
+def _nested(path: str, value: Any, depth: int) -> Iterator[tuple[str, Any]]:
+    yield path, value
+    if depth == 0:
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _nested(f"{path}[{k!r}]", v, depth - 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _nested(f"{path}[{i}]", v, depth - 1)
+
+
+def _inference_message(path: str, owner: str, kind: str) -> str:
+    head = (f"{kind} {path} ({owner}) is an inference tensor: it was created under "
+            f"torch.inference_mode(), and a training step that saves it for backward fails "
+            f"with 'Inference tensors cannot be saved for backward'.")
+    if kind == "parameter":
+        return f"{head} Build the model outside torch.inference_mode()."
+    return (f"{head} Store a .clone() made outside inference mode (or recompute it in "
+            f"training), or set trainer.eval_grad_mode=no_grad.")

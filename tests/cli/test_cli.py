@@ -1,0 +1,119 @@
+"""The real `saferun` command in a subprocess, run from a directory outside the repository."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+FAST = ["debug=fast", "trainer.progress_bar=false"]
+
+
+def saferun(*args, cwd, check=True):
+    proc = subprocess.run([sys.executable, "-m", "saferun", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"saferun {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_run_writes_config_summary_and_tensorboard_and_prints_the_run_dir(tmp_path):
+    proc = saferun("run", *FAST, cwd=tmp_path)
+    runs = list((tmp_path / "runs" / "digits").iterdir())
+    assert len(runs) == 1
+    run_dir = runs[0]
+    assert proc.stdout.count(f"run directory {run_dir}") == 2  # at start and at end
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 10 and summary["overrides"] == FAST
+    assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
+    assert "_target_: saferun.recipes.digits.DigitsTrainer" in (run_dir / "config.yaml").read_text()
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8, 10]
+
+
+def test_multirun_gives_each_job_a_directory_and_prints_a_summary(tmp_path):
+    proc = saferun("run", "-m", *FAST, "optim.lr=1e-3,3e-3", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / "sweep" / job / "summary.json").read_text())["step"] == 10
+    table = (tmp_path / "sweep" / "summary.txt").read_text().splitlines()
+    assert table[0].split()[:2] == ["job", "overrides"] and "val/acc" in table[0]
+    assert table[1].startswith("0") and "optim.lr=0.001" in table[1]
+    assert table[2].startswith("1") and "optim.lr=0.003" in table[2]
+    assert "sweep summary" in proc.stdout
+
+
+def test_new_copies_a_recipe_that_runs_its_own_code(tmp_path):
+    proc = saferun("new", "mydigits", "--from", "digits", cwd=tmp_path)
+    copy = tmp_path / "mydigits"
+    assert {p.relative_to(copy).as_posix() for p in copy.rglob("*.yaml")} == {
+        "recipe/mydigits.yaml", "model/mydigits.yaml", "data/mydigits.yaml"}
+    assert "saferun run -cd . recipe=mydigits" in proc.stdout
+    saferun("run", "-cd", ".", "recipe=mydigits", *FAST, cwd=copy)
+    resolved = next((copy / "runs" / "mydigits").glob("*/config.yaml")).read_text()
+    assert "_target_: mydigits.DigitsTrainer" in resolved
+    assert "_target_: mydigits.DigitsCNN" in resolved and "saferun.recipes" not in resolved
+    # the copy is the user's code now: a change to it is what runs
+    source = (copy / "mydigits.py").read_text()
+    (copy / "mydigits.py").write_text(source.replace(
+        "        images, labels = batch\n        return F.cross_entropy",
+        "        raise RuntimeError('my own training_step')\n        return F.cross_entropy", 1))
+    failed = saferun("run", "-cd", ".", "recipe=mydigits", *FAST, cwd=copy, check=False)
+    assert failed.returncode != 0 and "my own training_step" in failed.stderr + failed.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["new", "digits", "--from", "digits"], "differ from the shipped recipes"),
+    (["new", "x", "--from", "digitz"], "no recipe 'digitz'"),
+])
+def test_new_refuses_bad_requests(tmp_path, args, message):
+    proc = saferun(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_list_shows_recipes_and_groups(tmp_path):
+    out = saferun("list", cwd=tmp_path).stdout
+    assert "digits" in out and "97%" in out
+    for group in ("trainer/", "optim/", "sched/", "model/", "data/", "callbacks/", "logger/", "debug/"):
+        assert group in out
+    assert "sgd" in out and "cosine" in out
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.max_steps=abc", ["trainer.max_steps", "Integer"]),
+    ("trainer.max_stepz=5", ["trainer.max_stepz"]),
+    ("+trainer.max_stepz=5", ["trainer.max_stepz"]),
+    ("optim.lr=-0.1", ["optim.lr", ">= 0"]),
+    ("trainer.max_grad_norm=0", ["trainer.max_grad_norm", "> 0"]),
+    ("trainer.log_every_n_steps=0", ["trainer.log_every_n_steps", "> 0"]),
+    ("trainer.frozen_modules=[featurez]", ["featurez", "features, classifier"]),
+    ("optim=sgdd", ["optim/sgdd", "adamw"]),
+    ("optim.lrr=0.1", ["optim.lrr"]),
+])
+def test_bad_input_exits_non_zero_naming_the_key(tmp_path, override, words):
+    proc = saferun("run", *FAST, override, cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for w in words:
+        assert w in out, out
+    assert "Traceback" not in out
+    assert not list(tmp_path.glob("runs/*/*/summary.json"))  # no work was done
+
+
+def test_help_cfg_and_info_behave_as_in_hydra(tmp_path):
+    help_text = saferun("run", "--help", cwd=tmp_path).stdout
+    assert "== Config groups" in help_text and "optim: adam, adamw, sgd" in help_text
+    job = saferun("run", "--cfg", "job", "recipe=digits", "optim=sgd", cwd=tmp_path).stdout
+    assert "_target_: torch.optim.SGD" in job and "max_steps: 1500" in job
+    info = saferun("run", "--info", "searchpath", cwd=tmp_path).stdout
+    assert "pkg://saferun.conf" in info
+    assert not (tmp_path / "runs").exists()  # none of these trains
+
+
+def test_unknown_command_and_bare_command(tmp_path):
+    assert "commands:" in saferun(cwd=tmp_path).stdout
+    proc = saferun("trian", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "unknown command 'trian'" in proc.stderr
