@@ -1,0 +1,158 @@
+"""What the three benchmark variants share: the job, the two workloads and the step clock.
+
+Every variant seeds torch with `job.seed`, builds the model from `build_model`, reads the
+datasets from `build_datasets` in the order `epoch_seed` fixes, and trains with AdamW,
+gradient clipping and the same log and validation schedule. Their final validation metrics
+therefore agree, which shows that they did the same work.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run, identical for every variant."""
+
+    workload: str  # "mlp" or "cnn"
+    device: str  # "cpu" or "cuda"
+    steps: int
+    log_every: int  # read the running loss to the host every this many steps
+    val_every: int  # validate every this many steps (and so after the last one)
+    warmup: int  # steps left out of the timing window
+    run_dir: str  # TensorBoard event files go here
+    batch_size: int = 64
+    lr: float = 1e-3
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+    @property
+    def precision(self) -> str:
+        """bf16 autocast on CUDA, plain fp32 on the CPU."""
+        return "bf16" if self.device == "cuda" else "fp32"
+
+
+# Sizes of the synthetic data: (train samples, validation samples).
+SIZES = {"mlp": (8192, 1024), "cnn": (2048, 512)}
+
+
+def build_model(workload: str) -> nn.Module:
+    """The model, drawn from torch's global RNG (seed it first)."""
+    if workload == "mlp":  # 6,922 parameters: per-op overhead dominates the step
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+    if workload == "cnn":  # about 10k parameters, but ~50x the MLP's arithmetic per step
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
+        )
+    raise ValueError(f"unknown workload {workload!r}; use mlp or cnn")
+
+
+def build_datasets(workload: str) -> tuple[TensorDataset, TensorDataset]:
+    """Learnable synthetic classification data held in memory, from a private generator."""
+    n_train, n_val = SIZES[workload]
+    g = torch.Generator().manual_seed(1234)  # private: leaves the global RNG to the model
+    if workload == "mlp":
+        x = torch.randn(n_train + n_val, 32, generator=g)
+        y = (x @ torch.randn(32, 10, generator=g)).argmax(1)
+    else:
+        templates = torch.randn(10, 3, 16, 16, generator=g)
+        y = torch.randint(0, 10, (n_train + n_val,), generator=g)
+        x = 0.5 * templates[y] + torch.randn(n_train + n_val, 3, 16, 16, generator=g)
+    return (TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:]))
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Seed of the shuffling generator for `epoch`.
+
+    The same derivation as saferun's loaders (saferun.seeding.derive_seed(seed, epoch, rank=0)),
+    written out here so that the hand-written loop does not import saferun.
+    """
+    state = np.random.SeedSequence([seed, epoch, 0]).generate_state(1, np.uint64)
+    return int(state[0]) & (2**63 - 1)
+
+
+class CudaSyncWarnings:
+    """Counts the syncs `torch.cuda.set_sync_debug_mode("warn")` reports, as Python warnings."""
+
+    def __init__(self) -> None:
+        self._caught: list[warnings.WarningMessage] = []
+        self._ctx = warnings.catch_warnings(record=True)
+
+    @property
+    def count(self) -> int:
+        return sum("synchronizing CUDA operation" in str(w.message) for w in self._caught)
+
+    def __enter__(self) -> "CudaSyncWarnings":
+        self._caught = self._ctx.__enter__()  # type: ignore[assignment]
+        warnings.simplefilter("always")  # every sync, not only the first from each line
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._ctx.__exit__(*exc)
+
+
+class StepClock:
+    """Marks the end of every optimizer step, before that step's logging or validation.
+
+    Each variant calls `tick()` at that point: the hand-written loop inline, saferun from
+    `on_train_step_end`, Lightning from `on_train_batch_end`. In a counted run it also records
+    the running sync counts, so that syncs can be pinned to the steps between log points.
+    """
+
+    def __init__(self, job: Job, host_syncs: Any = None, cuda_syncs: Optional[CudaSyncWarnings] = None
+                 ) -> None:
+        self.job = job
+        self.times: list[float] = []
+        self.host_syncs = host_syncs
+        self.cuda_syncs = cuda_syncs
+        self.host_counts: list[int] = []
+        self.cuda_counts: list[int] = []
+        # On CUDA the host runs ahead of the GPU: wait for it at both ends of the timing
+        # window. Never in a counted run, where that wait would be a sync of our own.
+        counting = host_syncs is not None or cuda_syncs is not None
+        self._wait_at = {job.warmup, job.steps} if job.device == "cuda" and not counting else set()
+
+    def tick(self) -> None:
+        if len(self.times) + 1 in self._wait_at:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        if self.host_syncs is not None:
+            self.host_counts.append(self.host_syncs.count)
+        if self.cuda_syncs is not None:
+            self.cuda_counts.append(self.cuda_syncs.count)
+
+    def timing(self) -> dict[str, float]:
+        """Mean step over the window (log points and validations included) and median step."""
+        w, n = self.job.warmup, self.job.steps
+        assert len(self.times) == n, f"{len(self.times)} ticks for {n} steps"
+        window = self.times[w - 1:]  # tick w ends step w; the window is steps w+1 .. n
+        durations = np.diff(window)
+        return {"step_mean_ms": 1e3 * (window[-1] - window[0]) / (n - w),
+                "step_median_ms": 1e3 * float(np.median(durations))}
+
+    def syncs_between_log_points(self, counts: list[int]) -> dict[str, int]:
+        """Syncs during steps whose predecessor neither logged nor validated.
+
+        The interval between tick k-1 and tick k holds step k-1's logging and validation
+        (if any) and then step k, so only intervals after a plain step are plain.
+        """
+        j = self.job
+        plain = [k for k in range(2, len(counts) + 1)
+                 if (k - 1) % j.log_every and (k - 1) % j.val_every]
+        return {"plain_steps": len(plain),
+                "plain_step_syncs": sum(counts[k - 1] - counts[k - 2] for k in plain)}
+

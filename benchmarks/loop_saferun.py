@@ -1,0 +1,63 @@
+"""(b) saferun: the same job as a `saferun.Trainer` subclass, with saferun's default settings.
+
+The config sets only what defines the job (steps, batch size, schedule, optimizer, device);
+everything else, guards, TensorBoard logging and log lines included, is saferun's default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import saferun
+from common import Job, StepClock, build_datasets, build_model
+
+
+class Tick(saferun.Callback):
+    """Marks the end of each optimizer step for the benchmark's clock."""
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_train_step_end(self, view: saferun.TrainerView, output: saferun.StepOutput
+                          ) -> Optional[saferun.Control]:
+        self.clock.tick()
+        return None
+
+
+class BenchTrainer(saferun.Trainer):
+    workload = "mlp"
+
+    def build_model(self) -> nn.Module:
+        return build_model(self.workload)
+
+    def build_datasets(self) -> tuple[Dataset, Optional[Dataset]]:
+        return build_datasets(self.workload)
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self.model(x)
+        return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
+
+
+def train(job: Job, clock: StepClock) -> dict[str, float]:
+    cfg = {
+        "trainer": {"max_steps": job.steps, "batch_size": job.batch_size,
+                    "log_every_n_steps": job.log_every, "val_every_n_steps": job.val_every,
+                    "max_grad_norm": job.max_grad_norm, "device": job.device,
+                    "precision": job.precision, "run_dir": job.run_dir},
+        "optim": {"_target_": "torch.optim.AdamW", "lr": job.lr},
+        "seed": job.seed,
+    }
+    trainer = BenchTrainer(cfg, callbacks=[Tick(clock)])
+    trainer.workload = job.workload
+    metrics = trainer.fit()
+    return {"val/loss": metrics["val/loss"], "val/acc": metrics["val/acc"]}
