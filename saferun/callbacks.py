@@ -4,6 +4,7 @@ The loop, with the events marked where they fire (tests/test_event_order.py
 pins this order)::
 
     setup()                  seed; build model, datasets, loaders, optimizer, scheduler
+    resume                   if cfg.resume: load the checkpoint, replay the data position
     on_fit_start(view)
     while step < max_steps (and epoch < max_epochs):
         for each group of `accumulate` micro-batches of the epoch:
@@ -14,10 +15,15 @@ pins this order)::
                 on_log(view, metrics)                    -> Control | None
             if validation is due or a callback asked for it:
                 validate(); on_validation_end(view, metrics) -> Control | None
+                if save_best improved: save; on_checkpoint(view, path)
+            if a save is due or a callback asked for it:
+                save; on_checkpoint(view, path)
+            if SIGTERM/SIGINT arrived: save; on_checkpoint; on_exception(view, Preempted)
             if a callback asked to stop or step == max_steps: leave
         end of epoch: validation is due here when val_every_n_steps is null
     on_log(view, metrics)    for the steps since the last log point, if any
     validate(); on_validation_end(view, metrics)   unless the last step just validated
+    save (unless this step was just saved); on_checkpoint(view, path); write model.pt
     on_fit_end(view, metrics)
     on_exception(view, exc)  instead, if anything above raised; the exception propagates
 
@@ -48,11 +54,14 @@ class Control:
     """Stop training after this step (final validation and on_fit_end still run)."""
     evaluate: bool = False
     """Run validation after this step."""
+    save: bool = False
+    """Write a checkpoint after this step."""
 
     def __or__(self, other: Optional["Control"]) -> "Control":
         if other is None:
             return self
-        return Control(stop=self.stop or other.stop, evaluate=self.evaluate or other.evaluate)
+        return Control(stop=self.stop or other.stop, evaluate=self.evaluate or other.evaluate,
+                       save=self.save or other.save)
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,9 @@ class Callback(Protocol):
         """Validation finished; `metrics` are averages weighted by batch size."""
         return None
 
+    def on_checkpoint(self, view: TrainerView, path: str) -> None:
+        """A complete checkpoint was written to the directory `path`."""
+
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         """Training finished normally; `metrics` are the final metrics."""
 
@@ -178,6 +190,10 @@ class CallbackList(Callback):
         for cb in self.callbacks:
             control = _merge(control, cb.on_validation_end(view, metrics))
         return control
+
+    def on_checkpoint(self, view: TrainerView, path: str) -> None:
+        for cb in self.callbacks:
+            cb.on_checkpoint(view, path)
 
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         for cb in self.callbacks:

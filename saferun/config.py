@@ -67,15 +67,24 @@ class TrainerConfig:
     """Shuffle the training data each epoch."""
     drop_last: bool = False
     """Drop the last incomplete training batch of each epoch."""
+    save_every_n_steps: Optional[int] = 1000
+    """Checkpoint every this many steps (None: only at the end and on preemption)."""
+    keep_last: int = 3
+    """Checkpoints to keep (the newest); older ones are deleted once a new one is complete."""
+    save_best: Optional[str] = None
+    """Also keep the checkpoint with the best value of this validation metric (e.g. val/acc)."""
+    save_best_mode: str = "min"
+    """min or max: which direction of save_best is better."""
     progress_bar: Optional[bool] = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
     """Directory for this run's outputs (None: runs/<timestamp>)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps")
+        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last")
         _positive_or_none(self, "max_epochs", "val_batch_size", "val_every_n_steps",
-                          "limit_val_batches", "max_grad_norm")
+                          "limit_val_batches", "max_grad_norm", "save_every_n_steps")
+        _one_of(self, "save_best_mode", ("min", "max"))
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
         if isinstance(self.num_workers, int) and self.num_workers < 0:
@@ -118,6 +127,11 @@ class Config:
     """The Trainer subclass the command line runs: `_target_` plus its extra arguments."""
     name: str = "run"
     """Name of the run; the command line puts runs under runs/<name>/."""
+    resume: Optional[str] = None
+    """auto (the newest good checkpoint in trainer.run_dir, else a fresh start), or the path
+    of a checkpoint or of a run directory to continue from."""
+    force_resume: bool = False
+    """Resume even if the config differs from the checkpoint's in keys that change results."""
     seed: int = 0
     """Seeds Python, NumPy and torch, the shuffling order and every DataLoader worker."""
 
@@ -225,3 +239,31 @@ def _one_of(cfg: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in choices:
         raise ConfigError(f"trainer.{name} must be one of {', '.join(choices)}; got {value!r}.")
+
+
+# Keys whose change makes a resumed run differ from the uninterrupted one.
+EXACTNESS_KEYS = ("seed", "model", "data", "task", "optim", "sched", "trainer.batch_size",
+                  "trainer.accumulate", "trainer.num_workers", "trainer.shuffle",
+                  "trainer.drop_last", "trainer.precision", "trainer.frozen_modules",
+                  "trainer.max_grad_norm")
+
+
+def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool) -> None:
+    """Refuse to resume when `current` differs from the checkpoint's config in EXACTNESS_KEYS."""
+    old, new = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in set(old) | set(new)
+                     if k.startswith(EXACTNESS_KEYS) and old.get(k, "<absent>") != new.get(k, "<absent>"))
+    if not changed or force:
+        return
+    listed = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed)
+    raise ConfigError(f"cannot resume exactly: the config differs from the checkpoint's in {listed}. "
+                      f"Restore those values, or set force_resume=true to continue anyway.")
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: node}

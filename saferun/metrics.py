@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -38,6 +38,16 @@ class RunningTrainMetrics:
         if output.logs:
             self.logs.append(output.logs)
         self.samples += output.num_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        """The values collected since the last log point (so a resumed run logs the same means)."""
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
+                "logs": [dict(d) for d in self.logs], "samples": self.samples}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reset()
+        self.losses, self.grad_norms = list(state["losses"]), list(state["grad_norms"])
+        self.logs, self.samples = [dict(d) for d in state["logs"]], state["samples"]
 
     def read(self) -> dict[str, float]:
         """Means since the last read, plus throughput; resets. The only host sync of a log point."""

@@ -32,30 +32,30 @@ class Fingerprint:
 
     Row i of `sums` is (sum of bit patterns, position-weighted sum) of tensor
     `names[i]`, a `kinds[i]` ("parameter" or "buffer") of a module of class
-    `owners[i]`.
+    `owners[i]`; `layouts[i]` is its dtype and shape.
     """
 
     names: tuple[str, ...]
     kinds: tuple[str, ...]
     owners: tuple[type, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    layouts: tuple[str, ...]
     sums: Optional[torch.Tensor]  # (N, 2) int64, or None for a module without tensors
 
 
 def fingerprint(module: nn.Module) -> Fingerprint:
     """Checksum every parameter and buffer of `module` on its device; no host sync."""
-    names, kinds, owners, shapes, rows = [], [], [], [], []
+    names, kinds, owners, layouts, rows = [], [], [], [], []
     for kind, name, owner, t in _named_tensors(module):
         names.append(name)
         kinds.append(kind)
         owners.append(type(owner))
-        shapes.append(tuple(t.shape))
+        layouts.append(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
         rows.append(_checksum(t))
     sums = None
     if rows:
         device = rows[0].device
         sums = torch.stack([r.to(device, non_blocking=True) for r in rows])
-    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(shapes), sums)
+    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(layouts), sums)
 
 
 def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
@@ -69,8 +69,8 @@ def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
         a = torch.stack([after.sums[j] for _, j in pairs]).to(b.device)
         changed = (a != b).any(dim=1).tolist()  # the one host read
         for (i, j), is_changed in zip(pairs, changed):
-            if is_changed:
-                changes.append(_explain(after, j, before.shapes[i]))
+            if is_changed or before.layouts[i] != after.layouts[j]:
+                changes.append(_explain(after, j, before.layouts[i]))
     after_names = set(after.names)
     for i, n in enumerate(before.names):
         if n not in after_names:
@@ -138,11 +138,11 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _explain(fp: Fingerprint, j: int, old_shape: tuple[int, ...]) -> str:
+def _explain(fp: Fingerprint, j: int, old_layout: str) -> str:
     name, kind, owner = fp.names[j], fp.kinds[j], fp.owners[j]
     what = f"{kind} {name} ({owner.__name__}) changed during evaluation"
-    if fp.shapes[j] != old_shape:
-        what += f" (shape {old_shape} -> {fp.shapes[j]})"
+    if fp.layouts[j] != old_layout:
+        what += f" (from {old_layout} to {fp.layouts[j]})"
     if issubclass(owner, nn.modules.batchnorm._NormBase) and name.rsplit(".", 1)[-1] in _BN_STATS:
         return (f"{what}: a BatchNorm in train mode updates its running statistics, even under "
                 f"no_grad or inference_mode. Look for .train() or .training = True in forward "

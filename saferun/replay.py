@@ -140,17 +140,19 @@ def _float_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _forward_trace(messages: list[str]) -> Optional[str]:
-    """The forward traceback from anomaly mode's warning, without torch's and saferun's frames."""
+    """The forward traceback from anomaly mode's warning, from `run` on, without torch's frames."""
     for message in messages:
         if _TRACE_MARK in message:
             trace = message.split(_TRACE_MARK, 1)[1].split("(Triggered internally at", 1)[0]
             frames = re.split(r"\n(?=  File \")", trace.strip("\n"))
-            kept = [f.rstrip() for f in frames if not _is_internal(f)]
-            return "\n".join(kept or [f.rstrip() for f in frames])
+            files = [_frame_file(f) for f in frames]
+            start = max((i + 1 for i, f in enumerate(files) if f == __file__), default=0)
+            kept = [fr.rstrip() for fr, f in zip(frames[start:], files[start:])
+                    if not f.startswith(_TORCH_DIR)]
+            return "\n".join(kept or [fr.rstrip() for fr in frames])
     return None
 
 
-def _is_internal(frame: str) -> bool:
+def _frame_file(frame: str) -> str:
     match = re.match(r'\s*File "([^"]+)"', frame)
-    return match is not None and (match.group(1).startswith(_TORCH_DIR) or
-                                  match.group(1) == __file__)
+    return match.group(1) if match else ""

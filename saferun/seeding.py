@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -47,11 +47,16 @@ class WorkerSeeder:
 
 
 
-def get_rng_state() -> dict:
-    """Python, NumPy and torch (CPU and CUDA) RNG states, as plain data and tensors."""
-    state = {
+def get_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and CUDA) RNG states as tensors and plain containers.
+
+    Plain data, so a checkpoint holding it loads with torch.load(weights_only=True).
+    """
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -59,10 +64,13 @@ def get_rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `get_rng_state` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -9,27 +9,35 @@ override point; callbacks observe it (see `saferun.callbacks`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
+import itertools
 import logging
 import os
+import platform
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import modes
+from . import __version__, modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
+from .checkpoint import (CheckpointError, checkpoint_root, load_checkpoint, load_latest, rotate,
+                         save_checkpoint, save_weights)
 from .compile import check_compiled, unwrap_compiled
-from .config import Config, load_config
+from .config import Config, check_resume_config, load_config
 from .data import batch_size_of, check_dataset, make_loader, move_to_device, set_loader_epoch
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .precision import autocast_factory, grad_scaler
-from .seeding import preserved_rng, seed_everything
+from .preemption import Preempted, StopSignals, signal_name
+from .seeding import get_rng_state, preserved_rng, seed_everything, set_rng_state
 
 log = logging.getLogger("saferun")
 
@@ -71,6 +79,9 @@ class Trainer:
                                config=dataclasses.asdict(self.cfg))
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
+        self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
+        self._last_saved_step = -1
+        self._resume_rng: Optional[dict[str, Any]] = None
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -178,6 +189,8 @@ class Trainer:
         self.state.run_dir = t.run_dir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         self._callbacks = CallbackList(self._user_callbacks + self._configured_callbacks())
+        self._running = RunningTrainMetrics()
+        self._stop_signals = StopSignals()
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -188,31 +201,39 @@ class Trainer:
         """Train for `trainer.max_steps` steps; return the final metrics."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
+        self._resume()
         self._start_training()
-        running = RunningTrainMetrics()
         cbs.on_fit_start(self.view)
         try:
-            validated = False
-            for micro_batches, epoch_end in self._batch_groups():
-                output = self.train_step(micro_batches)
-                running.add(output)
-                control = cbs.on_train_step_end(self.view, output)
-                if state.step % t.log_every_n_steps == 0:
-                    control = _merge(control, self._log(running))
-                validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
-                if validated:
-                    control = _merge(control, self._validate_and_report())
-                if (control and control.stop) or state.step >= t.max_steps:
-                    break
-            if running.steps:
-                self._log(running)
-            if not validated:
-                self._validate_and_report()
+            with self._stop_signals:
+                validated = False
+                for micro_batches, epoch_end in self._batch_groups():
+                    output = self.train_step(micro_batches)
+                    self._running.add(output)
+                    control = cbs.on_train_step_end(self.view, output)
+                    if state.step % t.log_every_n_steps == 0:
+                        control = _merge(control, self._log())
+                    validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
+                    if validated:
+                        control = _merge(control, self._validate_and_report())
+                    if (control and control.save) or self._save_due():
+                        self._save_checkpoint()
+                    if self._stop_signals.received is not None:
+                        raise _StopRequested
+                    if (control and control.stop) or state.step >= t.max_steps:
+                        break
+                if self._running.steps:
+                    self._log()
+                if not validated:
+                    self._validate_and_report()
+                self._save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
         except BaseException as exc:
-            cbs.on_exception(self.view, exc)
-            _raise_explained(exc, state.step)
-            raise
+            error = self._preempted(exc) or _explained(exc, state.step) or exc
+            cbs.on_exception(self.view, error)
+            if error is exc:
+                raise
+            raise error from (None if isinstance(error, Preempted) else exc)
         return dict(state.metrics)
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
@@ -258,6 +279,8 @@ class Trainer:
             for i, batch in enumerate(self.val_loader):
                 if limit is not None and i >= limit:
                     break
+                if self._stop_signals.received is not None:
+                    raise _StopRequested  # preemption must not wait for a long evaluation
                 out = self.validation_step(move_to_device(batch, self.device, self._non_blocking))
                 means.add(scalar_dict(out, "validation_step"), self.batch_size(batch))
         metrics = {f"val/{k}": v for k, v in means.read().items()}
@@ -286,23 +309,31 @@ class Trainer:
     # ------------------------------------------------------------------ loop helpers
 
     def _batch_groups(self) -> Iterator[tuple[list[Any], bool]]:
-        """Yield (micro-batches of one step, is this the epoch's last step) across epochs."""
+        """Yield (micro-batches of one step, is this the epoch's last step) across epochs.
+
+        After a resume, the first epoch replays its batches up to the saved position
+        (loading only, no compute; workers draw the same augmentations again), then
+        the RNG states saved with the checkpoint are restored: the run continues
+        exactly as if it had not stopped.
+        """
         t, state = self.cfg.trainer, self.state
         loader = self.train_loader
         assert loader is not None
+        per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
         while t.max_epochs is None or state.epoch < t.max_epochs:
             set_loader_epoch(loader, self.cfg.seed, state.epoch, state.rank)
             batches = iter(loader)
-            group = _take(batches, t.accumulate)
-            if not group and state.batches_in_epoch == 0:
+            collections.deque(itertools.islice(batches, state.batches_in_epoch), maxlen=0)
+            if self._resume_rng is not None:
+                set_rng_state(self._resume_rng)
+                self._resume_rng = None
+            while group := _take(batches, t.accumulate):
+                state.batches_in_epoch += len(group)
+                yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch
+            if state.batches_in_epoch == 0:
                 raise SaferunError(
                     f"the training DataLoader yielded no batches in epoch {state.epoch}. With "
                     f"drop_last=True it needs at least batch_size={t.batch_size} samples.")
-            while group:
-                following = _take(batches, t.accumulate)
-                state.batches_in_epoch += len(group)
-                yield group, not following
-                group = following
             state.epoch += 1
             state.batches_in_epoch = 0
 
@@ -337,10 +368,124 @@ class Trainer:
         metrics = self.validate()
         if not metrics:
             return None
-        return self._callbacks.on_validation_end(self.view, metrics)
+        control = self._callbacks.on_validation_end(self.view, metrics)
+        best = self.cfg.trainer.save_best
+        if best is not None and self._improves(metrics, best):
+            self._best = (metrics[best], str(self._save_checkpoint()))
+        return control
 
-    def _log(self, running: RunningTrainMetrics) -> Optional[Control]:
-        metrics = running.read()
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state: what `load_state_dict` needs to continue exactly."""
+        s = self.state
+        return {
+            "format": 1,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self._scaler.state_dict(),
+            "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
+                     "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
+                     "best": list(self._best) if self._best else None},
+            "running": self._running.state_dict(),
+            "rng": get_rng_state(),
+            "callbacks": self._callbacks.state_dict(),
+            "config": dataclasses.asdict(self.cfg),
+            "provenance": {"saferun": __version__, "torch": torch.__version__,
+                           "python": platform.python_version()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s result. RNG states apply when training resumes."""
+        self.setup()
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self._scaler.load_state_dict(state["scaler"])
+        loop = state["loop"]
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
+            setattr(self.state, key, loop[key])
+        self.state.metrics.update(loop["metrics"])
+        self._best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
+        self._running.load_state_dict(move_to_device(state["running"], self.device))
+        self._callbacks.load_state_dict(state["callbacks"])
+        self._resume_rng = state["rng"]
+
+    def _resume(self) -> None:
+        """Continue from `cfg.resume` (auto or a path), after checking the config matches."""
+        resume = self.cfg.resume
+        if resume is None:
+            return
+        where = Path(self.state.run_dir) if resume == "auto" else Path(resume)
+        if (where / "manifest.json").is_file():
+            found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
+        else:
+            root = where if where.name == "checkpoints" else checkpoint_root(where)
+            found = load_latest(root)
+        if found is None:
+            if resume != "auto":
+                raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
+            log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
+            return
+        path, state = found
+        check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume)
+        self.load_state_dict(state)
+        log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
+                 self.state.step, self.state.epoch, self.state.batches_in_epoch)
+
+    def _save_checkpoint(self) -> Path:
+        t = self.cfg.trainer
+        root = checkpoint_root(self.state.run_dir)
+        path = save_checkpoint(root, self.state.step, self.state_dict())
+        rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
+        self._last_saved_step = self.state.step
+        self._callbacks.on_checkpoint(self.view, str(path))
+        return path
+
+    def _save_final(self) -> None:
+        if self._last_saved_step != self.state.step:
+            self._save_checkpoint()
+        save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())
+
+    def _save_due(self) -> bool:
+        every = self.cfg.trainer.save_every_n_steps
+        return every is not None and self.state.step % every == 0
+
+    def _improves(self, metrics: Mapping[str, float], key: str) -> bool:
+        if key not in metrics:
+            raise ConfigError(f"trainer.save_best={key!r}, but validation reports only "
+                              f"{', '.join(metrics)}.")
+        if self._best is None:
+            return True
+        return metrics[key] < self._best[0] if self.cfg.trainer.save_best_mode == "min" \
+            else metrics[key] > self._best[0]
+
+    def _preempted(self, exc: BaseException) -> Optional[Preempted]:
+        """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.
+
+        A signal sent to the whole process group also kills DataLoader workers; the
+        loader's error then means the same thing, and the state is still at a boundary.
+        """
+        signum = self._stop_signals.received
+        worker_died = isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc)
+        if signum is None or not (isinstance(exc, _StopRequested) or worker_died):
+            return None
+        path = self._save_checkpoint()
+        message = (f"saferun: stopped by {signal_name(signum)} at step {self.state.step}; "
+                   f"checkpoint {path}. To continue, run again with the same run directory "
+                   f"and resume=auto (command line: add hydra.run.dir={self.state.run_dir} "
+                   f"resume=auto), or with resume={path}.")
+        print(message, file=sys.stderr, flush=True)
+        return Preempted(signum, message)
+
+    def _log(self) -> Optional[Control]:
+        metrics = self._running.read()
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         self.state.metrics.update(metrics)
         return self._callbacks.on_log(self.view, metrics)
@@ -399,15 +544,20 @@ def _loss_and_logs(out: Any, step: int, need_grad: bool = True
     return out, logs
 
 
-def _raise_explained(exc: BaseException, step: int) -> None:
-    """Re-raise a bare torch error that saferun can explain, with the fix."""
+class _StopRequested(Exception):
+    """Raised inside the loop when a stop signal arrived; fit() turns it into `Preempted`."""
+
+
+def _explained(exc: BaseException, step: int) -> Optional[SaferunError]:
+    """A bare torch error that saferun can explain, rewritten with the fix; else None."""
     if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved" in str(exc):
-        raise SaferunError(
+        return SaferunError(
             f"step {step}: a tensor created during evaluation, which runs under "
             f"torch.inference_mode(), was used in training (typically a cache or attribute set in "
             f"forward or validation_step). Store a .clone() made outside inference mode, or set "
             f"trainer.eval_grad_mode=no_grad."
-        ) from exc
+        )
+    return None
 
 
 def _clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
