@@ -45,6 +45,7 @@ def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
 
 def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
     """Write `state` atomically as checkpoint `step` under `root`; return its directory."""
+    check_plain(state)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"
@@ -54,10 +55,14 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
         manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
         _write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
         _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after a resume) replaces it
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # a re-save of the same step replaces it; older ones stay meanwhile
+            old = root / f".tmp-old-{secrets.token_hex(4)}"
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -94,11 +99,38 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     try:
         return torch.load(state_path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line),
+                      str(e).splitlines()[0])
         raise CheckpointError(
             f"refused to load {state_path}: it holds objects other than tensors and plain "
-            f"containers, which could run code when unpickled ({str(e).splitlines()[0]}). "
-            f"saferun never writes such files; do not load it unless you made it yourself."
+            f"containers, which could run code when unpickled ({reason}). saferun never "
+            f"writes such files; do not load it unless you made it yourself."
         ) from None
+
+
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.Size)
+
+
+def check_plain(obj: Any, path: str = "state") -> None:
+    """Raise `CheckpointError` naming the first value `torch.load(weights_only=True)` would refuse.
+
+    Checked before writing, so that a checkpoint that could not be loaded back is never saved.
+    """
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"{path} has a key of type {type(k).__name__}; use str keys.")
+            check_plain(v, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        if type(obj) not in (list, tuple):
+            raise CheckpointError(f"{path} is a {type(obj).__name__}; save a plain list or tuple.")
+        for i, v in enumerate(obj):
+            check_plain(v, f"{path}[{i}]")
+    elif type(obj) not in _PLAIN and not isinstance(obj, torch.Tensor):
+        raise CheckpointError(
+            f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which a safe load "
+            f"(weights_only=True) refuses. Keep checkpoint state to tensors, numbers, strings and "
+            f"lists/dicts of them (a callback's state_dict included).")
 
 
 def list_checkpoints(root: Path) -> list[Path]:

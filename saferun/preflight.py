@@ -133,7 +133,8 @@ def start_method(loader: DataLoader) -> str:
         return ctx.get_start_method()
     # get_start_method() without allow_none would freeze the default context.
     # The first of get_all_start_methods() is the platform default.
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    return chosen or multiprocessing.get_all_start_methods()[0]
 
 
 def check_loader(loader: DataLoader) -> Report:
@@ -209,6 +210,8 @@ class _Probe(ForkingPickler):
         if isinstance(obj, torch.Tensor):
             # ForkingPickler refuses only non-leaf tensors that require grad.
             return None if (obj.requires_grad and not obj.is_leaf) else 0
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            return 0  # pickling would move it into shared memory
         if isinstance(obj, np.ndarray) and obj.dtype != object:
             return 0
         if isinstance(obj, _MP_SHARED):
@@ -252,46 +255,49 @@ def _locate(obj: Any, path: str, error: str, findings: list[Finding], seen: set[
 def _describe(obj: Any, path: str, error: str) -> Finding:
     cls = type(obj)
     if isinstance(obj, types.FunctionType):
-        where = f"defined at {os.path.basename(obj.__code__.co_filename)}:{obj.__code__.co_firstlineno}"
+        code = obj.__code__
+        where = f"defined at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
         if obj.__name__ == "<lambda>":
             return Finding(path, f"a lambda ({where}), which cannot be pickled", _FIX_FUNCTION)
         if "<locals>" in obj.__qualname__:
             return Finding(path, f"a local function '{obj.__qualname__}' ({where}), which "
                                  f"cannot be pickled", _FIX_FUNCTION)
-    if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
-        return Finding(path, f"'{obj.__qualname__}', defined in an interactive session "
-                             f"(__main__ has no file), which spawned workers cannot import",
-                       "move it into a .py module and import it from there")
-    if cls.__module__ == "__main__" and _interactive_main():
-        return Finding(path, f"an instance of class '{cls.__qualname__}', defined in an "
-                             f"interactive session (__main__ has no file), which spawned "
-                             f"workers cannot import", "move the class into a .py module and "
-                                                       "import it from there")
+    if _interactive_main():
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            return Finding(path, f"'{obj.__qualname__}', defined in an interactive session "
+                                 f"(__main__ has no file), which spawned workers cannot import",
+                           "move it into a .py module and import it from there")
+        if cls.__module__ == "__main__":
+            return Finding(path, f"an instance of class '{cls.__qualname__}', defined in an "
+                                 f"interactive session (__main__ has no file), which spawned "
+                                 f"workers cannot import",
+                           "move the class into a .py module and import it from there")
     if "<locals>" in cls.__qualname__:
         return Finding(path, f"an instance of the local class '{cls.__qualname__}', which "
                              f"cannot be pickled", "define the class at module level")
-    if isinstance(obj, types.GeneratorType):
-        return Finding(path, "a generator object, which cannot be pickled",
-                       "store what it iterates over and create the generator where it is used")
-    if isinstance(obj, io.IOBase):
-        return Finding(path, "an open file, which cannot be pickled",
-                       "store the path and open the file in the worker (lazily in __getitem__, "
-                       "or in worker_init_fn)")
-    if isinstance(obj, _LOCK_TYPES):
-        return Finding(path, "a threading lock, which cannot be pickled",
-                       "create it in the worker, or drop it in __getstate__ and recreate it in "
-                       "__setstate__")
-    if isinstance(obj, types.ModuleType):
-        return Finding(path, f"the module '{obj.__name__}', which cannot be pickled",
-                       "import the module where it is used instead of storing it")
     if isinstance(obj, torch.Tensor) and obj.requires_grad and not obj.is_leaf:
         return Finding(path, "a tensor that is part of an autograd graph (requires_grad, not a "
                              "leaf), which cannot be sent to another process",
                        "store tensor.detach()")
+    for kinds, what, fix in _KNOWN:
+        if isinstance(obj, kinds):
+            name = f" '{obj.__name__}'" if isinstance(obj, types.ModuleType) else ""
+            return Finding(path, f"{what}{name}, which cannot be pickled", fix)
     return Finding(path, f"a {cls.__module__}.{cls.__qualname__}, which cannot be pickled "
-                         f"({error})",
-                   "create it in the worker (lazily in __getitem__, or in worker_init_fn), or "
-                   "drop it in __getstate__ and recreate it in __setstate__")
+                         f"({error})", _FIX_IN_WORKER)
+
+
+_FIX_IN_WORKER = ("create it in the worker (lazily in __getitem__, or in worker_init_fn), or "
+                  "drop it in __getstate__ and recreate it in __setstate__")
+_KNOWN = (
+    (types.GeneratorType, "a generator object",
+     "store what it iterates over and create the generator where it is used"),
+    (io.IOBase, "an open file",
+     "store the path and open the file in the worker (lazily in __getitem__, or in "
+     "worker_init_fn)"),
+    (_LOCK_TYPES, "a threading lock", _FIX_IN_WORKER),
+    (types.ModuleType, "the module", "import the module where it is used instead of storing it"),
+)
 
 
 # ---------------------------------------------------------------------- generators

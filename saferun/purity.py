@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 24  # elements per step, so a large tensor needs 16 bytes x 2**24 of scratch at most
+_CHUNK = 1 << 22  # elements summed at a time: at most about 100 MB of int64 scratch
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -65,8 +65,11 @@ def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
     pairs = [(index[n], j) for j, n in enumerate(after.names) if n in index]
     if pairs:
         assert before.sums is not None and after.sums is not None
-        b = torch.stack([before.sums[i] for i, _ in pairs])
-        a = torch.stack([after.sums[j] for _, j in pairs]).to(b.device)
+        if before.names == after.names:
+            b, a = before.sums, after.sums.to(before.sums.device)
+        else:
+            b = torch.stack([before.sums[i] for i, _ in pairs])
+            a = torch.stack([after.sums[j] for _, j in pairs]).to(b.device)
         changed = (a != b).any(dim=1).tolist()  # the one host read
         for (i, j), is_changed in zip(pairs, changed):
             if is_changed or before.layouts[i] != after.layouts[j]:

@@ -80,7 +80,6 @@ class Trainer:
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
         self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
-        self._last_saved_step = -1
         self._resume_rng: Optional[dict[str, Any]] = None
         self._is_setup = False
 
@@ -320,16 +319,18 @@ class Trainer:
         loader = self.train_loader
         assert loader is not None
         per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
-        while t.max_epochs is None or state.epoch < t.max_epochs:
+        while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
             set_loader_epoch(loader, self.cfg.seed, state.epoch, state.rank)
             batches = iter(loader)
             collections.deque(itertools.islice(batches, state.batches_in_epoch), maxlen=0)
             if self._resume_rng is not None:
                 set_rng_state(self._resume_rng)
                 self._resume_rng = None
-            while group := _take(batches, t.accumulate):
+            while state.step < t.max_steps and (group := _take(batches, t.accumulate)):
                 state.batches_in_epoch += len(group)
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch
+            if state.step >= t.max_steps:
+                return
             if state.batches_in_epoch == 0:
                 raise SaferunError(
                     f"the training DataLoader yielded no batches in epoch {state.epoch}. With "
@@ -392,7 +393,7 @@ class Trainer:
             "rng": get_rng_state(),
             "callbacks": self._callbacks.state_dict(),
             "config": dataclasses.asdict(self.cfg),
-            "provenance": {"saferun": __version__, "torch": torch.__version__,
+            "provenance": {"saferun": __version__, "torch": str(torch.__version__),
                            "python": platform.python_version()},
         }
 
@@ -444,13 +445,12 @@ class Trainer:
         root = checkpoint_root(self.state.run_dir)
         path = save_checkpoint(root, self.state.step, self.state_dict())
         rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
-        self._last_saved_step = self.state.step
         self._callbacks.on_checkpoint(self.view, str(path))
         return path
 
     def _save_final(self) -> None:
-        if self._last_saved_step != self.state.step:
-            self._save_checkpoint()
+        # Always: the final validation may have changed callback state since the last save.
+        self._save_checkpoint()
         save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())
 
     def _save_due(self) -> bool:

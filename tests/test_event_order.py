@@ -23,6 +23,10 @@ class Recorder(Callback):
     def on_validation_end(self, view, metrics):
         self.events.append(("validation_end", view.step))
 
+    def on_checkpoint(self, view, path):
+        assert path.endswith(f"step-{view.step:08d}")
+        self.events.append(("checkpoint", view.step))
+
     def on_fit_end(self, view, metrics):
         self.events.append(("fit_end", view.step))
 
@@ -34,14 +38,16 @@ def steps(a, b):
     return [("train_step_end", s) for s in range(a, b + 1)]
 
 
-def test_two_epochs_with_logging_and_epoch_end_validation(tmp_path):
-    # 256 samples / 32 = 8 steps per epoch; 16 steps = 2 epochs; log every 5 steps
+def test_two_epochs_with_logging_validation_and_checkpoints(tmp_path):
+    # 256 samples / 32 = 8 steps per epoch; 16 steps = 2 epochs; log every 5 steps;
+    # validation at each epoch's end; a checkpoint every 10 steps and at the end
     rec = Recorder()
-    ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=5), callbacks=[rec]).fit()
+    ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=5, save_every_n_steps=10),
+               callbacks=[rec]).fit()
     expected = (
         [("fit_start", 0)] + steps(1, 5) + [("log", 5)] + steps(6, 8) + [("validation_end", 8)]
-        + steps(9, 10) + [("log", 10)] + steps(11, 15) + [("log", 15)] + steps(16, 16)
-        + [("validation_end", 16), ("log", 16), ("fit_end", 16)]
+        + steps(9, 10) + [("log", 10), ("checkpoint", 10)] + steps(11, 15) + [("log", 15)]
+        + steps(16, 16) + [("validation_end", 16), ("log", 16), ("checkpoint", 16), ("fit_end", 16)]
     )
     assert rec.events == expected
 
@@ -55,7 +61,7 @@ def test_stop_mid_epoch_still_logs_validates_and_ends(tmp_path):
     rec = StopAt3()
     ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=5), callbacks=[rec]).fit()
     assert rec.events == [("fit_start", 0)] + steps(1, 3) + [
-        ("log", 3), ("validation_end", 3), ("fit_end", 3)]
+        ("log", 3), ("validation_end", 3), ("checkpoint", 3), ("fit_end", 3)]
 
 
 def test_evaluate_request_runs_validation_after_that_step(tmp_path):
@@ -67,7 +73,7 @@ def test_evaluate_request_runs_validation_after_that_step(tmp_path):
     rec = EvalAt2()
     ToyTrainer(toy_config(tmp_path, max_steps=4, log_every_n_steps=2), callbacks=[rec]).fit()
     assert rec.events == [("fit_start", 0)] + steps(1, 2) + [("log", 2), ("validation_end", 2)] + steps(
-        3, 4) + [("log", 4), ("validation_end", 4), ("fit_end", 4)]
+        3, 4) + [("log", 4), ("validation_end", 4), ("checkpoint", 4), ("fit_end", 4)]
 
 
 def test_exception_reaches_callbacks_then_propagates(tmp_path):

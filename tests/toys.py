@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -12,6 +13,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import saferun
+
+TOYS_PATH = os.path.abspath(__file__)
 
 
 def make_classification(n: int = 256, dim: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,3 +107,44 @@ class DrawsDataset(Dataset):
 
 def weights(trainer: saferun.Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+class SelfSignalling(AugmentedTrainer):
+    """Sends itself a real signal at a chosen step (in training or during validation)."""
+
+    def __init__(self, cfg: Any, signal_at: int = -1, signum: int = 0, in_validation: bool = False,
+                 **kw: Any) -> None:
+        super().__init__(cfg, **kw)
+        self.signal_at, self.signum, self.in_validation = signal_at, signum, in_validation
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        x, y = make_classification(64, seed=1)
+        return AugmentedDataset(), TensorDataset(x, y)
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        if not self.in_validation and self.state.step == self.signal_at:
+            os.kill(os.getpid(), self.signum)
+        return super().training_step(batch)
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        if self.in_validation and self.state.step == self.signal_at:
+            os.kill(os.getpid(), self.signum)
+        return super().validation_step(batch)
+
+
+def main() -> None:
+    """`python tests/toys.py CONFIG_JSON [SIGNAL_AT SIGNUM [validation]]`: train, print weights."""
+    import json
+    import sys
+
+    cfg = json.loads(sys.argv[1])
+    extra = sys.argv[2:]
+    trainer = SelfSignalling(cfg, signal_at=int(extra[0]) if extra else -1,
+                             signum=int(extra[1]) if extra else 0,
+                             in_validation=len(extra) > 2 and extra[2] == "validation")
+    trainer.fit()
+    torch.save(weights(trainer), os.path.join(cfg["trainer"]["run_dir"], "final_weights.pt"))
+
+
+if __name__ == "__main__":
+    main()

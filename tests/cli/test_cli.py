@@ -65,6 +65,17 @@ def test_new_copies_a_recipe_that_runs_its_own_code(tmp_path):
     assert failed.returncode != 0 and "my own training_step" in failed.stderr + failed.stdout
 
 
+def test_resume_auto_continues_in_the_same_run_directory(tmp_path):
+    run = ["run", "debug=fast", "trainer.progress_bar=false", "hydra.run.dir=stable",
+           "trainer.save_every_n_steps=3", "resume=auto"]
+    saferun(*run, "trainer.max_steps=6", cwd=tmp_path)  # nothing to resume: a fresh start
+    proc = saferun(*run, "trainer.max_steps=9", cwd=tmp_path)
+    assert "Resumed from" in proc.stdout + proc.stderr and "step 6" in proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "stable" / "summary.json").read_text())["step"] == 9
+    changed = saferun(*run, "trainer.max_steps=12", "seed=5", cwd=tmp_path, check=False)
+    assert changed.returncode != 0 and "seed: 0 -> 5" in changed.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["new", "digits", "--from", "digits"], "differ from the shipped recipes"),
     (["new", "x", "--from", "digitz"], "no recipe 'digitz'"),

@@ -1,0 +1,158 @@
+"""Crash-safe checkpoint files: atomic writes, verification, safe loading, rotation."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import saferun
+from saferun.checkpoint import (CheckpointError, check_plain, list_checkpoints, load_checkpoint,
+                                load_latest, save_checkpoint)
+from saferun.stopping import EarlyStopping
+from toys import ToyTrainer, toy_config, weights
+
+
+def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=4, save_every_n_steps=2, precision="bf16")
+    cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.9}
+    t = ToyTrainer(cfg, callbacks=[EarlyStopping(patience=3)])
+    t.fit()
+    run = tmp_path / "run"
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000002", "step-00000004"]
+    state = load_checkpoint(run / "checkpoints" / "step-00000004")  # weights_only=True inside
+    assert set(state) == {"format", "model", "optimizer", "scheduler", "scaler", "loop", "running",
+                          "rng", "callbacks", "config", "provenance"}
+    assert state["loop"]["step"] == 4 and state["loop"]["epoch"] == 0
+    assert state["loop"]["batches_in_epoch"] == 4
+    assert set(state["rng"]) >= {"python", "numpy", "torch"}
+    assert state["scheduler"]["last_epoch"] == 4
+    assert state["config"]["trainer"]["precision"] == "bf16"
+    assert state["provenance"]["torch"] == str(torch.__version__)
+    assert state["callbacks"]["0:EarlyStopping"]["best"] == t.state.metrics["val/loss"]
+    manifest = json.loads((run / "checkpoints" / "step-00000004" / "manifest.json").read_text())
+    assert manifest["step"] == 4 and len(manifest["files"]["state.pt"]["sha256"]) == 64
+    # the final weights, loadable without saferun
+    plain = torch.load(run / "model.pt", weights_only=True)
+    assert all(torch.equal(plain[k], v) for k, v in weights(t).items())
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 1, {"x": torch.ones(3)})
+    newest = save_checkpoint(root, 2, {"x": torch.full((3,), 2.0)})
+    data = (newest / "state.pt").read_bytes()
+    (newest / "state.pt").write_bytes(data[: len(data) // 2])  # truncated, as by a full disk
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        path, state = load_latest(root)
+    assert path.name == "step-00000001" and torch.equal(state["x"], torch.ones(3))
+    assert any("step-00000002" in r.getMessage() and "does not match its manifest" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_checkpoint_without_manifest_is_incomplete(tmp_path):
+    path = save_checkpoint(tmp_path, 3, {"x": torch.ones(1)})
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        load_checkpoint(path)
+    assert load_latest(tmp_path) is None
+
+
+class Payload:
+    """What an attacker pickles: unpickling it would create a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    path = save_checkpoint(tmp_path / "checkpoints", 5, {"x": torch.ones(1)})
+    # the attacker replaces the state and rewrites the manifest to match
+    torch.save({"model": Payload(str(marker))}, path / "state.pt")
+    from saferun.checkpoint import _sha256
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["state.pt"]["sha256"] = _sha256(path / "state.pt")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="refused to load.*Unsupported global"):
+        load_checkpoint(path)
+    cfg = toy_config(tmp_path, max_steps=2)
+    cfg["resume"] = str(path)
+    with pytest.raises(CheckpointError, match="refused to load"):
+        ToyTrainer(cfg).fit()
+    assert not marker.exists()
+
+
+def test_state_that_would_not_load_safely_is_refused_at_save_time(tmp_path):
+    with pytest.raises(CheckpointError, match=r"state\['callbacks'\]\['x'\] is a .*Payload"):
+        save_checkpoint(tmp_path, 1, {"callbacks": {"x": Payload("m")}})
+    assert not list(tmp_path.iterdir()) or not list_checkpoints(tmp_path)
+    check_plain({"a": [1, 2.0, "s", None, torch.ones(1), (True,)]})  # all fine
+
+
+def test_keep_last_and_best(tmp_path):
+    class ValAccAt(ToyTrainer):
+        """Validation accuracy scripted per step: best at step 4."""
+
+        def validation_step(self, batch):
+            return {"acc": torch.tensor({2: 0.5, 4: 0.9, 6: 0.6, 8: 0.7, 10: 0.8}[self.state.step])}
+
+    t = ValAccAt(toy_config(tmp_path, max_steps=10, save_every_n_steps=2, val_every_n_steps=2,
+                            keep_last=2, save_best="val/acc", save_best_mode="max"))
+    t.fit()
+    kept = [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert kept == ["step-00000004", "step-00000008", "step-00000010"]
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    root = tmp_path / "checkpoints"
+    script = f"""
+import torch, sys
+from pathlib import Path
+from saferun.checkpoint import save_checkpoint
+root = Path({str(root)!r})
+save_checkpoint(root, 1, {{"x": torch.ones(4)}})
+print("first saved", flush=True)
+save_checkpoint(root, 2, {{"x": torch.ones(150_000_000)}})  # 600 MB: takes a while to write
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "first saved"
+    deadline = time.time() + 60
+    while not list(root.glob(".tmp-step-00000002-*")) and time.time() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)  # mid-write: the temporary directory exists
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000001"]
+    path, state = load_latest(root)
+    assert path.name == "step-00000001" and torch.equal(state["x"], torch.ones(4))
+
+
+def test_callback_state_round_trips_through_a_checkpoint(tmp_path):
+    stopper = EarlyStopping(monitor="val/acc", mode="max", patience=4)
+    ToyTrainer(toy_config(tmp_path, max_steps=8, val_every_n_steps=2), callbacks=[stopper]).fit()
+    assert stopper.best is not None
+    cfg = toy_config(tmp_path, max_steps=8)
+    cfg["resume"] = "auto"
+    fresh = EarlyStopping(monitor="val/acc", mode="max", patience=4)
+    t = ToyTrainer(cfg, callbacks=[fresh])
+    t.load_state_dict(load_latest(tmp_path / "run" / "checkpoints")[1])
+    assert (fresh.best, fresh.bad_validations) == (stopper.best, stopper.bad_validations)
+
+
+def test_resuming_a_finished_run_trains_no_further(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=4)).fit()
+    cfg = toy_config(tmp_path, max_steps=4)
+    cfg["resume"] = "auto"
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert t.state.step == 4

@@ -1,0 +1,160 @@
+"""Exact resume after SIGKILL, preemption by SIGTERM/SIGINT, and config checks on resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import saferun
+from saferun.checkpoint import list_checkpoints, load_checkpoint
+from toys import TOYS_PATH, ToyTrainer, toy_config
+
+# 128 samples / 16 = 8 steps per epoch: 20 steps cross two epoch boundaries, and step 13
+# (where the run is killed) is mid-epoch, between the checkpoints at steps 10 and 15.
+def config(run_dir, **kw):
+    cfg = toy_config(run_dir.parent, max_steps=20, batch_size=16, num_workers=2,
+                     save_every_n_steps=5, log_every_n_steps=3, val_every_n_steps=6, **kw)
+    cfg["trainer"]["run_dir"] = str(run_dir)
+    return cfg
+
+
+def train(cfg, *signal_args):
+    return subprocess.run([sys.executable, TOYS_PATH, json.dumps(cfg), *map(str, signal_args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def final_weights(run_dir):
+    return torch.load(run_dir / "final_weights.pt", weights_only=True)
+
+
+def assert_bitwise_equal(a, b):
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    proc = train(config(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    return final_weights(run_dir)
+
+
+def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    killed = train(config(run_dir), 13, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == [
+        "step-00000005", "step-00000010"]
+    cfg = config(run_dir)
+    cfg["resume"] = "auto"
+    resumed = train(cfg)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resumed from" in resumed.stdout and "step 10, epoch 1, batch 2" in resumed.stdout
+    assert_bitwise_equal(final_weights(run_dir), uninterrupted)
+
+
+@pytest.mark.parametrize("signum, where, then_resume", [
+    (signal.SIGTERM, "training", True), (signal.SIGTERM, "validation", True),
+    (signal.SIGINT, "training", False)])
+def test_signal_saves_at_the_boundary_exits_128_plus_n_and_resumes_exactly(
+        tmp_path, uninterrupted, signum, where, then_resume):
+    run_dir = tmp_path / "run"
+    # in validation: during the validation after step 6; in training: during step 8,
+    # the epoch's last (the signal lands in training_step, the save after the step)
+    at, saved = (6, 6) if where == "validation" else (7, 8)
+    stopped = train(config(run_dir), at, signum, where)
+    assert stopped.returncode == 128 + signum, stopped.stderr
+    assert f"stopped by {signal.Signals(signum).name} at step {saved}" in stopped.stderr
+    assert "resume=auto" in stopped.stderr
+    newest = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert load_checkpoint(newest)["loop"]["step"] == saved
+    if not then_resume:
+        return
+    cfg = config(run_dir)
+    cfg["resume"] = "auto"
+    resumed = train(cfg)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bitwise_equal(final_weights(run_dir), uninterrupted)
+
+
+def test_resume_in_process_equals_straight_run_without_workers(tmp_path):
+    def cfg(run_dir, steps, resume=None):
+        c = toy_config(tmp_path, max_steps=steps, save_every_n_steps=4, log_every_n_steps=3)
+        c["trainer"]["run_dir"] = str(run_dir)
+        c["resume"] = resume
+        return c
+
+    from toys import AugmentedTrainer, weights
+
+    straight = AugmentedTrainer(cfg(tmp_path / "a", 12))
+    straight.fit()
+    first = AugmentedTrainer(cfg(tmp_path / "b", 6))  # stops at 6; the checkpoint is at step 6
+    first.fit()
+    second = AugmentedTrainer(cfg(tmp_path / "b", 12, resume="auto"))
+    metrics = second.fit()
+    assert second.state.step == 12
+    assert_bitwise_equal(weights(second), weights(straight))
+    assert metrics["train/loss"] == straight.state.metrics["train/loss"]  # same logged means
+
+
+def test_resume_with_a_different_config_is_refused_naming_the_keys(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=4)).fit()
+    changed = toy_config(tmp_path, max_steps=8, batch_size=16)
+    changed["seed"] = 7
+    changed["resume"] = "auto"
+    with pytest.raises(saferun.ConfigError) as e:
+        ToyTrainer(changed).fit()
+    assert "seed: 0 -> 7" in str(e.value) and "trainer.batch_size: 32 -> 16" in str(e.value)
+    assert "force_resume=true" in str(e.value)
+    changed["force_resume"] = True
+    t = ToyTrainer(changed)
+    t.fit()
+    assert t.state.step == 8
+
+
+def test_resume_auto_without_checkpoint_starts_fresh_and_explicit_path_must_exist(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=3)
+    cfg["resume"] = "auto"
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert t.state.step == 3
+    cfg["resume"] = str(tmp_path / "nowhere")
+    with pytest.raises(saferun.SaferunError, match="no complete checkpoint"):
+        ToyTrainer(cfg).fit()
+
+
+def test_resume_from_an_explicit_checkpoint_directory(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=6, save_every_n_steps=2)).fit()
+    step4 = tmp_path / "run" / "checkpoints" / "step-00000004"
+    cfg = toy_config(tmp_path, max_steps=6)
+    cfg["trainer"]["run_dir"] = str(tmp_path / "other")
+    cfg["resume"] = str(step4)
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert t.state.step == 6
+    assert (tmp_path / "other" / "checkpoints" / "step-00000006").is_dir()
+
+
+def test_second_sigint_aborts_at_once(tmp_path):
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {os.path.dirname(TOYS_PATH)!r})
+from toys import ToyTrainer, toy_config
+class Twice(ToyTrainer):
+    def training_step(self, batch):
+        if self.state.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().training_step(batch)
+Twice(toy_config(__import__('pathlib').Path({str(tmp_path)!r}), max_steps=10)).fit()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    assert "stopped by SIGINT" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing saved: an abort
