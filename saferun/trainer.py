@@ -228,7 +228,7 @@ class Trainer:
                 self._save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
         except BaseException as exc:
-            error = self._preempted(exc) or _explained(exc, state.step) or exc
+            error = self._preempted(exc) or _explained(exc, state.step + 1) or exc
             cbs.on_exception(self.view, error)
             if error is exc:
                 raise
@@ -245,7 +245,7 @@ class Trainer:
         for batch, size in zip(micro_batches, sizes):
             batch = move_to_device(batch, self.device, self._non_blocking)
             with self._autocast():
-                loss, logs = _loss_and_logs(self.training_step(batch), self.state.step)
+                loss, logs = _loss_and_logs(self.training_step(batch), self.state.step + 1)
             # Weight each micro-batch by its share of the samples, so that the
             # accumulated gradient equals the gradient of the whole batch's mean loss.
             if size != total:
@@ -355,7 +355,7 @@ class Trainer:
 
             def first_loss() -> torch.Tensor:
                 with modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode), self._autocast():
-                    return _loss_and_logs(self.training_step(batch), 0, need_grad=False)[0]
+                    return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
 
             check_compiled(first_loss, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
 

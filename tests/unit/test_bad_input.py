@@ -22,7 +22,7 @@ def test_non_scalar_loss(tmp_path):
             x, y = batch
             return F.cross_entropy(self.model(x), y, reduction="none")
 
-    with pytest.raises(saferun.SaferunError, match=r"scalar loss.*shape \(32,\) at step 0.*loss.mean\(\)"):
+    with pytest.raises(saferun.SaferunError, match=r"scalar loss.*shape \(32,\) at step 1.*loss.mean\(\)"):
         fit(PerSample, tmp_path)
 
 
