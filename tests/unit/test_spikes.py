@@ -1,0 +1,113 @@
+"""Guard 3: loss spikes and gradient explosions are flagged on the device, before the update."""
+
+import io
+
+import pytest
+import torch
+
+from saferun.spikes import SpikeDetector
+from saferun.syncs import HostSyncCounter
+
+
+def noisy(n: int, level: float = 2.0, noise: float = 0.05, seed: int = 0) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return (level + noise * torch.randn(n, generator=g)).tolist()
+
+
+def flags(detector: SpikeDetector, values: list[float]) -> list[bool]:
+    out = [detector.update(torch.tensor(v)) for v in values]
+    return torch.stack(out).tolist()  # one read, after the fact, as the loop would at a log step
+
+
+def test_a_loss_spike_is_flagged_and_its_neighbours_are_not():
+    values = noisy(60)
+    values[40] = 20.0
+    assert [i for i, f in enumerate(flags(SpikeDetector(window=30, warmup=10), values)) if f] == [40]
+
+
+def test_a_gradient_explosion_is_flagged_after_slow_growth_is_accepted():
+    growth = [1.0 + 0.01 * i + v for i, v in enumerate(noisy(100, level=0.0, noise=0.02))]
+    values = growth + [10 * growth[-1]]
+    assert [i for i, f in enumerate(flags(SpikeDetector(window=50, warmup=10), values)) if f] == [100]
+
+
+def test_spikes_do_not_enter_the_window_so_a_second_one_is_flagged_too():
+    d = SpikeDetector(window=20, warmup=10)
+    flags(d, noisy(20))
+    before = d.state_dict()
+    assert flags(d, [50.0, 50.0, 50.0]) == [True, True, True]
+    after = d.state_dict()
+    assert torch.equal(after["count"], before["count"])
+    assert torch.equal(after["values"], before["values"])
+    assert flags(d, [2.0]) == [False] and int(d.state_dict()["count"]) == 21
+
+
+def test_nothing_is_flagged_during_warmup_and_warmup_values_are_kept():
+    d = SpikeDetector(window=10, warmup=5)
+    assert flags(d, [1.0, 1.0, 100.0, 1.0, 1.0]) == [False] * 5
+    assert 100.0 in d.state_dict()["values"].tolist()
+
+
+def test_non_finite_values_are_neither_spikes_nor_kept():
+    d = SpikeDetector(window=10, warmup=3)
+    flags(d, [1.0, 1.1, 0.9])
+    assert flags(d, [float("nan"), float("inf"), float("-inf")]) == [False] * 3
+    assert int(d.state_dict()["count"]) == 3
+
+
+def test_the_mad_floor_keeps_a_flat_history_from_flagging_noise():
+    d = SpikeDetector(window=10, warmup=5, threshold=6.0, min_rel_mad=0.01)
+    flags(d, [1.0] * 10)  # MAD is 0; the floor is 1% of the median
+    assert flags(d, [1.05, 1.2]) == [False, True]  # limit: 1 + 6 * 1.4826 * 0.01 = 1.089
+
+
+def test_the_window_forgets_old_values():
+    d = SpikeDetector(window=10, warmup=10)
+    flags(d, [1.0] * 10 + [1.08] * 10)  # each step within the floor; ten of them replace the 1.0s
+    assert d.state_dict()["values"].tolist() == pytest.approx([1.08] * 10)
+    assert flags(d, [1.17]) == [False]  # would be a spike against the old level
+
+
+def test_update_returns_a_device_bool_and_never_syncs():
+    d = SpikeDetector(window=16, warmup=4)
+    losses = [torch.tensor(v) for v in noisy(50) + [30.0]]
+    with HostSyncCounter() as counter:
+        out = [d.update(loss) for loss in losses]
+    assert counter.count == 0, counter.sites
+    assert out[-1].dtype == torch.bool and out[-1].shape == () and bool(out[-1])
+    assert d.last_limit is not None and d.last_limit.shape == ()
+
+
+def test_state_round_trips_through_a_weights_only_checkpoint_with_identical_decisions():
+    history, future = noisy(70, seed=1), noisy(40, seed=2)
+    future[5], future[25] = 3.0, 9.0  # spikes only against the history
+    uninterrupted = SpikeDetector(window=32, warmup=16)
+    flags(uninterrupted, history)
+    buffer = io.BytesIO()
+    torch.save(uninterrupted.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = SpikeDetector(window=32, warmup=16)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    expected = flags(uninterrupted, future)
+    assert flags(resumed, future) == expected
+    assert expected[5] and expected[25]
+    assert not any(flags(SpikeDetector(window=32, warmup=16), future)[:16])  # a fresh one differs
+    assert torch.equal(resumed.state_dict()["values"], uninterrupted.state_dict()["values"])
+
+
+def test_state_dict_is_a_copy_and_a_wrong_window_is_refused():
+    d = SpikeDetector(window=8, warmup=2)
+    flags(d, [1.0, 2.0])
+    state = d.state_dict()
+    assert flags(d, [1.0]) == [False]  # accepted: the detector's count moves on
+    assert int(state["count"]) == 2 and torch.isnan(state["values"][2])
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    with pytest.raises(ValueError, match="window of \\(8,\\) values, but this detector has window=16"):
+        SpikeDetector(window=16, warmup=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("kwargs", [{"window": 0}, {"window": 5, "warmup": 6}, {"warmup": 0},
+                                    {"threshold": 0.0}, {"min_rel_mad": -1.0}])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="spike detector"):
+        SpikeDetector(**kwargs)
