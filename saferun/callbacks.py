@@ -76,6 +76,8 @@ class StepOutput:
     """Extra scalars returned by training_step (detached)."""
     num_samples: int = 0
     """Samples in the step's micro-batches."""
+    skipped: bool = False
+    """The update was dropped (guards.nonfinite=skip): the loss or gradients were not finite."""
 
 
 class TrainerView:

@@ -98,6 +98,35 @@ class TrainerConfig:
             raise ConfigError("trainer.compile_rtol and trainer.compile_atol must be >= 0.")
 
 
+NONFINITE_POLICIES = ("raise", "skip", "rollback", "off")
+
+
+@dataclass
+class GuardsConfig:
+    """Safety checks on the user's code and data. The cheap ones are on by default."""
+
+    nonfinite: str = "raise"
+    """NaN/Inf in the loss or gradients: raise (checked at log points, no per-step sync),
+    skip (drop that update; one host sync per step), rollback (restore the last checkpoint and
+    go on with the next data), or off."""
+    max_consecutive: int = 5
+    """skip/rollback: stop after this many non-finite steps (or rollbacks) in a row."""
+    check_params: bool = False
+    """Also check the parameters (their total norm is then logged as train/param_norm)."""
+    anomaly_replay: bool = False
+    """On a non-finite step, replay it from the last checkpoint under detect_anomaly and name
+    the operation that produced it (keeps a step-0 checkpoint so there is always one)."""
+    unused_params: bool = True
+    """After the first step, name the trainable parameters that received no gradient."""
+
+    def __post_init__(self) -> None:
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"guards.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
+                              f"got {self.nonfinite!r}.")
+        if isinstance(self.max_consecutive, int) and self.max_consecutive < 1:
+            raise ConfigError(f"guards.max_consecutive must be >= 1, got {self.max_consecutive}.")
+
+
 def _adamw() -> dict[str, Any]:
     return {"_target_": "torch.optim.AdamW", "lr": 1e-3}
 
@@ -111,6 +140,7 @@ class Config:
     """A whole run: the loop's knobs plus `_target_` nodes for the components."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
     optim: Any = field(default_factory=_adamw)
     """Optimizer: `_target_` plus keyword arguments; `params` is passed by the Trainer."""
     sched: Any = None

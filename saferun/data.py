@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler)
 
 from .errors import SaferunError
 from .seeding import WorkerSeeder, derive_seed
+
+
+class IndexRecorder(Sampler[list[int]]):
+    """A batch sampler wrapper that remembers the sample indices of each batch.
+
+    The DataLoader draws index batches ahead of their use (workers prefetch) and
+    delivers the batches in the same order, so the oldest pending entry always
+    belongs to the next batch the loop receives: `take()` after each batch.
+    """
+
+    def __init__(self, batch_sampler: BatchSampler) -> None:
+        self.batch_sampler = batch_sampler
+        self.pending: collections.deque[list[int]] = collections.deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.pending.clear()  # a new epoch's iterator
+        for indices in self.batch_sampler:
+            self.pending.append(indices)
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def take(self) -> Optional[list[int]]:
+        return self.pending.popleft() if self.pending else None
 
 
 def make_loader(
@@ -24,18 +51,21 @@ def make_loader(
     rank: int = 0,
     multiprocessing_context: Optional[str] = None,
 ) -> DataLoader:
-    """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`)."""
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
-        multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
-        generator=torch.Generator(),
-    )
+    """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`).
+
+    Map-style datasets get an `IndexRecorder` batch sampler, so that errors can
+    name the samples of a bad step.
+    """
+    generator = torch.Generator()
+    workers = dict(num_workers=num_workers, pin_memory=pin_memory,
+                   worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
+                   multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
+                          generator=generator, **workers)
+    sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    batches = IndexRecorder(BatchSampler(sampler, batch_size, drop_last))
+    return DataLoader(dataset, batch_sampler=batches, generator=generator, **workers)
 
 
 def set_loader_epoch(loader: DataLoader, seed: int, epoch: int, rank: int = 0) -> None:
@@ -48,9 +78,17 @@ def set_loader_epoch(loader: DataLoader, seed: int, epoch: int, rank: int = 0) -
         loader.generator.manual_seed(derive_seed(seed, epoch, rank))
     if isinstance(loader.worker_init_fn, WorkerSeeder):
         loader.worker_init_fn.epoch = epoch
-    set_epoch = getattr(loader.sampler, "set_epoch", None)
+    set_epoch = getattr(sampler_of(loader), "set_epoch", None)
     if callable(set_epoch):  # DistributedSampler
         set_epoch(epoch)
+
+
+def sampler_of(loader: DataLoader) -> Any:
+    """The sampler that orders `loader`'s samples (inside its batch sampler, if any)."""
+    batch_sampler = loader.batch_sampler
+    if isinstance(batch_sampler, IndexRecorder):
+        batch_sampler = batch_sampler.batch_sampler
+    return getattr(batch_sampler, "sampler", loader.sampler)
 
 
 def check_dataset(dataset: Any, name: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -12,7 +12,7 @@ from .errors import SaferunError
 
 
 class RunningTrainMetrics:
-    """Collects each step's loss, grad norm and logged scalars until the next log point.
+    """Collects each step's loss, grad norm, logged scalars and sample indices until a log point.
 
     Appending a device tensor to a list costs no sync; `read()` averages
     everything with device ops and copies the results to the host at once.
@@ -25,42 +25,65 @@ class RunningTrainMetrics:
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
         self.logs: list[Mapping[str, torch.Tensor]] = []
+        self.batches: list[Any] = []  # per step: (epoch, [sample indices per micro-batch]) or None
         self.samples = 0
+        self.skipped = 0
         self.started = time.perf_counter()
 
     @property
     def steps(self) -> int:
-        return len(self.losses)
+        return len(self.losses) + self.skipped
 
-    def add(self, output: StepOutput) -> None:
+    def add(self, output: StepOutput, batches: Any = None) -> None:
+        self.samples += output.num_samples
+        if output.skipped:
+            self.skipped += 1
+            return
         self.losses.append(output.loss)
         self.grad_norms.append(output.grad_norm)
         if output.logs:
             self.logs.append(output.logs)
-        self.samples += output.num_samples
+        self.batches.append(batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The values collected since the last log point (so a resumed run logs the same means)."""
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "logs": [dict(d) for d in self.logs], "samples": self.samples}
+                "logs": [dict(d) for d in self.logs], "batches": list(self.batches),
+                "samples": self.samples, "skipped": self.skipped}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.reset()
         self.losses, self.grad_norms = list(state["losses"]), list(state["grad_norms"])
-        self.logs, self.samples = [dict(d) for d in state["logs"]], state["samples"]
+        self.logs, self.batches = [dict(d) for d in state["logs"]], list(state["batches"])
+        self.samples, self.skipped = state["samples"], state["skipped"]
 
-    def read(self) -> dict[str, float]:
-        """Means since the last read, plus throughput; resets. The only host sync of a log point."""
-        names = ["train/loss", "train/grad_norm"] + [f"train/{k}" for k in (self.logs[0] if self.logs else ())]
-        columns = [_mean(self.losses), _mean(self.grad_norms)]
-        columns += [_mean([d[k] for d in self.logs]) for k in (self.logs[0] if self.logs else ())]
-        values = torch.stack(columns).tolist()
+    def read(self, extra: Mapping[str, torch.Tensor] = {}) -> dict[str, float]:
+        """Means since the last reset, throughput and `extra`: the one host sync of a log point."""
+        keys = list(self.logs[0]) if self.logs else []
+        names, columns = [], []
+        if self.losses:
+            names += ["train/loss", "train/grad_norm"] + [f"train/{k}" for k in keys]
+            columns += [_mean(self.losses), _mean(self.grad_norms)]
+            columns += [_mean([d[k] for d in self.logs]) for k in keys]
+        names += list(extra)
+        columns += [v.detach().float() for v in extra.values()]
+        values = torch.stack(columns).tolist() if columns else []
         seconds = max(time.perf_counter() - self.started, 1e-9)
         metrics = dict(zip(names, values))
         metrics["perf/steps_per_sec"] = self.steps / seconds
         metrics["perf/samples_per_sec"] = self.samples / seconds
-        self.reset()
+        if self.skipped:
+            metrics["train/skipped_steps"] = float(self.skipped)
         return metrics
+
+    def first_nonfinite(self, check_grads: bool = True) -> Optional[int]:
+        """Position (in this window) of the first step with a non-finite loss or grad norm."""
+        losses = torch.stack(self.losses).float()
+        bad = ~torch.isfinite(losses)
+        if check_grads:
+            bad |= ~torch.isfinite(torch.stack(self.grad_norms).float())
+        found = bad.nonzero().flatten().tolist()
+        return found[0] if found else None
 
 
 class WeightedMeans:

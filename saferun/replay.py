@@ -28,6 +28,7 @@ from torch import nn
 
 _NAN_ERROR = re.compile(r"Function '(\w+)' returned nan values in its (\d+)\w* output")
 _TRACE_MARK = "Traceback of forward call that caused the error:"
+_ANOMALY_WARNINGS = ("Anomaly Detection has been enabled", "Error detected in ")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
@@ -85,7 +86,7 @@ def replay(run: Callable[[], Any], model: Optional[nn.Module] = None) -> ReplayR
                 try:
                     out = run()
                     if isinstance(out, torch.Tensor) and out.numel() == 1:
-                        report.loss = float(out)
+                        report.loss = float(out.detach())
                 except RuntimeError as e:
                     match = _NAN_ERROR.search(str(e))
                     if match is None:
@@ -95,6 +96,9 @@ def replay(run: Callable[[], Any], model: Optional[nn.Module] = None) -> ReplayR
         for h in handles:
             h.remove()
     report.forward_trace = _forward_trace([str(w.message) for w in caught])
+    for w in caught:  # pass on the warnings that are not anomaly mode's own
+        if not str(w.message).startswith(_ANOMALY_WARNINGS):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if model is not None:
         report.first_bad_grad = first_nonfinite((n, p.grad) for n, p in model.named_parameters())
     return report

@@ -9,11 +9,11 @@ override point; callbacks observe it (see `saferun.callbacks`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import itertools
 import logging
+import math
 import os
 import platform
 import sys
@@ -27,16 +27,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import __version__, modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
-from .checkpoint import (CheckpointError, checkpoint_root, load_checkpoint, load_latest, rotate,
-                         save_checkpoint, save_weights)
+from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
+                         load_latest, rotate, save_checkpoint, save_weights)
 from .compile import check_compiled, unwrap_compiled
 from .config import Config, check_resume_config, load_config
-from .data import batch_size_of, check_dataset, make_loader, move_to_device, set_loader_epoch
+from .data import (IndexRecorder, batch_size_of, check_dataset, make_loader, move_to_device,
+                   set_loader_epoch)
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .precision import autocast_factory, grad_scaler
 from .preemption import Preempted, StopSignals, signal_name
+from .replay import first_nonfinite, replay
 from .seeding import get_rng_state, preserved_rng, seed_everything, set_rng_state
 
 log = logging.getLogger("saferun")
@@ -81,6 +83,8 @@ class Trainer:
         self._user_callbacks = list(callbacks)
         self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self._resume_rng: Optional[dict[str, Any]] = None
+        self._rollbacks = 0
+        self._skips_in_a_row, self._last_skipped = 0, -1
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -190,6 +194,11 @@ class Trainer:
         self._callbacks = CallbackList(self._user_callbacks + self._configured_callbacks())
         self._running = RunningTrainMetrics()
         self._stop_signals = StopSignals()
+        g = self.cfg.guards
+        # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
+        self._grads_checked = t.precision != "fp16"
+        self._skip_nonfinite = g.nonfinite == "skip" and self._grads_checked
+        self._unused_check_pending = g.unused_params
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -206,9 +215,9 @@ class Trainer:
         try:
             with self._stop_signals:
                 validated = False
-                for micro_batches, epoch_end in self._batch_groups():
+                for micro_batches, epoch_end, where in self._batch_groups():
                     output = self.train_step(micro_batches)
-                    self._running.add(output)
+                    self._running.add(output, where)
                     control = cbs.on_train_step_end(self.view, output)
                     if state.step % t.log_every_n_steps == 0:
                         control = _merge(control, self._log())
@@ -237,7 +246,26 @@ class Trainer:
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
-        model, opt, scaler = self.model, self.optimizer, self._scaler
+        opt, scaler = self.optimizer, self._scaler
+        loss, logs, samples = self._forward_backward(micro_batches)
+        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
+        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
+        if self._unused_check_pending:
+            self._report_unused_parameters()
+        if self._skip_nonfinite and not bool(torch.isfinite(self._finite_probe(loss, grad_norm))):
+            return self._skip_step(loss, grad_norm, samples)  # costs one host sync per step
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.state.step += 1
+        self.state.samples_seen += samples
+        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples)
+
+    def _forward_backward(self, micro_batches: Sequence[Any]
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """Forward and backward over the micro-batches: (mean loss, mean logs, samples)."""
         sizes = [self.batch_size(b) for b in micro_batches]
         total = sum(sizes)
         loss_sum: Optional[torch.Tensor] = None
@@ -250,21 +278,12 @@ class Trainer:
             # accumulated gradient equals the gradient of the whole batch's mean loss.
             if size != total:
                 loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}
-            scaler.scale(loss).backward()
+            self._scaler.scale(loss).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for k, v in logs.items():
                 logs_sum[k] = logs_sum[k] + v if k in logs_sum else v
-        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
-        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.state.step += 1
-        self.state.samples_seen += total
         assert loss_sum is not None
-        return StepOutput(loss=loss_sum, grad_norm=grad_norm, logs=logs_sum, num_samples=total)
+        return loss_sum, logs_sum, total
 
     def validate(self) -> dict[str, float]:
         """Average `validation_step` over the validation set, in eval mode without autograd."""
@@ -307,8 +326,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop helpers
 
-    def _batch_groups(self) -> Iterator[tuple[list[Any], bool]]:
-        """Yield (micro-batches of one step, is this the epoch's last step) across epochs.
+    def _batch_groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
+        """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
+
+        `where` is (epoch, [sample indices of each micro-batch]), or None when the
+        loader does not record indices (a user-built DataLoader).
 
         After a resume, the first epoch replays its batches up to the saved position
         (loading only, no compute; workers draw the same augmentations again), then
@@ -319,16 +341,20 @@ class Trainer:
         loader = self.train_loader
         assert loader is not None
         per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
         while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
             set_loader_epoch(loader, self.cfg.seed, state.epoch, state.rank)
             batches = iter(loader)
-            collections.deque(itertools.islice(batches, state.batches_in_epoch), maxlen=0)
+            for _ in itertools.islice(batches, state.batches_in_epoch):
+                if recorder is not None:
+                    recorder.take()
             if self._resume_rng is not None:
                 set_rng_state(self._resume_rng)
                 self._resume_rng = None
             while state.step < t.max_steps and (group := _take(batches, t.accumulate)):
                 state.batches_in_epoch += len(group)
-                yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch
+                where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
+                yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
             if state.step >= t.max_steps:
                 return
             if state.batches_in_epoch == 0:
@@ -346,6 +372,10 @@ class Trainer:
                      "saferun put it in train mode. Frozen modules kept in eval: %s.", frozen)
         if self.cfg.trainer.compile:
             self._check_compile()
+        g = self.cfg.guards
+        if (g.nonfinite == "rollback" or g.anomaly_replay) and \
+                not list_checkpoints(checkpoint_root(self.state.run_dir)):
+            self._save_checkpoint()  # so there is always a good state to go back to
 
     def _check_compile(self) -> None:
         assert self.train_loader is not None
@@ -443,6 +473,12 @@ class Trainer:
     def _save_checkpoint(self) -> Path:
         t = self.cfg.trainer
         root = checkpoint_root(self.state.run_dir)
+        # A checkpoint is only saved if the steps since the last check were finite, so the
+        # newest checkpoint is always a good state to resume or roll back to.
+        if self.cfg.guards.nonfinite != "off" and self._running.losses \
+                and self._running.first_nonfinite(self._grads_checked) is not None:
+            self._on_nonfinite()
+            return list_checkpoints(root)[-1]  # rolled back to it
         path = save_checkpoint(root, self.state.step, self.state_dict())
         rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
         self._callbacks.on_checkpoint(self.view, str(path))
@@ -466,6 +502,107 @@ class Trainer:
         return metrics[key] < self._best[0] if self.cfg.trainer.save_best_mode == "min" \
             else metrics[key] > self._best[0]
 
+    # ------------------------------------------------------------------ non-finite guard
+
+    def _finite(self, metrics: Mapping[str, float]) -> bool:
+        keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self._grads_checked else ())
+        return all(math.isfinite(metrics[k]) for k in keys if k in metrics)
+
+    def _finite_probe(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        return loss + grad_norm  # NaN and Inf survive the sum: finite iff both are
+
+    def _on_nonfinite(self) -> None:
+        """Non-finite values since the last check: raise with where and what to do, or roll back."""
+        running, g = self._running, self.cfg.guards
+        first = running.first_nonfinite(self._grads_checked) if running.losses else None
+        if first is None:  # the losses and gradients were finite: guards.check_params fired
+            raise NonFiniteError(
+                f"the parameters are not finite at step {self.state.step}: "
+                f"{first_nonfinite(self.model.named_parameters())}. Lower optim.lr or set "
+                f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
+        bad_step = self.state.step - running.steps + 1 + first
+        loss, norm = torch.stack([running.losses[first], running.grad_norms[first]]).tolist()
+        where = running.batches[first]
+        indices = [i for micro in (where[1] if where else ()) for i in (micro or ())]
+        samples = (f"epoch {where[0]}, sample indices {_short(indices)}" if indices
+                   else "sample indices unknown (a custom DataLoader)")
+        report = (f"non-finite values at step {bad_step}: loss {loss}, gradient norm {norm}; "
+                  f"{samples}.")
+        if g.nonfinite == "rollback":
+            self._roll_back(report, bad_step)
+            return
+        if g.anomaly_replay:
+            report += "\n" + self._anomaly_replay(bad_step)
+        raise NonFiniteError(
+            f"{report} The check runs at log points (no host sync per step), so that update and "
+            f"the ones after it were applied; the last checkpoint predates them. What to do: "
+            f"inspect those samples; lower optim.lr or set trainer.max_grad_norm; set "
+            f"guards.anomaly_replay=true to name the operation that produced the NaN; or set "
+            f"guards.nonfinite=skip or rollback to train past such steps.")
+
+    def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
+        """guards.nonfinite=skip: drop this update; optimizer and scheduler stay untouched."""
+        self.optimizer.zero_grad(set_to_none=True)
+        step = self.state.step + 1
+        self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
+        self._last_skipped = step
+        self.state.step = step
+        self.state.samples_seen += samples
+        log.warning("step %d: non-finite loss or gradients; the update was skipped (%d in a row).",
+                    step, self._skips_in_a_row)
+        if self._skips_in_a_row >= self.cfg.guards.max_consecutive:
+            raise NonFiniteError(
+                f"{self._skips_in_a_row} steps in a row ({step - self._skips_in_a_row + 1} to "
+                f"{step}) had non-finite loss or gradients and were skipped "
+                f"(guards.max_consecutive={self.cfg.guards.max_consecutive}). Training is not "
+                f"recovering: lower optim.lr, set trainer.max_grad_norm, or check the data.")
+        return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
+
+    def _roll_back(self, report: str, bad_step: int) -> None:
+        """guards.nonfinite=rollback: restore the newest checkpoint, keep going with new data."""
+        self._rollbacks += 1
+        found = load_latest(checkpoint_root(self.state.run_dir))
+        if found is None or self._rollbacks > self.cfg.guards.max_consecutive:
+            why = ("there is no checkpoint to roll back to" if found is None else
+                   f"{self._rollbacks} rollbacks without a clean log point in between "
+                   f"(guards.max_consecutive={self.cfg.guards.max_consecutive})")
+            raise NonFiniteError(f"{report} Cannot roll back: {why}. Lower optim.lr, set "
+                                 f"trainer.max_grad_norm, or check the data.")
+        path, state = found
+        epoch, position = self.state.epoch, self.state.batches_in_epoch
+        self.load_state_dict(state)
+        # Go on with the data after the bad step: replaying it would fail the same way.
+        self.state.epoch, self.state.batches_in_epoch = epoch, position
+        self._resume_rng = None
+        self._running.reset()
+        log.warning("%s Rolled back to %s (step %d); training continues with the data after "
+                    "step %d.", report, path, self.state.step, bad_step)
+
+    def _anomaly_replay(self, bad_step: int) -> str:
+        """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
+        found = load_latest(checkpoint_root(self.state.run_dir))
+        if found is None or found[1]["loop"]["step"] >= bad_step:
+            return "Anomaly replay: no checkpoint before the bad step to replay from."
+        self.load_state_dict(found[1])
+        self._running.reset()
+        for micro_batches, _, _ in self._batch_groups():
+            if self.state.step + 1 == bad_step:
+                return str(replay(lambda: self._forward_backward(micro_batches)[0], self.model))
+            self.train_step(micro_batches)
+        return "Anomaly replay: the data ended before the bad step."
+
+    def _report_unused_parameters(self) -> None:
+        """Once, after the first backward: name trainable parameters that got no gradient."""
+        self._unused_check_pending = False
+        unused = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            log.warning(
+                "%d trainable parameter(s) received no gradient in the first step: %s. "
+                "training_step's loss does not depend on them; if that is intended, freeze them "
+                "(trainer.frozen_modules) so that weight decay does not move them, and note that "
+                "DistributedDataParallel needs find_unused_parameters=True for them.",
+                len(unused), _short(unused))
+
     def _preempted(self, exc: BaseException) -> Optional[Preempted]:
         """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.
 
@@ -485,7 +622,14 @@ class Trainer:
         return Preempted(signum, message)
 
     def _log(self) -> Optional[Control]:
-        metrics = self._running.read()
+        g = self.cfg.guards
+        extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}
+        metrics = self._running.read(extra)
+        if g.nonfinite != "off" and not self._finite(metrics):
+            self._on_nonfinite()  # raises, or rolls back (the window's metrics are then moot)
+            return None
+        self._running.reset()
+        self._rollbacks = 0
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         self.state.metrics.update(metrics)
         return self._callbacks.on_log(self.view, metrics)
@@ -580,6 +724,15 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) 
                     f"the optimizer holds frozen parameter '{frozen[id(p)]}'; weight decay or "
                     f"momentum would still move it. Build the optimizer from the params "
                     f"argument of build_optimizer(params), which excludes frozen parameters.")
+
+
+class NonFiniteError(SaferunError):
+    """NaN or Inf in the loss, the gradients or the parameters."""
+
+
+def _short(items: Sequence[Any], limit: int = 16) -> str:
+    shown = ", ".join(map(str, items[:limit]))
+    return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
 
 
 def _take(iterator: Iterator[Any], n: int) -> list[Any]:

@@ -1,0 +1,180 @@
+"""The non-finite sentinel: each policy, tested by planting a NaN."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from saferun.checkpoint import list_checkpoints
+from saferun.syncs import HostSyncCounter
+from saferun.trainer import NonFiniteError
+from toys import ToyTrainer, make_classification, toy_config, weights
+
+
+class PoisonedData(Dataset):
+    """Sample 42 has a NaN feature: the classic bad record."""
+
+    def __init__(self):
+        self.x, self.y = make_classification(256)
+        self.x[42, 3] = float("nan")
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Poisoned(ToyTrainer):
+    def build_datasets(self):
+        return PoisonedData(), None
+
+
+def test_raise_names_the_step_and_the_samples_with_no_per_step_sync(tmp_path):
+    t = Poisoned(toy_config(tmp_path, max_steps=40, log_every_n_steps=5))
+    with HostSyncCounter() as counter, pytest.raises(NonFiniteError) as e:
+        t.fit()
+    message = str(e.value)
+    # sample 42 is in some batch of epoch 0; the error names that step and its indices
+    bad_step = next(s for s, where in enumerate(t._running.batches, start=t.state.step - t._running.steps + 1)
+                    if where and any(42 in b for b in where[1]))
+    assert f"at step {bad_step}:" in message and "42" in message and "epoch 0" in message
+    assert "guards.anomaly_replay=true" in message and "guards.nonfinite=skip" in message
+    log_points = -(-bad_step // 5)  # detection at the first log point at or after the bad step
+    assert counter.count <= log_points + 2  # the log reads and the report: no per-step sync
+
+
+def test_no_checkpoint_is_written_after_a_non_finite_step(tmp_path):
+    t = Poisoned(toy_config(tmp_path, max_steps=40, log_every_n_steps=100, save_every_n_steps=2,
+                            shuffle=False))  # sample 42 is in step 2 (batches of 32)
+    with pytest.raises(NonFiniteError, match="at step 2:"):
+        t.fit()
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
+
+
+class BadAt(ToyTrainer):
+    """The loss is NaN at the steps in `bad` (1-based)."""
+
+    bad = (7,)
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * float("nan") if self.state.step + 1 in self.bad else loss
+
+
+def test_skip_drops_the_update_and_leaves_the_optimizer_untouched(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=7, log_every_n_steps=7, shuffle=False)
+    cfg["optim"] = {"_target_": "torch.optim.AdamW", "lr": 1e-2}
+    cfg["guards"] = {"nonfinite": "skip"}
+    skipped = BadAt(cfg)
+    metrics = skipped.fit()
+    cfg["trainer"]["max_steps"] = 6
+    six = BadAt(cfg)
+    six.fit()
+    assert metrics["train/skipped_steps"] == 1.0 and skipped.state.step == 7
+    w7, w6 = weights(skipped), weights(six)
+    assert all(torch.equal(w7[k], w6[k]) for k in w6 if "running" not in k and "num_batches" not in k)
+    s7, s6 = skipped.optimizer.state_dict()["state"], six.optimizer.state_dict()["state"]
+    assert all(torch.equal(s7[i]["step"], s6[i]["step"]) and torch.equal(s7[i]["exp_avg"], s6[i]["exp_avg"])
+               for i in s6)
+
+
+def test_skip_stops_after_too_many_in_a_row(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=20)
+    cfg["guards"] = {"nonfinite": "skip", "max_consecutive": 3}
+    t = BadAt(cfg)
+    t.bad = range(5, 100)
+    with pytest.raises(NonFiniteError, match=r"3 steps in a row \(5 to 7\)"):
+        t.fit()
+
+
+class GlitchOnce(PoisonedData):
+    """Sample 42 reads as NaN the first time only: a transient fault, what rollback is for."""
+
+    glitched = False
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        if i == 42 and not GlitchOnce.glitched:
+            GlitchOnce.glitched = True
+            return x, y
+        return torch.nan_to_num(x), y
+
+
+class Glitchy(ToyTrainer):
+    def build_datasets(self):
+        GlitchOnce.glitched = False
+        return GlitchOnce(), None
+
+
+def test_rollback_restores_the_last_checkpoint_and_goes_on(tmp_path, caplog):
+    cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=5, save_every_n_steps=5,
+                     shuffle=False)  # sample 42 is in step 2
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = Glitchy(cfg)
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        metrics = t.fit()
+    assert t.state.step == 20 and all(torch.isfinite(p).all() for p in t.model.parameters())
+    rolled = [r.getMessage() for r in caplog.records if "Rolled back" in r.getMessage()]
+    assert len(rolled) == 1 and "at step 2:" in rolled[0] and "step-00000000" in rolled[0]
+    assert "42" in rolled[0]
+    assert metrics["train/loss"] == metrics["train/loss"]  # finite, not NaN
+
+
+def test_rollback_without_recovery_gives_up(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=40, log_every_n_steps=2)
+    cfg["guards"] = {"nonfinite": "rollback", "max_consecutive": 2}
+    t = BadAt(cfg)
+    t.bad = range(1, 100)  # every step: rollback to the step-0 checkpoint cannot help
+    with pytest.raises(NonFiniteError, match="Cannot roll back: 3 rollbacks"):
+        t.fit()
+
+
+class MaskedSqrt(ToyTrainer):
+    """Pitfall C51: where(z > 0, sqrt(z), 0) at z == 0 is finite forward, NaN backward."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step + 1 == 6:
+            z = self.model.head.weight[0, 0] * 0
+            loss = loss + torch.where(z > 0, torch.sqrt(z), torch.zeros_like(z))
+        return loss
+
+
+def test_anomaly_replay_names_the_backward_op_and_its_forward_line(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=10)
+    cfg["guards"] = {"anomaly_replay": True}
+    with pytest.raises(NonFiniteError) as e:
+        MaskedSqrt(cfg).fit()
+    message = str(e.value)
+    assert "at step 6:" in message and "SqrtBackward0" in message
+    assert "torch.sqrt(z)" in message and "test_nonfinite.py" in message
+
+
+def test_parameters_can_be_checked_and_their_norm_is_logged(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=4, log_every_n_steps=2)
+    cfg["guards"] = {"check_params": True}
+    metrics = ToyTrainer(cfg).fit()
+    assert metrics["train/param_norm"] > 0
+
+
+def test_unused_parameters_are_named_once(tmp_path, caplog):
+    class WithUnused(ToyTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.aux_head = nn.Linear(16, 2)  # built, never called in forward
+            return model
+
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        WithUnused(toy_config(tmp_path, max_steps=6)).fit()
+    said = [r.getMessage() for r in caplog.records if "received no gradient" in r.getMessage()]
+    assert len(said) == 1 and "aux_head.weight, aux_head.bias" in said[0]
+
+
+def test_off_lets_nan_through(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=10, log_every_n_steps=10)
+    cfg["guards"] = {"nonfinite": "off"}
+    metrics = BadAt(cfg).fit()
+    assert metrics["train/loss"] != metrics["train/loss"]  # NaN, as asked
