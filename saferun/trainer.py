@@ -396,6 +396,8 @@ class Trainer:
         return epoch_end if every is None else self.state.step % every == 0
 
     def _validate_and_report(self) -> Optional[Control]:
+        if not self._window_finite():
+            return None  # rolled back: the state this validation was for is gone
         metrics = self.validate()
         if not metrics:
             return None
@@ -475,9 +477,7 @@ class Trainer:
         root = checkpoint_root(self.state.run_dir)
         # A checkpoint is only saved if the steps since the last check were finite, so the
         # newest checkpoint is always a good state to resume or roll back to.
-        if self.cfg.guards.nonfinite != "off" and self._running.losses \
-                and self._running.first_nonfinite(self._grads_checked) is not None:
-            self._on_nonfinite()
+        if not self._window_finite():
             return list_checkpoints(root)[-1]  # rolled back to it
         path = save_checkpoint(root, self.state.step, self.state_dict())
         rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
@@ -508,6 +508,15 @@ class Trainer:
         keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self._grads_checked else ())
         return all(math.isfinite(metrics[k]) for k in keys if k in metrics)
 
+    def _window_finite(self) -> bool:
+        """Check the steps since the last log point (one host sync); False after a rollback."""
+        if self.cfg.guards.nonfinite == "off" or not self._running.losses:
+            return True
+        if self._running.first_nonfinite(self._grads_checked) is None:
+            return True
+        self._on_nonfinite()  # raises, or rolls back
+        return False
+
     def _finite_probe(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         return loss + grad_norm  # NaN and Inf survive the sum: finite iff both are
 
@@ -531,14 +540,14 @@ class Trainer:
         if g.nonfinite == "rollback":
             self._roll_back(report, bad_step)
             return
-        if g.anomaly_replay:
-            report += "\n" + self._anomaly_replay(bad_step)
+        replayed = "\n" + self._anomaly_replay(bad_step) if g.anomaly_replay else ""
         raise NonFiniteError(
-            f"{report} The check runs at log points (no host sync per step), so that update and "
-            f"the ones after it were applied; the last checkpoint predates them. What to do: "
-            f"inspect those samples; lower optim.lr or set trainer.max_grad_norm; set "
-            f"guards.anomaly_replay=true to name the operation that produced the NaN; or set "
-            f"guards.nonfinite=skip or rollback to train past such steps.")
+            f"{report} The check runs at log points, validations and saves (no host sync per "
+            f"step), so that update and any after it were applied; the last checkpoint predates "
+            f"them. What to do: inspect those samples; lower optim.lr or set "
+            f"trainer.max_grad_norm; set guards.anomaly_replay=true to name the operation that "
+            f"produced the NaN; or set guards.nonfinite=skip or rollback to train past such "
+            f"steps.{replayed}")
 
     def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
         """guards.nonfinite=skip: drop this update; optimizer and scheduler stay untouched."""
