@@ -135,7 +135,7 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
         t = t.to_dense()
     if t.is_complex():
         t = torch.view_as_real(t)
-    bits = t.reshape(-1).to(torch.int64)
+    bits = t.view(_BITS[t.element_size()]).reshape(-1)
     acc = torch.int64 if t.element_size() == 8 else torch.int32
     total = torch.zeros(2, dtype=acc, device=t.device)
     for start in range(0, bits.numel(), _CHUNK):  # narrow dtypes are widened a chunk at a time

@@ -12,7 +12,8 @@ window, so they do not drag the statistics up, and neither are NaN and Inf,
 which are not spikes: the non-finite guard handles them. As a consequence a
 lasting jump in level is flagged at every step until something else acts.
 
-Everything is a handful of small kernels on the value's device; the result
+Each update is about 25 small ops on the value's device (about 0.3 ms on one
+CPU thread; on CUDA, kernel launches that do not wait for the GPU). The result
 is a 0-dim bool tensor for the loop to act on or to read at a log step.
 """
 

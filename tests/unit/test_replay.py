@@ -1,5 +1,7 @@
 """Guard 2: replaying a bad batch under anomaly mode names the op, the line, or the parameter."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -93,6 +95,19 @@ def test_replay_clears_old_gradients_removes_its_hooks_and_leaves_anomaly_mode_o
     assert report.first_bad_output is None
     assert all(not m._forward_hooks for m in model.modules())
     assert not torch.is_anomaly_enabled()
+
+
+def test_the_runs_own_warnings_are_passed_on_and_anomaly_modes_are_not(recwarn):
+    model = model_with(MaskedSqrt())
+
+    def run() -> None:
+        warnings.warn("from the user's step", UserWarning)
+        step_fn(model, torch.zeros(2, 3))()
+
+    with torch.no_grad():
+        model[0].bias.zero_()
+    assert replay(run, model).backward_op == "SqrtBackward0"
+    assert [str(w.message) for w in recwarn] == ["from the user's step"]
 
 
 def test_other_errors_propagate_and_hooks_are_still_removed():
