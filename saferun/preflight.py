@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
+import torch.multiprocessing  # registers the tensor reducers that _Probe replaces
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -50,10 +51,13 @@ _MAX_ITEMS = 1000  # items looked at per container when scanning for generators
 
 # Pickled as handles when a process is spawned; outside a spawn they refuse to pickle.
 _MP_SHARED = (
-    multiprocessing.queues.Queue, multiprocessing.queues.SimpleQueue,
-    multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Condition,
-    multiprocessing.synchronize.Event, multiprocessing.synchronize.Barrier,
-    multiprocessing.sharedctypes.SynchronizedBase, multiprocessing.connection.Connection,
+    multiprocessing.synchronize.Lock, multiprocessing.synchronize.RLock,
+    multiprocessing.synchronize.Semaphore, multiprocessing.synchronize.BoundedSemaphore,
+    multiprocessing.synchronize.Condition, multiprocessing.synchronize.Event,
+    multiprocessing.synchronize.Barrier, multiprocessing.queues.Queue,
+    multiprocessing.queues.JoinableQueue, multiprocessing.queues.SimpleQueue,
+    multiprocessing.sharedctypes.Synchronized, multiprocessing.sharedctypes.SynchronizedArray,
+    multiprocessing.sharedctypes.SynchronizedString, multiprocessing.connection.Connection,
 )
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor,
            np.ndarray, np.generic, type, types.ModuleType, types.FunctionType,
@@ -99,9 +103,10 @@ class Report:
 def find_unpicklable(obj: Any, name: str = "dataset") -> list[Finding]:
     """Name every object inside `obj` that spawn or forkserver workers could not receive.
 
-    Pickles `obj` the way a spawned worker receives it (tensors and arrays are
-    skipped: they always pickle, and copying them would be slow); if that
-    fails, walks attributes, `__slots__`, list, tuple and dict items and
+    Pickles `obj` the way a spawned worker receives it, into nothing, skipping
+    tensors and arrays (they always pickle, and copying them would be slow);
+    so it costs about one `pickle.dumps` of the Python objects in `obj`. If
+    that fails, walks attributes, `__slots__`, list, tuple and dict items and
     `functools.partial` arguments to the innermost objects that fail.
     Returns [] when `obj` pickles.
     """
@@ -204,28 +209,49 @@ class _NullFile:
 
 
 class _Probe(ForkingPickler):
-    """ForkingPickler that writes nothing and skips tensors, arrays and shared mp objects."""
+    """ForkingPickler that skips what always pickles: tensors, arrays, shared mp objects.
+
+    Tensors and storages would otherwise be moved into shared memory, and
+    multiprocessing's locks and queues pickle only while a process is spawned.
+    """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        for cls, reducer in list(self.dispatch_table.items()):
+            if getattr(reducer, "__module__", "") == "torch.multiprocessing.reductions":
+                self.dispatch_table[cls] = _skip
+        self.dispatch_table.update(_SKIPPED)
+
+
+class _MainProbe(_Probe):
+    """`_Probe` that also refuses classes and functions of an interactive __main__."""
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            # ForkingPickler refuses only non-leaf tensors that require grad.
-            return None if (obj.requires_grad and not obj.is_leaf) else 0
-        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
-            return 0  # pickling would move it into shared memory
-        if isinstance(obj, np.ndarray) and obj.dtype != object:
-            return 0
-        if isinstance(obj, _MP_SHARED):
-            return 0
-        if (isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__"
-                and _interactive_main()):
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
             raise pickle.PicklingError(f"{obj.__qualname__} is defined in an interactive "
                                        f"__main__, which spawned workers cannot import")
         return None
 
 
+def _skip(obj: Any) -> tuple[Any, tuple[()]]:
+    if isinstance(obj, torch.Tensor) and obj.requires_grad and not obj.is_leaf:
+        raise pickle.PicklingError("a non-leaf tensor that requires grad cannot be sent to "
+                                   "another process")
+    return int, ()
+
+
+def _skip_array(a: np.ndarray) -> Any:
+    return (int, ()) if a.dtype != object else a.__reduce__()
+
+
+_SKIPPED = {np.ndarray: _skip_array, **{cls: _skip for cls in _MP_SHARED}}
+
+
 def _pickle_error(obj: Any) -> Optional[str]:
+    # Only a notebook-like __main__ needs the slower per-object check.
+    probe = _MainProbe if _interactive_main() else _Probe
     try:
-        _Probe(_NullFile()).dump(obj)  # type: ignore[arg-type]
+        probe(_NullFile()).dump(obj)
     except Exception as e:  # pickling raises TypeError, AttributeError, PicklingError, ...
         return f"{type(e).__name__}: {e}"
     return None
@@ -345,6 +371,10 @@ def _repeats(loader: DataLoader) -> str:
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:
     """(path suffix, child) for what pickling an object would include."""
+    if isinstance(obj, np.ndarray) and obj.dtype == object:
+        for i, v in enumerate(obj.flat):
+            yield f".flat[{i}]", v
+        return
     if isinstance(obj, _LEAVES) or isinstance(obj, _MP_SHARED):
         return
     if isinstance(obj, dict):

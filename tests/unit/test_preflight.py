@@ -31,7 +31,8 @@ def test_lambda_transform_kills_spawn_workers_and_preflight_names_it_first():
     report = check_loader(loader)
     assert report.start_method == "spawn" and not report.warnings
     [error] = report.errors
-    assert error.startswith("dataset.transform.transforms[1]: a lambda (defined at test_preflight.py:")
+    assert error.startswith(
+        "dataset.transform.transforms[1]: a lambda (defined at test_preflight.py:")
     assert "workers started with 'spawn'" in error and "module level" in error
     with pytest.raises(saferun.SaferunError, match=r"transforms\[1\]: a lambda"):
         report.raise_errors()
@@ -59,11 +60,12 @@ def test_clean_dataset_passes_and_runs_under_spawn():
     # sampler holding a lambda (samplers stay in the main process).
     ctx = multiprocessing.get_context("spawn")
     dataset = TransformDataset(transform=Compose([Shifter(1.0).shift, Scale(2.0)]),
-                               extra={"lock": ctx.Lock()})
+                               extra={"lock": ctx.Lock(), "table": torch.ones(1000)})
     loader = DataLoader(dataset, batch_size=4, num_workers=1, multiprocessing_context=ctx,
                         sampler=KeySampler(8))
     report = check_loader(loader)
     assert report.errors == [] and report.warnings == []
+    assert not dataset.extra["table"].is_shared()  # the check left tensors where they were
     assert [b.tolist() for b in loader] == [[2.0, 4.0, 6.0, 8.0], [10.0, 12.0, 14.0, 16.0]]
 
 
@@ -114,7 +116,8 @@ def test_collate_fn_and_worker_init_fn_are_checked_too():
                         collate_fn=make_local_function(),
                         worker_init_fn=lambda worker_id: rng.random())
     errors = check_loader(loader).errors
-    assert errors[0].startswith("collate_fn: a local function 'make_local_function.<locals>.double'")
+    assert errors[0].startswith(
+        "collate_fn: a local function 'make_local_function.<locals>.double'")
     assert errors[1].startswith("worker_init_fn: a lambda")
     assert len(errors) == 2
 
@@ -128,8 +131,10 @@ def test_collate_fn_and_worker_init_fn_are_checked_too():
     (lambda: (i for i in range(3)), "dataset.extra", "a generator object"),
     (lambda: torch.ones(2, requires_grad=True) * 2, "dataset.extra",
      "a tensor that is part of an autograd graph"),
-    (lambda: Compose([Scale(1.0), Compose([lambda x: x])]), "dataset.extra.transforms[1].transforms[0]",
-     "a lambda"),
+    (lambda: Compose([Scale(1.0), Compose([lambda x: x])]),
+     "dataset.extra.transforms[1].transforms[0]", "a lambda"),
+    (lambda: {"ok": np.zeros(3), "ops": np.array([abs, lambda x: x], dtype=object)},
+     "dataset.extra['ops'].flat[1]", "a lambda"),
 ])
 def test_each_offender_is_named_by_its_path(planted, path, what):
     extra = planted()
@@ -140,9 +145,11 @@ def test_each_offender_is_named_by_its_path(planted, path, what):
 
 
 def test_all_offenders_are_found_and_cycles_terminate():
-    dataset = TransformDataset(transform=lambda x: x, extra={"again": None, "f": make_local_function()})
+    dataset = TransformDataset(transform=lambda x: x,
+                               extra={"again": None, "f": make_local_function()})
     dataset.extra["again"] = dataset
-    assert [f.path for f in find_unpicklable(dataset)] == ["dataset.transform", "dataset.extra['f']"]
+    paths = [f.path for f in find_unpicklable(dataset)]
+    assert paths == ["dataset.transform", "dataset.extra['f']"]
     assert find_unpicklable(TransformDataset(transform=Scale(2.0))) == []
 
 

@@ -123,7 +123,8 @@ def test_other_errors_propagate_and_hooks_are_still_removed():
 
 
 def test_first_nonfinite_names_the_first_bad_tensor_in_one_read():
-    tensors = [("a", torch.ones(3)), ("b", None), ("c", torch.tensor([1.0, float("inf"), float("nan")])),
+    inf, nan = float("inf"), float("nan")
+    tensors = [("a", torch.ones(3)), ("b", None), ("c", torch.tensor([1.0, inf, nan])),
                ("d", torch.tensor([float("nan")]))]
     with HostSyncCounter() as counter:
         assert first_nonfinite(tensors[:2]) is None

@@ -22,13 +22,15 @@ def flags(detector: SpikeDetector, values: list[float]) -> list[bool]:
 def test_a_loss_spike_is_flagged_and_its_neighbours_are_not():
     values = noisy(60)
     values[40] = 20.0
-    assert [i for i, f in enumerate(flags(SpikeDetector(window=30, warmup=10), values)) if f] == [40]
+    found = flags(SpikeDetector(window=30, warmup=10), values)
+    assert [i for i, f in enumerate(found) if f] == [40]
 
 
 def test_a_gradient_explosion_is_flagged_after_slow_growth_is_accepted():
     growth = [1.0 + 0.01 * i + v for i, v in enumerate(noisy(100, level=0.0, noise=0.02))]
     values = growth + [10 * growth[-1]]
-    assert [i for i, f in enumerate(flags(SpikeDetector(window=50, warmup=10), values)) if f] == [100]
+    found = flags(SpikeDetector(window=50, warmup=10), values)
+    assert [i for i, f in enumerate(found) if f] == [100]
 
 
 def test_spikes_do_not_enter_the_window_so_a_second_one_is_flagged_too():
@@ -102,7 +104,8 @@ def test_state_dict_is_a_copy_and_a_wrong_window_is_refused():
     assert flags(d, [1.0]) == [False]  # accepted: the detector's count moves on
     assert int(state["count"]) == 2 and torch.isnan(state["values"][2])
     assert all(isinstance(v, torch.Tensor) for v in state.values())
-    with pytest.raises(ValueError, match="window of \\(8,\\) values, but this detector has window=16"):
+    with pytest.raises(ValueError,
+                       match="window of \\(8,\\) values, but this detector has window=16"):
         SpikeDetector(window=16, warmup=2).load_state_dict(state)
 
 

@@ -51,7 +51,8 @@ def test_report_shows_rate_line_code_advice_and_cost():
     text = format_audit(chatty_steps(10), device_type="cuda")
     lines = text.splitlines()
     assert lines[0] == "Host syncs: 1.20 per training step over 10 steps."
-    assert lines[1] == f"   1.00/step  {line_of('SYNC-EVERY-STEP')}  [user]  last = loss.detach().item()  # SYNC-EVERY-STEP"
+    assert lines[1] == (f"   1.00/step  {line_of('SYNC-EVERY-STEP')}  [user]  "
+                        f"last = loss.detach().item()  # SYNC-EVERY-STEP")
     assert lines[2].startswith(f"   0.20/step  {line_of('SYNC-EVERY-5')}  [user]")
     assert lines[3].startswith("  user lines: keep the value on the device")
     assert "wait until the GPU has finished all the work queued so far" in lines[4]
