@@ -29,7 +29,8 @@ class Job:
     log_every: int  # read the running loss to the host every this many steps
     val_every: int  # validate every this many steps (and so after the last one)
     warmup: int  # steps left out of the timing window
-    run_dir: str  # TensorBoard event files go here
+    run_dir: str  # TensorBoard event files and checkpoints go here
+    save_every: int = 1000  # checkpoint every this many steps (saferun's default)
     batch_size: int = 64
     lr: float = 1e-3
     max_grad_norm: float = 1.0
@@ -69,7 +70,7 @@ def build_datasets(workload: str) -> tuple[TensorDataset, TensorDataset]:
     else:
         templates = torch.randn(10, 3, 16, 16, generator=g)
         y = torch.randint(0, 10, (n_train + n_val,), generator=g)
-        x = 0.5 * templates[y] + torch.randn(n_train + n_val, 3, 16, 16, generator=g)
+        x = 0.3 * templates[y] + torch.randn(n_train + n_val, 3, 16, 16, generator=g)
     return (TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:]))
 
 
@@ -117,6 +118,7 @@ class StepClock:
                  ) -> None:
         self.job = job
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.host_syncs = host_syncs
         self.cuda_syncs = cuda_syncs
         self.host_counts: list[int] = []
@@ -130,29 +132,37 @@ class StepClock:
         if len(self.times) + 1 in self._wait_at:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter())
+        # CPU time of this process: on a shared machine, time spent waiting for a core is
+        # not in it, so it compares variants more steadily than wall time does.
+        self.cpu_times.append(time.process_time())
         if self.host_syncs is not None:
             self.host_counts.append(self.host_syncs.count)
         if self.cuda_syncs is not None:
             self.cuda_counts.append(self.cuda_syncs.count)
 
     def timing(self) -> dict[str, float]:
-        """Mean step over the window (log points and validations included) and median step."""
+        """Per step over steps warmup+1 .. steps, log points and validations included:
+        mean wall time, mean CPU time, and the median wall time of a single step."""
         w, n = self.job.warmup, self.job.steps
         assert len(self.times) == n, f"{len(self.times)} ticks for {n} steps"
-        window = self.times[w - 1:]  # tick w ends step w; the window is steps w+1 .. n
-        durations = np.diff(window)
-        return {"step_mean_ms": 1e3 * (window[-1] - window[0]) / (n - w),
-                "step_median_ms": 1e3 * float(np.median(durations))}
+        wall, cpu = self.times[w - 1:], self.cpu_times[w - 1:]  # tick w ends step w
+        return {"step_mean_ms": 1e3 * (wall[-1] - wall[0]) / (n - w),
+                "step_cpu_ms": 1e3 * (cpu[-1] - cpu[0]) / (n - w),
+                "step_median_ms": 1e3 * float(np.median(np.diff(wall)))}
 
     def syncs_between_log_points(self, counts: list[int]) -> dict[str, int]:
-        """Syncs during steps whose predecessor neither logged nor validated.
+        """Syncs during the steps between log points, validations and checkpoints.
 
-        The interval between tick k-1 and tick k holds step k-1's logging and validation
-        (if any) and then step k, so only intervals after a plain step are plain.
+        The interval from tick k-1 to tick k holds step k-1's logging, validation and
+        checkpoint (if due) and then step k. Frameworks run their hooks in different orders
+        around the tick, so an interval is plain only if neither step k-1 nor step k has any
+        of these events.
         """
         j = self.job
-        plain = [k for k in range(2, len(counts) + 1)
-                 if (k - 1) % j.log_every and (k - 1) % j.val_every]
+
+        def quiet(k: int) -> bool:
+            return bool(k % j.log_every and k % j.val_every and k % j.save_every)
+
+        plain = [k for k in range(2, len(counts) + 1) if quiet(k - 1) and quiet(k)]
         return {"plain_steps": len(plain),
                 "plain_step_syncs": sum(counts[k - 1] - counts[k - 2] for k in plain)}
-

@@ -5,6 +5,7 @@
   interval, in one sync;
 - the gradient norm is clipped;
 - evaluation runs in eval mode under `torch.inference_mode()`;
+- checkpoints hold the whole training state and are written atomically;
 - on CUDA: bf16 autocast, pinned host memory and non_blocking copies.
 """
 
@@ -69,11 +70,21 @@ def train(job: Job, clock: StepClock) -> dict[str, float]:
                 for name, value in metrics.items():
                     writer.add_scalar(name, value, step)
                 print(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            if step % job.save_every == 0 or step == job.steps:
+                save_checkpoint(os.path.join(job.run_dir, "checkpoint.pt"), model, opt, step)
             if step == job.steps:
                 break
         epoch += 1
     writer.close()
     return metrics
+
+
+def save_checkpoint(path: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """Model, optimizer, step and RNG, written beside `path` and renamed: never half-written."""
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+             "rng": torch.get_rng_state()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def validate(model: nn.Module, loader: DataLoader, device: torch.device,

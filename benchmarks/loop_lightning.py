@@ -1,9 +1,10 @@
 """(c) PyTorch Lightning: the same job as a LightningModule, with equivalent Trainer settings.
 
 Lightning's defaults are kept except where they would make it do different work:
-no sanity-check validation, progress bar, model summary or checkpoint (saferun and the
-hand-written loop do none of these in a non-interactive run). Its default logger writes
-TensorBoard events, as the other two do. It logs the step's loss at each log point
+no sanity-check validation, progress bar or model summary (saferun and the hand-written loop
+do none of these in a non-interactive run), and checkpoints on the job's step interval
+rather than at every epoch's end. Its default logger writes TensorBoard events, as the other
+two do. It logs the step's loss at each log point
 (Lightning's idiom) where the other two log the mean since the last log point.
 """
 
@@ -13,6 +14,7 @@ import os
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
@@ -74,8 +76,8 @@ def train(job: Job, clock: StepClock) -> dict[str, torch.Tensor]:
         log_every_n_steps=job.log_every,
         gradient_clip_val=job.max_grad_norm, gradient_clip_algorithm="norm",
         default_root_dir=os.path.join(job.run_dir, "lightning"),
+        callbacks=[ModelCheckpoint(every_n_train_steps=job.save_every)],
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
     )
     trainer.fit(module)
     return {k: trainer.callback_metrics[k] for k in ("val/loss", "val/acc")}  # 0-dim tensors

@@ -1,7 +1,8 @@
 """(b) saferun: the same job as a `saferun.Trainer` subclass, with saferun's default settings.
 
-The config sets only what defines the job (steps, batch size, schedule, optimizer, device);
-everything else, guards, TensorBoard logging and log lines included, is saferun's default.
+The config sets only what defines the job (steps, batch size, schedules, optimizer, device);
+everything else, guards, checkpoints, TensorBoard logging and log lines included, is saferun's
+default (its default log, clipping and checkpoint intervals are also the job's).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def train(job: Job, clock: StepClock) -> dict[str, float]:
     cfg = {
         "trainer": {"max_steps": job.steps, "batch_size": job.batch_size,
                     "log_every_n_steps": job.log_every, "val_every_n_steps": job.val_every,
-                    "max_grad_norm": job.max_grad_norm, "device": job.device,
+                    "max_grad_norm": job.max_grad_norm, "save_every_n_steps": job.save_every,
+                    "device": job.device,
                     "precision": job.precision, "run_dir": job.run_dir},
         "optim": {"_target_": "torch.optim.AdamW", "lr": job.lr},
         "seed": job.seed,
