@@ -77,7 +77,9 @@ class StepOutput:
     num_samples: int = 0
     """Samples in the step's micro-batches."""
     skipped: bool = False
-    """The update was dropped (guards.nonfinite=skip): the loss or gradients were not finite."""
+    """The update was dropped (a guard's skip policy): the step was non-finite or a spike."""
+    spike: Optional[torch.Tensor] = None
+    """With guards.spikes on: 0-dim bool device tensor, True if the loss or grad norm spiked."""
 
 
 class TrainerView:

@@ -118,11 +118,36 @@ class GuardsConfig:
     the operation that produced it (keeps a step-0 checkpoint so there is always one)."""
     unused_params: bool = True
     """After the first step, name the trainable parameters that received no gradient."""
+    spikes: str = "off"
+    """Loss spikes and gradient explosions (robust median/MAD statistics over the recent steps,
+    computed on the device before the update): raise, skip (one host sync per step), rollback
+    or off. About 50 small device ops per step, so off by default."""
+    spike_window: int = 100
+    spike_threshold: float = 6.0
+    """A spike is above median + threshold * 1.4826 * MAD of the last spike_window steps."""
+    spike_warmup: int = 20
+    """Steps of history needed before anything is flagged."""
+    preflight: bool = True
+    """Before the first step: check what DataLoader workers receive (pickling under the start
+    method in use, and spawn/forkserver), generator objects on the dataset, CPU-only batches."""
+    eval_purity: bool = True
+    """Validation and predict must not change any parameter or buffer, nor leave inference
+    tensors on the model (fingerprints on the device, one host read per evaluation)."""
+    declared_modes: bool = True
+    """At every step: frozen modules in eval mode, everything else in train mode."""
+    sync_audit: bool = False
+    """Count the host syncs of every step and report their source lines (slow: debugging only)."""
 
     def __post_init__(self) -> None:
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"guards.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
-                              f"got {self.nonfinite!r}.")
+        for key in ("nonfinite", "spikes"):
+            if getattr(self, key) not in NONFINITE_POLICIES:
+                raise ConfigError(f"guards.{key} must be one of {', '.join(NONFINITE_POLICIES)}; "
+                                  f"got {getattr(self, key)!r}.")
+        if isinstance(self.spike_window, int) and not 1 <= self.spike_warmup <= self.spike_window:
+            raise ConfigError(f"guards.spike_warmup must be between 1 and guards.spike_window="
+                              f"{self.spike_window}; got {self.spike_warmup}.")
+        if isinstance(self.spike_threshold, (int, float)) and self.spike_threshold <= 0:
+            raise ConfigError(f"guards.spike_threshold must be > 0, got {self.spike_threshold}.")
         if isinstance(self.max_consecutive, int) and self.max_consecutive < 1:
             raise ConfigError(f"guards.max_consecutive must be >= 1, got {self.max_consecutive}.")
 

@@ -26,6 +26,7 @@ class RunningTrainMetrics:
         self.grad_norms: list[torch.Tensor] = []
         self.logs: list[Mapping[str, torch.Tensor]] = []
         self.batches: list[Any] = []  # per step: (epoch, [sample indices per micro-batch]) or None
+        self.spikes: list[torch.Tensor] = []  # per step, when the spike guard is on
         self.samples = 0
         self.skipped = 0
         self.started = time.perf_counter()
@@ -43,18 +44,21 @@ class RunningTrainMetrics:
         self.grad_norms.append(output.grad_norm)
         if output.logs:
             self.logs.append(output.logs)
+        if output.spike is not None:
+            self.spikes.append(output.spike)
         self.batches.append(batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The values collected since the last log point (so a resumed run logs the same means)."""
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
                 "logs": [dict(d) for d in self.logs], "batches": list(self.batches),
-                "samples": self.samples, "skipped": self.skipped}
+                "spikes": list(self.spikes), "samples": self.samples, "skipped": self.skipped}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.reset()
         self.losses, self.grad_norms = list(state["losses"]), list(state["grad_norms"])
         self.logs, self.batches = [dict(d) for d in state["logs"]], list(state["batches"])
+        self.spikes = list(state["spikes"])
         self.samples, self.skipped = state["samples"], state["skipped"]
 
     def read(self, extra: Mapping[str, torch.Tensor] = {}) -> dict[str, float]:
@@ -65,6 +69,9 @@ class RunningTrainMetrics:
             names += ["train/loss", "train/grad_norm"] + [f"train/{k}" for k in keys]
             columns += [_mean(self.losses), _mean(self.grad_norms)]
             columns += [_mean([d[k] for d in self.logs]) for k in keys]
+        if self.spikes:
+            names.append("train/spikes")
+            columns.append(torch.stack(self.spikes).float().sum())
         names += list(extra)
         columns += [v.detach().float() for v in extra.values()]
         values = torch.stack(columns).tolist() if columns else []
@@ -76,14 +83,17 @@ class RunningTrainMetrics:
             metrics["train/skipped_steps"] = float(self.skipped)
         return metrics
 
-    def first_nonfinite(self, check_grads: bool = True) -> Optional[int]:
-        """Position (in this window) of the first step with a non-finite loss or grad norm."""
-        losses = torch.stack(self.losses).float()
-        bad = ~torch.isfinite(losses)
+    def first_bad(self, check_grads: bool = True) -> Optional[tuple[int, str]]:
+        """(position in this window, "non-finite" or "spike") of the first bad step, or None."""
+        nonfinite = ~torch.isfinite(torch.stack(self.losses).float())
         if check_grads:
-            bad |= ~torch.isfinite(torch.stack(self.grad_norms).float())
-        found = bad.nonzero().flatten().tolist()
-        return found[0] if found else None
+            nonfinite |= ~torch.isfinite(torch.stack(self.grad_norms).float())
+        bad = torch.stack([nonfinite, torch.stack(self.spikes)]) if self.spikes else nonfinite[None]
+        found = bad.nonzero().tolist()  # [[row, step], ...]: the one host read
+        if not found:
+            return None
+        row, step = min(found, key=lambda rs: (rs[1], rs[0]))  # earliest step; non-finite first
+        return step, "non-finite" if row == 0 else "spike"
 
 
 class WeightedMeans:
@@ -99,11 +109,16 @@ class WeightedMeans:
             self.sums[k] = self.sums[k] + weighted if k in self.sums else weighted
         self.count += n
 
-    def read(self) -> dict[str, float]:
-        if not self.sums or self.count == 0:
-            return {}
-        totals = torch.stack(list(self.sums.values())).tolist()  # the one host sync
-        return {k: total / self.count for k, total in zip(self.sums, totals)}
+    def read(self, extra: Mapping[str, torch.Tensor] = {}) -> tuple[dict[str, float], dict[str, float]]:
+        """(means, values of `extra`), read to the host together: the one host sync."""
+        columns = [*self.sums.values(), *(v.float() for v in extra.values())]
+        if not columns:
+            return {}, {}
+        values = torch.stack([c.to(columns[0].device) for c in columns]).tolist()
+        totals, extras = values[: len(self.sums)], values[len(self.sums):]
+        count = max(self.count, 1)
+        return ({k: total / count for k, total in zip(self.sums, totals)},
+                dict(zip(extra, extras)))
 
 
 def scalar_dict(out: object, where: str) -> dict[str, torch.Tensor]:

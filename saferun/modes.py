@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, SaferunError
 
 
 def resolve_modules(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -65,3 +65,23 @@ def evaluating(model: nn.Module, grad_mode: str = "inference_mode") -> Iterator[
     finally:
         for m, training in flags:
             m.training = training
+
+
+def declared_modes(model: nn.Module, frozen: Sequence[nn.Module]) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, should be training) for every submodule: frozen parts eval, the rest train."""
+    frozen_ids = {id(m) for f in frozen for m in f.modules()}
+    return [(name or type(model).__name__, m, id(m) not in frozen_ids)
+            for name, m in model.named_modules()]
+
+
+def check_declared(expected: Sequence[tuple[str, nn.Module, bool]], step: int) -> None:
+    """Raise `SaferunError` naming the first module whose mode differs from its declaration."""
+    for name, module, training in expected:
+        if module.training is not training:
+            now, declared = ("train", "eval (declared frozen in trainer.frozen_modules)") if \
+                module.training else ("eval", "train")
+            raise SaferunError(
+                f"step {step}: module '{name}' ({type(module).__name__}) is in {now} mode but "
+                f"should be in {declared} mode. Something in training_step or forward called "
+                f".train() or .eval(); saferun sets the modes itself, so remove that call, or "
+                f"declare the module in trainer.frozen_modules to keep it in eval mode.")

@@ -87,6 +87,15 @@ def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
     return changes
 
 
+def changed(before: Fingerprint, after: Fingerprint) -> torch.Tensor:
+    """A 0-dim bool device tensor: did anything change? No host sync, so the caller can read
+    it together with its own values and call `diff` only when it is True."""
+    if before.names != after.names or before.layouts != after.layouts or before.sums is None:
+        return torch.tensor(before.names != after.names or before.layouts != after.layouts)
+    assert after.sums is not None
+    return (before.sums != after.sums.to(before.sums.device)).any()
+
+
 def find_inference_tensors(module: nn.Module) -> list[str]:
     """Name every inference tensor held by `module`'s submodules, with the fix.
 

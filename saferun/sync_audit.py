@@ -13,7 +13,9 @@ import linecache
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from .callbacks import Callback
 
 _SAFERUN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib")})
@@ -99,3 +101,59 @@ def _source(site: str) -> str:
     if not line.isdigit():
         return ""
     return linecache.getline(path, int(line)).strip()
+
+
+class SyncAudit(Callback):
+    """guards.sync_audit: a callback counting each training step's host syncs, reported in the log.
+
+    Runs the steps under `HostSyncCounter` (slow: every torch call is intercepted)
+    and, on CUDA, with `torch.cuda.set_sync_debug_mode("warn")`, so each sync also
+    prints torch's own warning with its stack. The report goes to the `saferun`
+    logger at the first log point and when training ends.
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        from .syncs import HostSyncCounter
+
+        self.device_type = device_type
+        self.counter = HostSyncCounter()
+        self.steps: list[dict[str, int]] = []
+        self._reported_once = False
+
+    def on_fit_start(self, view: Any) -> None:
+        import torch
+
+        if self.device_type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        self.counter.__enter__()
+        self.counter.reset()
+
+    def on_train_step_end(self, view: Any, output: Any) -> None:
+        self.steps.append(dict(self.counter.sites))
+        self.counter.reset()
+
+    def on_log(self, view: Any, metrics: Any) -> None:
+        if not self._reported_once:
+            self._reported_once = True
+            self._report()
+
+    def on_fit_end(self, view: Any, metrics: Any) -> None:
+        self._stop()
+        self._report()
+
+    def on_exception(self, view: Any, exc: BaseException) -> None:
+        self._stop()
+        self._report()
+
+    def _stop(self) -> None:
+        import torch
+
+        self.counter.__exit__(None, None, None)
+        if self.device_type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _report(self) -> None:
+        import logging
+
+        logging.getLogger("saferun").warning("Sync audit (guards.sync_audit):\n%s",
+                                             format_audit(self.steps, self.device_type))

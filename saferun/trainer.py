@@ -9,6 +9,7 @@ override point; callbacks observe it (see `saferun.callbacks`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -38,6 +39,11 @@ from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_ba
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .precision import autocast_factory, grad_scaler
 from .preemption import Preempted, StopSignals, signal_name
+from .preflight import check_batch_on_cpu, check_loader
+from .purity import changed as purity_changed
+from .purity import diff, find_inference_tensors, fingerprint
+from .spikes import SpikeDetector
+from .sync_audit import SyncAudit
 from .replay import first_nonfinite, replay
 from .seeding import get_rng_state, preserved_rng, seed_everything, set_rng_state
 
@@ -194,16 +200,34 @@ class Trainer:
         self._callbacks = CallbackList(self._user_callbacks + self._configured_callbacks())
         self._running = RunningTrainMetrics()
         self._stop_signals = StopSignals()
-        g = self.cfg.guards
-        # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
-        self._grads_checked = t.precision != "fp16"
-        self._skip_nonfinite = g.nonfinite == "skip" and self._grads_checked
-        self._unused_check_pending = g.unused_params
+        self._setup_guards()
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
         self._is_setup = True
+
+    def _setup_guards(self) -> None:
+        t, g = self.cfg.trainer, self.cfg.guards
+        # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
+        self._grads_checked = t.precision != "fp16"
+        self._skip_nonfinite = g.nonfinite == "skip" and self._grads_checked
+        self._skip_spikes = g.spikes == "skip"
+        self._unused_check_pending = g.unused_params
+        self._spikes = None
+        if g.spikes != "off":
+            self._spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup)
+                            for k in ("loss", "grad_norm")}
+        self._declared = modes.declared_modes(self.model, self._frozen) if g.declared_modes else None
+        self._check_first_batch = False
+        if g.preflight:
+            for loader in (self.train_loader, self.val_loader):
+                if loader is not None:
+                    report = check_loader(loader)
+                    for warning in report.warnings:
+                        log.warning("DataLoader preflight: %s", warning)
+                    report.raise_errors()
+            self._check_first_batch = self.train_loader is not None and self.train_loader.num_workers > 0
 
     def fit(self) -> dict[str, float]:
         """Train for `trainer.max_steps` steps; return the final metrics."""
@@ -248,12 +272,15 @@ class Trainer:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
         opt, scaler = self.optimizer, self._scaler
         loss, logs, samples = self._forward_backward(micro_batches)
+        if self._declared is not None:
+            modes.check_declared(self._declared, self.state.step + 1)
         scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
         grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:
             self._report_unused_parameters()
-        if self._skip_nonfinite and not bool(torch.isfinite(self._finite_probe(loss, grad_norm))):
-            return self._skip_step(loss, grad_norm, samples)  # costs one host sync per step
+        spike = self._spike(loss, grad_norm) if self._spikes else None  # on the device
+        if (self._skip_nonfinite or self._skip_spikes) and self._bad_now(loss, grad_norm, spike):
+            return self._skip_step(loss, grad_norm, samples)  # one host sync per step
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -261,7 +288,8 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
         self.state.samples_seen += samples
-        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples)
+        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
+                          spike=spike)
 
     def _forward_backward(self, micro_batches: Sequence[Any]
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -293,7 +321,8 @@ class Trainer:
         limit = self.cfg.trainer.limit_val_batches
         means = WeightedMeans()
         set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
-        with modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode), self._autocast():
+        before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
+        with self._evaluating():
             for i, batch in enumerate(self.val_loader):
                 if limit is not None and i >= limit:
                     break
@@ -301,7 +330,10 @@ class Trainer:
                     raise _StopRequested  # preemption must not wait for a long evaluation
                 out = self.validation_step(move_to_device(batch, self.device, self._non_blocking))
                 means.add(scalar_dict(out, "validation_step"), self.batch_size(batch))
-        metrics = {f"val/{k}": v for k, v in means.read().items()}
+        probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}
+        values, flags = means.read(probe)  # one host read: the means and the purity flag
+        self._check_purity(before, flags.get("changed", 0.0))
+        metrics = {f"val/{k}": v for k, v in values.items()}
         self.state.metrics.update(metrics)
         return metrics
 
@@ -314,10 +346,13 @@ class Trainer:
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size)
         outputs = []
-        with modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode), self._autocast():
+        before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
+        with self._evaluating():
             for batch in loader:
                 outputs.append(self.predict_step(move_to_device(batch, self.device,
                                                                 self._non_blocking)))
+        if before is not None:
+            self._check_purity(before, float(purity_changed(before, fingerprint(self.model))))
         # Outside inference mode, cat/clone turn inference tensors into normal ones,
         # which the caller may later use in autograd.
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
@@ -325,6 +360,27 @@ class Trainer:
         return [move_to_device(o, torch.device("cpu")) for o in outputs]
 
     # ------------------------------------------------------------------ loop helpers
+
+    def _evaluating(self) -> contextlib.ExitStack:
+        """Eval mode (every submodule's flag restored after), no autograd, autocast."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode))
+        stack.enter_context(self._autocast())
+        return stack
+
+    def _check_purity(self, before: Any, changed: float) -> None:
+        """guards.eval_purity: raise naming what evaluation changed or left on the model."""
+        if before is None:
+            return
+        problems = diff(before, fingerprint(self.model)) if changed else []
+        if self.cfg.trainer.eval_grad_mode == "inference_mode":
+            problems += find_inference_tensors(self.model)  # metadata only: no sync
+        if problems:
+            raise SaferunError(
+                f"evaluation changed the model (guards.eval_purity), at step {self.state.step}:\n"
+                + "\n".join(f"  - {p}" for p in problems) + "\nEvaluation must leave parameters "
+                "and buffers as it found them; a module that changes state in eval mode makes "
+                "validation results and later training depend on how often you validate.")
 
     def _batch_groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
         """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
@@ -352,6 +408,9 @@ class Trainer:
                 set_rng_state(self._resume_rng)
                 self._resume_rng = None
             while state.step < t.max_steps and (group := _take(batches, t.accumulate)):
+                if self._check_first_batch:
+                    check_batch_on_cpu(group[0])  # what the first worker batch holds
+                    self._check_first_batch = False
                 state.batches_in_epoch += len(group)
                 where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
@@ -424,6 +483,7 @@ class Trainer:
             "running": self._running.state_dict(),
             "rng": get_rng_state(),
             "callbacks": self._callbacks.state_dict(),
+            "guards": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
             "config": dataclasses.asdict(self.cfg),
             "provenance": {"saferun": __version__, "torch": str(torch.__version__),
                            "python": platform.python_version()},
@@ -448,6 +508,9 @@ class Trainer:
         self._best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
         self._running.load_state_dict(move_to_device(state["running"], self.device))
         self._callbacks.load_state_dict(state["callbacks"])
+        for key, detector in (self._spikes or {}).items():
+            if key in state["guards"]:
+                detector.load_state_dict(move_to_device(state["guards"][key], self.device))
         self._resume_rng = state["rng"]
 
     def _resume(self) -> None:
@@ -502,51 +565,73 @@ class Trainer:
         return metrics[key] < self._best[0] if self.cfg.trainer.save_best_mode == "min" \
             else metrics[key] > self._best[0]
 
-    # ------------------------------------------------------------------ non-finite guard
+    # ------------------------------------------------------------------ bad-step guards
 
     def _finite(self, metrics: Mapping[str, float]) -> bool:
+        """Are a log point's metrics free of non-finite values and of flagged spikes?"""
         keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self._grads_checked else ())
-        return all(math.isfinite(metrics[k]) for k in keys if k in metrics)
+        if self.cfg.guards.nonfinite != "off" and not all(
+                math.isfinite(metrics[k]) for k in keys if k in metrics):
+            return False
+        return metrics.get("train/spikes", 0.0) == 0.0 or self.cfg.guards.spikes == "skip"
 
     def _window_finite(self) -> bool:
         """Check the steps since the last log point (one host sync); False after a rollback."""
-        if self.cfg.guards.nonfinite == "off" or not self._running.losses:
+        g = self.cfg.guards
+        if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not self._running.losses:
             return True
-        if self._running.first_nonfinite(self._grads_checked) is None:
+        if self._running.first_bad(self._grads_checked) is None:
             return True
         self._on_nonfinite()  # raises, or rolls back
         return False
 
-    def _finite_probe(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        return loss + grad_norm  # NaN and Inf survive the sum: finite iff both are
+    def _spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        assert self._spikes is not None
+        return self._spikes["loss"].update(loss) | self._spikes["grad_norm"].update(grad_norm)
+
+    def _bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+                 spike: Optional[torch.Tensor]) -> bool:
+        """For the skip policies: is this step bad? Reads one value from the device."""
+        bad = torch.zeros((), dtype=torch.bool, device=loss.device)
+        if self._skip_nonfinite:
+            bad |= ~torch.isfinite(loss + grad_norm)  # NaN and Inf survive the sum
+        if self._skip_spikes and spike is not None:
+            bad |= spike
+        return bool(bad)
 
     def _on_nonfinite(self) -> None:
-        """Non-finite values since the last check: raise with where and what to do, or roll back."""
+        """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         running, g = self._running, self.cfg.guards
-        first = running.first_nonfinite(self._grads_checked) if running.losses else None
-        if first is None:  # the losses and gradients were finite: guards.check_params fired
+        found = running.first_bad(self._grads_checked) if running.losses else None
+        if found is None:  # the losses and gradients were finite: guards.check_params fired
             raise NonFiniteError(
                 f"the parameters are not finite at step {self.state.step}: "
                 f"{first_nonfinite(self.model.named_parameters())}. Lower optim.lr or set "
                 f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
+        first, kind = found
+        key = "guards.nonfinite" if kind == "non-finite" else "guards.spikes"
+        policy = g.nonfinite if kind == "non-finite" else g.spikes
         bad_step = self.state.step - running.steps + 1 + first
         loss, norm = torch.stack([running.losses[first], running.grad_norms[first]]).tolist()
         where = running.batches[first]
         indices = [i for micro in (where[1] if where else ()) for i in (micro or ())]
         samples = (f"epoch {where[0]}, sample indices {_short(indices)}" if indices
                    else "sample indices unknown (a custom DataLoader)")
-        report = (f"non-finite values at step {bad_step}: loss {loss}, gradient norm {norm}; "
-                  f"{samples}.")
-        if g.nonfinite == "rollback":
+        what = "non-finite values" if kind == "non-finite" else (
+            f"a loss spike or gradient explosion (guards.spikes, threshold "
+            f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
+        report = f"{what} at step {bad_step}: loss {loss}, gradient norm {norm}; {samples}."
+        if policy == "rollback":
             self._roll_back(report, bad_step)
             return
-        replayed = "\n" + self._anomaly_replay(bad_step) if g.anomaly_replay else ""
+        replayed = ("\n" + self._anomaly_replay(bad_step)
+                    if g.anomaly_replay and kind == "non-finite" else "")
         raise NonFiniteError(
             f"{report} The check runs at log points, validations and saves (no host sync per "
             f"step), so that update and any after it were applied; the last checkpoint predates "
             f"them. What to do: inspect those samples; lower optim.lr or set "
             f"trainer.max_grad_norm; set guards.anomaly_replay=true to name the operation that "
-            f"produced the NaN; or set guards.nonfinite=skip or rollback to train past such "
+            f"produced a NaN; or set {key}=skip or {key}=rollback to train past such "
             f"steps.{replayed}")
 
     def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
@@ -557,12 +642,12 @@ class Trainer:
         self._last_skipped = step
         self.state.step = step
         self.state.samples_seen += samples
-        log.warning("step %d: non-finite loss or gradients; the update was skipped (%d in a row).",
-                    step, self._skips_in_a_row)
+        log.warning("step %d: non-finite loss or gradients, or a spike; the update was skipped "
+                    "(%d in a row).", step, self._skips_in_a_row)
         if self._skips_in_a_row >= self.cfg.guards.max_consecutive:
             raise NonFiniteError(
                 f"{self._skips_in_a_row} steps in a row ({step - self._skips_in_a_row + 1} to "
-                f"{step}) had non-finite loss or gradients and were skipped "
+                f"{step}) had non-finite loss or gradients (or spiked) and were skipped "
                 f"(guards.max_consecutive={self.cfg.guards.max_consecutive}). Training is not "
                 f"recovering: lower optim.lr, set trainer.max_grad_norm, or check the data.")
         return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
@@ -652,6 +737,8 @@ class Trainer:
                     callbacks.append(self._instantiate(f"{key}.{name}", node))
         callbacks.append(ProgressBar() if want_progress_bar(self.cfg.trainer.progress_bar)
                          else LogLines())
+        if self.cfg.guards.sync_audit:
+            callbacks.append(SyncAudit(self.device.type))  # last: it sees every callback's syncs
         return callbacks
 
     def _pin_memory(self) -> bool:

@@ -1,0 +1,236 @@
+"""Each guard wired into the loop, tested by planting the bug it exists to catch in a Trainer."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import saferun
+from saferun.checkpoint import load_latest
+from saferun.syncs import HostSyncCounter
+from saferun.trainer import NonFiniteError
+from guard_toys import Compose, Scale
+from toys import Net, ToyTrainer, make_classification, toy_config, weights
+
+
+# ---------------------------------------------------------------------- eval purity
+
+class BNAlwaysTrains(Net):
+    """forward() forces its BatchNorm into train mode: validation then updates the statistics."""
+
+    def forward(self, x):
+        self.backbone[1].train()
+        return super().forward(x)
+
+
+class CountsEvalCalls(Net):
+    """A custom buffer updated during evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if not self.training:
+            self.calls += 1
+        return super().forward(x)
+
+
+class CachesInEval(Net):
+    """Keeps the last eval features as an attribute and reuses them in training."""
+
+    cached = None
+
+    def forward(self, x):
+        features = self.backbone(x)
+        if not self.training:
+            self.cached = features[:1]
+        elif self.cached is not None:
+            features = features + 0 * self.cached.sum()
+        return self.head(self.dropout(features))
+
+
+@pytest.mark.parametrize("model, words", [
+    (BNAlwaysTrains, ["buffer backbone.1.running_mean (BatchNorm1d)"]),
+    (CountsEvalCalls, ["buffer calls (CountsEvalCalls)"]),
+    (CachesInEval, ["cached", "inference"]),
+])
+def test_evaluation_that_changes_the_model_is_named(tmp_path, model, words):
+    class Planted(ToyTrainer):
+        def build_model(self):
+            return model()
+
+    with pytest.raises(saferun.SaferunError, match="evaluation changed the model") as e:
+        Planted(toy_config(tmp_path, max_steps=8, val_every_n_steps=4)).fit()
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_eval_purity_adds_no_host_sync(tmp_path):
+    def count(purity):
+        cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=10, val_every_n_steps=10)
+        cfg["guards"] = {"eval_purity": purity}
+        with HostSyncCounter() as counter:
+            ToyTrainer(cfg).fit()
+        return counter.count
+
+    assert count(True) == count(False) == 2 + 2  # log points + validations
+
+
+# ---------------------------------------------------------------------- declared modes
+
+def test_a_frozen_module_put_back_in_train_mode_is_named(tmp_path):
+    class CallsTrain(ToyTrainer):
+        def training_step(self, batch):
+            self.model.train()  # the classic: undoes the frozen backbone's eval mode
+            return super().training_step(batch)
+
+    with pytest.raises(saferun.SaferunError, match=r"step 1: module 'backbone' \(Sequential\) is in "
+                                                   r"train mode.*frozen"):
+        CallsTrain(toy_config(tmp_path, frozen_modules=["backbone"])).fit()
+
+
+def test_a_module_switched_to_eval_during_training_is_named(tmp_path):
+    class CallsEval(ToyTrainer):
+        def training_step(self, batch):
+            if self.state.step == 3:
+                self.model.dropout.eval()
+            return super().training_step(batch)
+
+    with pytest.raises(saferun.SaferunError, match=r"step 4: module 'dropout' \(Dropout\) is in eval"):
+        CallsEval(toy_config(tmp_path)).fit()
+
+
+# ---------------------------------------------------------------------- DataLoader preflight
+
+class Transformed(Dataset):
+    def __init__(self, transform):
+        self.x, self.y = make_classification(64)
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.transform(self.x[i]), self.y[i]
+
+
+class LambdaTransformTrainer(ToyTrainer):
+    def build_datasets(self):
+        return Transformed(Compose([Scale(2.0), lambda t: t + 1])), None
+
+
+def test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step(tmp_path):
+    t = LambdaTransformTrainer(toy_config(tmp_path, num_workers=2, multiprocessing_context="spawn"))
+    with pytest.raises(saferun.SaferunError, match=r"dataset.transform.transforms\[1\]: a lambda") as e:
+        t.fit()
+    assert "spawn" in str(e.value) and t.state.step == 0
+
+
+def test_fork_workers_with_a_lambda_train_but_get_a_warning(tmp_path, caplog):
+    t = LambdaTransformTrainer(toy_config(tmp_path, num_workers=2, multiprocessing_context="fork",
+                                          max_steps=2))
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    said = [r.getMessage() for r in caplog.records if "preflight" in r.getMessage()]
+    assert any("dataset.transform.transforms[1]: a lambda" in m and "forkserver" in m for m in said)
+
+
+class GeneratorOnDataset(Dataset):
+    """Draws augmentation noise from a generator object: every worker repeats the same draws."""
+
+    def __init__(self):
+        self.x, self.y = make_classification(64)
+        self.rng = torch.Generator().manual_seed(0)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + torch.rand(8, generator=self.rng), self.y[i]
+
+
+def test_a_generator_object_on_the_dataset_is_reported(tmp_path, caplog):
+    class WithGenerator(ToyTrainer):
+        def build_datasets(self):
+            return GeneratorOnDataset(), None
+
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        WithGenerator(toy_config(tmp_path, num_workers=2, multiprocessing_context="fork",
+                                 max_steps=2)).fit()
+    assert any("dataset.rng" in r.getMessage() and "torch.Generator" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(saferun.SaferunError, match="dataset.rng"):
+        WithGenerator(toy_config(tmp_path, num_workers=2, multiprocessing_context="spawn")).fit()
+
+
+# ---------------------------------------------------------------------- spikes
+
+class SpikesAt(ToyTrainer):
+    """The loss is multiplied by 1000 at step 30 (after the detector's warm-up)."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * 1000 if self.state.step + 1 == 30 else loss
+
+
+def spike_config(tmp_path, policy, **kw):
+    cfg = toy_config(tmp_path, max_steps=40, log_every_n_steps=10, **kw)
+    cfg["guards"] = {"spikes": policy, "spike_window": 20, "spike_warmup": 10}
+    return cfg
+
+
+def test_a_loss_spike_raises_naming_the_step(tmp_path):
+    with pytest.raises(NonFiniteError, match=r"loss spike or gradient explosion.*at step 30:.*guards.spikes=skip"):
+        SpikesAt(spike_config(tmp_path, "raise")).fit()
+
+
+def test_a_loss_spike_can_be_skipped(tmp_path):
+    t = SpikesAt(spike_config(tmp_path, "skip"))
+    metrics = t.fit()
+    assert t.state.step == 40 and metrics["train/loss"] < 2.0
+
+
+def test_spike_detector_state_survives_checkpoint_and_resume(tmp_path):
+    cfg = spike_config(tmp_path, "raise", save_every_n_steps=20)
+    cfg["trainer"]["max_steps"] = 20
+    first = ToyTrainer(cfg)
+    first.fit()
+    saved = load_latest(tmp_path / "run" / "checkpoints")[1]["guards"]
+    cfg["resume"] = "auto"
+    resumed = ToyTrainer(cfg)
+    resumed.setup()
+    resumed._resume()
+    for key in ("loss", "grad_norm"):
+        state = resumed._spikes[key].state_dict()
+        assert all(torch.equal(state[k], saved[key][k]) for k in state)
+        assert torch.equal(state["values"], first._spikes[key].state_dict()["values"])
+
+
+def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):
+    assert saferun.Config().guards.spikes == "off"
+    cfg = spike_config(tmp_path, "raise", val_every_n_steps=10)
+    with HostSyncCounter() as counter:
+        ToyTrainer(cfg).fit()  # no spike planted: no false alarm
+    assert counter.count == 4 + 4  # 4 log points, 4 validations
+
+
+# ---------------------------------------------------------------------- sync audit
+
+def test_sync_audit_names_a_per_step_item_in_user_code(tmp_path, caplog):
+    class Chatty(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.seen = loss.item()  # the per-step stall the audit exists to find
+            return loss
+
+    cfg = toy_config(tmp_path, max_steps=6, log_every_n_steps=3)
+    cfg["guards"] = {"sync_audit": True}
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        Chatty(cfg).fit()
+    reports = [r.getMessage() for r in caplog.records if "Sync audit" in r.getMessage()]
+    assert reports and "test_guards.py" in reports[-1] and "self.seen = loss.item()" in reports[-1]
+    assert "1.00/step" in reports[-1] and "[user]" in reports[-1]
