@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import re
 import secrets
@@ -25,6 +26,8 @@ commands:
                              -m for sweeps, --help for the config groups, --cfg job, --info
   new DIR --from RECIPE      copy a recipe (its Python file and configs) into DIR to own it
   list                       the recipes and the options of every config group
+  check [OVERRIDES]          a short diagnostic session with every guard on: one line per
+                             check, exit status 1 if any fails (use it in your CI)
 """
 
 
@@ -35,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(USAGE, end="")
         return
     command, rest = args[0], args[1:]
-    commands = {"run": run, "new": new, "list": list_configs}
+    commands = {"run": run, "new": new, "list": list_configs, "check": check}
     if command not in commands:
         print(f"saferun: unknown command {command!r}.\n\n{USAGE}", end="", file=sys.stderr)
         raise SystemExit(2)
@@ -161,6 +164,45 @@ class SweepSummary(_HydraCallback):
         table = "\n".join(lines)
         (sweep_dir / "summary.txt").write_text(table + "\n")
         print(f"\nsaferun: sweep summary ({sweep_dir / 'summary.txt'})\n{table}", flush=True)
+
+
+# ---------------------------------------------------------------------- check
+
+
+def check(args: list[str]) -> None:
+    """`saferun check [overrides]`: compose the config as `run` would, run the diagnostics."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from .check import exit_status, format_report, make_factory, run_checks
+    from .config import load_config
+    from .errors import SaferunError
+
+    _register_with_hydra()
+    # The report is the output: saferun's INFO lines from the short runs would bury it.
+    quiet = logging.StreamHandler(sys.stderr)
+    quiet.setLevel(logging.WARNING)
+    logging.getLogger("saferun").addHandler(quiet)
+    overrides, dirs = [], []
+    for i, arg in enumerate(args):
+        if arg in ("-cd", "--config-dir") or (i and args[i - 1] in ("-cd", "--config-dir")):
+            continue
+        overrides.append(arg)
+    for config_dir in _config_dirs(args):
+        dirs.append(f"file://{os.path.abspath(config_dir)}")
+        sys.path.insert(0, os.path.abspath(config_dir))
+    if dirs:
+        overrides.append(f"hydra.searchpath=[{','.join(dirs)}]")
+    try:
+        with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+        config = load_config(OmegaConf.to_container(cfg, resolve=True))
+        results = run_checks(make_factory(config.task), config)
+    except SaferunError as e:
+        print(f"saferun check: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(format_report(results))
+    raise SystemExit(exit_status(results))
 
 
 # ---------------------------------------------------------------------- new

@@ -1,0 +1,249 @@
+"""`saferun check`: a short diagnostic session of a Trainer with every guard on.
+
+Each check builds fresh Trainers from the same config (a few steps, outputs in a
+temporary directory), so nothing here changes the user's runs. One line per
+check: pass, warn or fail, with what was found.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from .config import Config
+from .errors import SaferunError
+from .preflight import check_loader, find_rng_objects, find_unpicklable
+from .syncs import HostSyncCounter
+from .trainer import Trainer
+
+STEPS = 8
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # "pass", "warn" or "fail"
+    finding: str
+
+    def __str__(self) -> str:
+        return f"{self.status.upper():<5} {self.name:<18} {self.finding}"
+
+
+Factory = Callable[[Config], Trainer]
+
+
+def run_checks(make: Factory, cfg: Config) -> list[CheckResult]:
+    """Run every check on Trainers built by `make` from variants of `cfg`."""
+    with tempfile.TemporaryDirectory(prefix="saferun-check-") as tmp:
+        base = _short_session(cfg, tmp)
+        checks = [_pickling, _worker_seeding, _eval_purity, _declared_modes, _unused_parameters,
+                  _host_syncs, _overfit_one_batch, _determinism]
+        if cfg.trainer.compile:
+            checks.append(_compile_parity)
+        return [_run(check, make, base) for check in checks]
+
+
+def _run(check: Callable[[Factory, Config], CheckResult], make: Factory, cfg: Config) -> CheckResult:
+    name = check.__name__.lstrip("_").replace("_", " ")
+    try:
+        return check(make, copy.deepcopy(cfg))
+    except SaferunError as e:
+        return CheckResult(name, "fail", _one_line(str(e)))
+    except Exception as e:  # a check must report, not crash the report
+        return CheckResult(name, "fail", f"{type(e).__name__}: {e}")
+
+
+def _short_session(cfg: Config, tmp: str) -> Config:
+    t = dataclasses.replace(cfg.trainer, max_steps=STEPS, log_every_n_steps=STEPS,
+                            val_every_n_steps=None, limit_val_batches=2, save_every_n_steps=None,
+                            progress_bar=False, run_dir=tmp)
+    return dataclasses.replace(cfg, trainer=t, logger={}, resume=None)
+
+
+def _pickling(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    loader = trainer.train_loader
+    assert loader is not None
+    report = check_loader(loader)
+    if report.errors:
+        return CheckResult("pickling", "fail", report.errors[0])
+    if report.warnings:
+        return CheckResult("pickling", "warn", report.warnings[0])
+    if loader.num_workers == 0:
+        # No workers now, but say whether spawn workers (macOS, Python 3.14's forkserver) would start.
+        found = find_unpicklable(loader.dataset, "dataset")
+        if found:
+            return CheckResult("pickling", "warn", f"{found[0]} (fails once num_workers > 0 under "
+                                                   f"spawn or forkserver)")
+        rngs = find_rng_objects(loader.dataset, "dataset")
+        if rngs:
+            return CheckResult("pickling", "warn", f"{rngs[0]} (once num_workers > 0, every "
+                                                   f"worker would repeat the same draws)")
+    return CheckResult("pickling", "pass", "the dataset and loader functions pickle under spawn")
+
+
+def _worker_seeding(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    dataset = trainer.train_loader.dataset  # type: ignore[union-attr]
+    if not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return CheckResult("worker seeding", "pass", "not a map-style dataset: not checked")
+    twice = [dataset[0], dataset[0]]
+    if _same(twice[0], twice[1]):
+        return CheckResult("worker seeding", "pass", "sample 0 is deterministic (no random augmentation)")
+    # Sample 0 fetched by two different workers: random augmentation must differ.
+    loader = DataLoader(Subset(dataset, [0, 0]), batch_size=1, num_workers=2,
+                        worker_init_fn=trainer.train_loader.worker_init_fn,  # type: ignore[union-attr]
+                        multiprocessing_context=cfg.trainer.multiprocessing_context)
+    draws = list(loader)
+    if _same(draws[0], draws[1]):
+        return CheckResult("worker seeding", "fail",
+                           "two DataLoader workers produced the same random augmentation of sample "
+                           "0: the dataset draws from a generator object that every worker copies "
+                           "(see the pickling/preflight warnings)")
+    return CheckResult("worker seeding", "pass", "workers draw different augmentations")
+
+
+def _eval_purity(make: Factory, cfg: Config) -> CheckResult:
+    cfg.guards.eval_purity = True
+    trainer = make(cfg)
+    trainer.setup()
+    if trainer.val_loader is None:
+        return CheckResult("eval purity", "pass", "no validation set: not checked")
+    trainer.validate()  # raises, naming the tensor, if evaluation changes the model
+    return CheckResult("eval purity", "pass",
+                       "validation leaves every parameter and buffer unchanged, no inference tensors")
+
+
+def _declared_modes(make: Factory, cfg: Config) -> CheckResult:
+    cfg.guards.declared_modes = True
+    make(cfg).fit()
+    frozen = ", ".join(cfg.trainer.frozen_modules) or "none"
+    return CheckResult("declared modes", "pass", f"every step in train mode except frozen modules ({frozen})")
+
+
+def _unused_parameters(make: Factory, cfg: Config) -> CheckResult:
+    cfg.guards.unused_params = True
+    records: list[logging.LogRecord] = []
+    handler = _Collect(records)
+    logger = logging.getLogger("saferun")
+    logger.addHandler(handler)
+    try:
+        make(cfg).fit()
+    finally:
+        logger.removeHandler(handler)
+    unused = [r.getMessage() for r in records if "received no gradient" in r.getMessage()]
+    if unused:
+        return CheckResult("unused parameters", "warn", unused[0].split(":")[0] + ": " +
+                           unused[0].split(": ", 1)[1].split(". ")[0])
+    return CheckResult("unused parameters", "pass", "every trainable parameter gets a gradient")
+
+
+def _host_syncs(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    steps = []
+    with HostSyncCounter() as counter:
+        for micro_batches, _, _ in trainer._batch_groups():
+            counter.reset()
+            trainer.train_step(micro_batches)
+            steps.append(dict(counter.sites))
+    per_step = sum(sum(s.values()) for s in steps) / max(len(steps), 1)
+    if per_step:
+        from .sync_audit import audit
+
+        top = audit(steps)[0]
+        return CheckResult("host syncs", "warn", f"{per_step:.2f} per step; most at {top.site} "
+                                                 f"({top.code}). Keep values on the device.")
+    return CheckResult("host syncs", "pass", "0 per training step between log points")
+
+
+def _overfit_one_batch(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    batch = next(iter(trainer.train_loader))  # type: ignore[arg-type]
+    trainer.model.train()
+    losses = [float(trainer.train_step([batch]).loss) for _ in range(4 * STEPS)]
+    if not losses[-1] < 0.9 * losses[0]:
+        return CheckResult("one-batch overfit", "warn",
+                           f"the loss on one repeated batch went {losses[0]:.4g} -> {losses[-1]:.4g} "
+                           f"in {len(losses)} steps; expected it to fall. Check the learning rate, "
+                           f"the loss and that the model's output depends on the input.")
+    return CheckResult("one-batch overfit", "pass",
+                       f"loss on one repeated batch {losses[0]:.4g} -> {losses[-1]:.4g}")
+
+
+def _determinism(make: Factory, cfg: Config) -> CheckResult:
+    runs = []
+    for _ in range(2):
+        trainer = make(copy.deepcopy(cfg))
+        trainer.fit()
+        runs.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    differ = [k for k in runs[0] if not torch.equal(runs[0][k], runs[1][k])]
+    if differ:
+        return CheckResult("determinism", "fail",
+                           f"two runs with seed {cfg.seed} gave different weights ({differ[0]}, "
+                           f"...): something draws randomness saferun does not seed, or uses "
+                           f"non-deterministic kernels")
+    return CheckResult("determinism", "pass", f"two {STEPS}-step runs with one seed: identical weights")
+
+
+def _compile_parity(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    trainer._check_compile()
+    return CheckResult("compile parity", "pass", "compiled and eager agree on the first batch")
+
+
+def _one_line(message: str, limit: int = 400) -> str:
+    text = " ".join(line.strip() for line in message.splitlines())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+class _Collect(logging.Handler):
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(logging.WARNING)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def format_report(results: list[CheckResult]) -> str:
+    lines = [str(r) for r in results]
+    failed = sum(r.status == "fail" for r in results)
+    warned = sum(r.status == "warn" for r in results)
+    lines.append(f"{len(results)} checks: {len(results) - failed - warned} passed, {warned} "
+                 f"warned, {failed} failed.")
+    return "\n".join(lines)
+
+
+def exit_status(results: list[CheckResult]) -> int:
+    return 1 if any(r.status == "fail" for r in results) else 0
+
+
+def make_factory(task: Optional[dict[str, Any]]) -> Factory:
+    """A Trainer factory for a config's `task` node (or plain `Trainer`)."""
+    from hydra.utils import get_class
+
+    kwargs = dict(task or {"_target_": "saferun.Trainer"})
+    cls = get_class(kwargs.pop("_target_"))
+    return lambda cfg: cls(cfg, **kwargs)

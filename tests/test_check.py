@@ -1,0 +1,111 @@
+"""`saferun check`: each diagnostic, on a clean recipe and with a planted bug."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import saferun
+from saferun.check import make_factory, run_checks
+from saferun.config import load_config
+from test_guards import BNAlwaysTrains, GeneratorOnDataset, LambdaTransformTrainer
+from toys import ToyTrainer, toy_config
+
+
+def results(cls, tmp_path, **kw):
+    cfg = load_config(toy_config(tmp_path, **kw))
+    return {r.name: r for r in run_checks(lambda c: cls(c), cfg)}
+
+
+def test_a_clean_trainer_passes_every_check(tmp_path):
+    found = results(ToyTrainer, tmp_path)
+    assert set(found) == {"pickling", "worker seeding", "eval purity", "declared modes",
+                          "unused parameters", "host syncs", "one-batch overfit", "determinism"}
+    assert all(r.status == "pass" for r in found.values()), found
+
+
+def test_planted_bugs_are_reported(tmp_path):
+    class Everything(ToyTrainer):
+        def build_model(self):
+            torch.manual_seed(torch.seed())  # unseeded initialisation: runs differ
+            model = BNAlwaysTrains()  # validation updates BatchNorm statistics
+            return model
+
+        def build_datasets(self):
+            return GeneratorOnDataset(), GeneratorOnDataset()  # workers repeat draws
+
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.last = loss.item()  # a host sync every step
+            return loss
+
+    found = results(Everything, tmp_path)
+    assert found["worker seeding"].status == "fail"
+    assert found["eval purity"].status == "fail" and "running_mean" in found["eval purity"].finding
+    assert found["host syncs"].status == "warn" and "loss.item()" in found["host syncs"].finding
+    assert found["determinism"].status == "fail"
+    assert found["pickling"].status == "warn" and "dataset.rng" in found["pickling"].finding
+
+
+def test_spawn_with_a_lambda_fails_pickling(tmp_path):
+    found = results(LambdaTransformTrainer, tmp_path, num_workers=2, multiprocessing_context="spawn")
+    assert found["pickling"].status == "fail"
+    assert "dataset.transform.transforms[1]: a lambda" in found["pickling"].finding
+
+
+def test_a_model_that_ignores_its_input_fails_to_overfit(tmp_path):
+    class Constant(ToyTrainer):
+        def training_step(self, batch):
+            _, y = batch
+            return super().training_step(batch) * 0 + torch.nn.functional.cross_entropy(
+                torch.zeros(len(y), 3, requires_grad=True), y)
+
+    assert results(Constant, tmp_path)["one-batch overfit"].status == "warn"
+
+
+BAD_RECIPE = '''
+import torch.nn.functional as F
+import saferun
+from torch import nn
+
+
+class ForcesTrainBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                 nn.Linear(32, 10))
+
+    def forward(self, x):
+        self.net[2].train()  # the planted bug
+        return self.net(x)
+
+
+class BadTrainer(saferun.Trainer):
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"loss": F.cross_entropy(self.model(x), y)}
+'''
+
+
+def test_the_command_exits_non_zero_on_a_failure_and_zero_on_digits(tmp_path):
+    project = tmp_path / "project"
+    (project / "recipe").mkdir(parents=True)
+    (project / "badrecipe.py").write_text(BAD_RECIPE)
+    (project / "recipe" / "badrecipe.yaml").write_text(
+        "# @package _global_\n# A recipe with a planted bug.\ndefaults:\n  - override /data: digits\n"
+        "name: badrecipe\ntask:\n  _target_: badrecipe.BadTrainer\nmodel:\n"
+        "  _target_: badrecipe.ForcesTrainBN\n")
+    bad = subprocess.run([sys.executable, "-m", "saferun", "check", "-cd", str(project),
+                          "recipe=badrecipe"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAIL  eval purity" in bad.stdout and "running_mean" in bad.stdout
+    good = subprocess.run([sys.executable, "-m", "saferun", "check", "debug=fast"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "9 checks" not in good.stdout and "8 checks: 8 passed" in good.stdout
