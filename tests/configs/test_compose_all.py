@@ -26,6 +26,9 @@ def overrides_for(path: str) -> list[str]:
     if path == "config.yaml":
         return []
     group, option = path[: -len(".yaml")].split("/")
+    if (CONF / "recipe" / f"{option}.yaml").is_file() and group != "recipe":
+        # a recipe's own model or data option may refer to its other nodes (${model.context})
+        return [f"recipe={option}", f"{group}={option}"]
     return [f"{group}={option}"]
 
 
