@@ -63,6 +63,8 @@ class TrainerConfig:
     """Worker start method: fork, spawn, forkserver (None: Python's default)."""
     pin_memory: Optional[bool] = None
     """Pin host memory for batches (None: on when training on CUDA)."""
+    find_unused_parameters: bool = False
+    """Under torchrun: let DistributedDataParallel handle parameters without gradients."""
     shuffle: bool = True
     """Shuffle the training data each epoch."""
     drop_last: bool = False

@@ -7,9 +7,10 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
-                              Sampler, SequentialSampler)
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
+                              IterableDataset, RandomSampler, Sampler, SequentialSampler)
 
+from .distributed import ShardSampler
 from .errors import SaferunError
 from .seeding import WorkerSeeder, derive_seed
 
@@ -49,12 +50,16 @@ def make_loader(
     pin_memory: bool,
     seed: int,
     rank: int = 0,
+    world_size: int = 1,
+    evaluation: bool = False,
     multiprocessing_context: Optional[str] = None,
 ) -> DataLoader:
     """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`).
 
     Map-style datasets get an `IndexRecorder` batch sampler, so that errors can
-    name the samples of a bad step.
+    name the samples of a bad step. With several ranks, training data is split
+    by a DistributedSampler and evaluation data by a `ShardSampler` (no padding,
+    so every sample counts once in the metrics).
     """
     generator = torch.Generator()
     workers = dict(num_workers=num_workers, pin_memory=pin_memory,
@@ -63,7 +68,14 @@ def make_loader(
     if isinstance(dataset, IterableDataset):
         return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
                           generator=generator, **workers)
-    sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    sampler: Sampler[int]
+    if world_size > 1 and evaluation:
+        sampler = ShardSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
+    elif world_size > 1:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                     seed=seed, drop_last=drop_last)
+    else:
+        sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     batches = IndexRecorder(BatchSampler(sampler, batch_size, drop_last))
     return DataLoader(dataset, batch_sampler=batches, generator=generator, **workers)
 

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from . import distributed
 from .callbacks import StepOutput
 from .errors import SaferunError
 
@@ -61,24 +62,36 @@ class RunningTrainMetrics:
         self.spikes = list(state["spikes"])
         self.samples, self.skipped = state["samples"], state["skipped"]
 
-    def read(self, extra: Mapping[str, torch.Tensor] = {}) -> dict[str, float]:
-        """Means since the last reset, throughput and `extra`: the one host sync of a log point."""
+    def read(self, extra: Mapping[str, torch.Tensor] = {}, totals: Mapping[str, torch.Tensor] = {},
+             world_size: int = 1) -> dict[str, float]:
+        """Means since the last reset, `extra` values and throughput; with several ranks, means
+        averaged and `totals` summed over ranks. One collective, one host read."""
         keys = list(self.logs[0]) if self.logs else []
         names, columns = [], []
         if self.losses:
             names += ["train/loss", "train/grad_norm"] + [f"train/{k}" for k in keys]
             columns += [_mean(self.losses), _mean(self.grad_norms)]
             columns += [_mean([d[k] for d in self.logs]) for k in keys]
-        if self.spikes:
-            names.append("train/spikes")
-            columns.append(torch.stack(self.spikes).float().sum())
         names += list(extra)
         columns += [v.detach().float() for v in extra.values()]
-        values = torch.stack(columns).tolist() if columns else []
+        averaged = len(columns)
+        sums = dict(totals)
+        if self.spikes:
+            sums["train/spikes"] = torch.stack(self.spikes).float().sum()
+        if world_size > 1 and columns:  # samples from every rank, made on the device: no copy
+            sums["samples"] = torch.full((), float(self.samples), device=columns[0].device)
+        names += list(sums)
+        columns += [v.float() for v in sums.values()]
+        values: list[float] = []
+        if columns:
+            stacked = distributed.all_reduce(torch.stack(columns))
+            stacked[:averaged] /= world_size
+            values = stacked.tolist()
         seconds = max(time.perf_counter() - self.started, 1e-9)
         metrics = dict(zip(names, values))
+        samples = metrics.pop("samples", float(self.samples))
         metrics["perf/steps_per_sec"] = self.steps / seconds
-        metrics["perf/samples_per_sec"] = self.samples / seconds
+        metrics["perf/samples_per_sec"] = samples / seconds
         if self.skipped:
             metrics["train/skipped_steps"] = float(self.skipped)
         return metrics
@@ -89,6 +102,7 @@ class RunningTrainMetrics:
         if check_grads:
             nonfinite |= ~torch.isfinite(torch.stack(self.grad_norms).float())
         bad = torch.stack([nonfinite, torch.stack(self.spikes)]) if self.spikes else nonfinite[None]
+        bad = distributed.all_reduce(bad.int()) > 0  # under torchrun: bad on any rank
         found = bad.nonzero().tolist()  # [[row, step], ...]: the one host read
         if not found:
             return None
@@ -109,15 +123,18 @@ class WeightedMeans:
             self.sums[k] = self.sums[k] + weighted if k in self.sums else weighted
         self.count += n
 
-    def read(self, extra: Mapping[str, torch.Tensor] = {}) -> tuple[dict[str, float], dict[str, float]]:
-        """(means, values of `extra`), read to the host together: the one host sync."""
+    def read(self, extra: Mapping[str, torch.Tensor] = {}, device: Optional[torch.device] = None
+             ) -> tuple[dict[str, float], dict[str, float]]:
+        """(means, sums of `extra`), over every rank's batches: one collective, one host read."""
         columns = [*self.sums.values(), *(v.float() for v in extra.values())]
         if not columns:
             return {}, {}
-        values = torch.stack([c.to(columns[0].device) for c in columns]).tolist()
-        totals, extras = values[: len(self.sums)], values[len(self.sums):]
-        count = max(self.count, 1)
-        return ({k: total / count for k, total in zip(self.sums, totals)},
+        # the sample count rides along (made on the device: no host-to-device copy)
+        columns.append(torch.full((), float(self.count), device=device or columns[0].device))
+        stacked = distributed.all_reduce(torch.stack([c.to(columns[0].device) for c in columns]))
+        values = stacked.tolist()
+        totals, extras, count = values[: len(self.sums)], values[len(self.sums):-1], values[-1]
+        return ({k: total / max(count, 1) for k, total in zip(self.sums, totals)},
                 dict(zip(extra, extras)))
 
 

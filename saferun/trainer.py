@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import __version__, modes
+from . import __version__, distributed, modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
@@ -45,7 +45,7 @@ from .purity import diff, find_inference_tensors, fingerprint
 from .spikes import SpikeDetector
 from .sync_audit import SyncAudit
 from .replay import first_nonfinite, replay
-from .seeding import get_rng_state, preserved_rng, seed_everything, set_rng_state
+from .seeding import derive_seed, get_rng_state, preserved_rng, seed_everything, set_rng_state
 
 log = logging.getLogger("saferun")
 
@@ -77,20 +77,23 @@ class Trainer:
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
                  callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = load_config(cfg)
-        self.device = _resolve_device(self.cfg.trainer.device)
+        self.ranks = distributed.ranks_from_env()
+        self.device = _resolve_device(self.cfg.trainer.device, self.ranks.local_rank)
         self.model: nn.Module = None  # type: ignore[assignment]  # built by setup()
         self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
         self.train_loader: Optional[DataLoader] = None
         self.val_loader: Optional[DataLoader] = None
         self.state = LoopState(max_steps=self.cfg.trainer.max_steps,
-                               config=dataclasses.asdict(self.cfg))
+                               config=dataclasses.asdict(self.cfg), rank=self.ranks.rank,
+                               world_size=self.ranks.world_size)
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
         self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self._resume_rng: Optional[dict[str, Any]] = None
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
+        self._agreed_signal: Optional[int] = None
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -112,13 +115,14 @@ class Trainer:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
         t = self.cfg.trainer
         common = dict(num_workers=t.num_workers, seed=self.cfg.seed, rank=self.state.rank,
-                      pin_memory=self._pin_memory(), multiprocessing_context=t.multiprocessing_context)
+                      world_size=self.state.world_size, pin_memory=self._pin_memory(),
+                      multiprocessing_context=t.multiprocessing_context)
         train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
                                    drop_last=t.drop_last, **common)
         val_loader = None
         if val is not None:
             val_loader = make_loader(val, batch_size=t.val_batch_size or t.batch_size,
-                                     shuffle=False, drop_last=False, **common)
+                                     shuffle=False, drop_last=False, evaluation=True, **common)
         return train_loader, val_loader
 
     def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -172,7 +176,8 @@ class Trainer:
             return
         t = self.cfg.trainer
         ensure_log_handler()
-        seed_everything(self.cfg.seed)
+        distributed.start(self.ranks, self.device)
+        seed_everything(self.cfg.seed)  # the same on every rank: identical initial weights
         model = self.build_model()
         if not isinstance(model, nn.Module):
             raise SaferunError(f"build_model() returned {type(model).__name__}, not an nn.Module.")
@@ -180,6 +185,8 @@ class Trainer:
         self._frozen = modes.resolve_modules(model, t.frozen_modules)
         modes.freeze(self._frozen)
         self.model = model.to(self.device)
+        if self.ranks.world_size > 1:
+            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank
         train_set, val_set = self.build_datasets()
         check_dataset(train_set, "training")
         if val_set is not None:
@@ -205,6 +212,11 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
+        self._ddp: Optional[distributed.ModelDDP] = None
+        if self.ranks.world_size > 1:
+            self._ddp = distributed.ModelDDP(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=t.find_unused_parameters)
         self._is_setup = True
 
     def _setup_guards(self) -> None:
@@ -250,7 +262,7 @@ class Trainer:
                         control = _merge(control, self._validate_and_report())
                     if (control and control.save) or self._save_due():
                         self._save_checkpoint()
-                    if self._stop_signals.received is not None:
+                    if self._stop_agreed():
                         raise _StopRequested
                     if (control and control.stop) or state.step >= t.max_steps:
                         break
@@ -298,15 +310,16 @@ class Trainer:
         total = sum(sizes)
         loss_sum: Optional[torch.Tensor] = None
         logs_sum: dict[str, torch.Tensor] = {}
-        for batch, size in zip(micro_batches, sizes):
+        for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
             batch = move_to_device(batch, self.device, self._non_blocking)
-            with self._autocast():
-                loss, logs = _loss_and_logs(self.training_step(batch), self.state.step + 1)
-            # Weight each micro-batch by its share of the samples, so that the
-            # accumulated gradient equals the gradient of the whole batch's mean loss.
-            if size != total:
-                loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}
-            self._scaler.scale(loss).backward()
+            with self._data_parallel(last=i == len(sizes) - 1):
+                with self._autocast():
+                    loss, logs = _loss_and_logs(self.training_step(batch), self.state.step + 1)
+                # Weight each micro-batch by its share of the samples, so that the accumulated
+                # gradient equals the gradient of the whole batch's mean loss.
+                if size != total:
+                    loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}
+                self._scaler.scale(loss).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for k, v in logs.items():
                 logs_sum[k] = logs_sum[k] + v if k in logs_sum else v
@@ -326,12 +339,12 @@ class Trainer:
             for i, batch in enumerate(self.val_loader):
                 if limit is not None and i >= limit:
                     break
-                if self._stop_signals.received is not None:
+                if self.ranks.world_size == 1 and self._stop_signals.received is not None:
                     raise _StopRequested  # preemption must not wait for a long evaluation
                 out = self.validation_step(move_to_device(batch, self.device, self._non_blocking))
                 means.add(scalar_dict(out, "validation_step"), self.batch_size(batch))
         probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}
-        values, flags = means.read(probe)  # one host read: the means and the purity flag
+        values, flags = means.read(probe, self.device)  # one read: the means and the purity flag
         self._check_purity(before, flags.get("changed", 0.0))
         metrics = {f"val/{k}": v for k, v in values.items()}
         self.state.metrics.update(metrics)
@@ -360,6 +373,21 @@ class Trainer:
         return [move_to_device(o, torch.device("cpu")) for o in outputs]
 
     # ------------------------------------------------------------------ loop helpers
+
+    @contextlib.contextmanager
+    def _data_parallel(self, last: bool) -> Iterator[None]:
+        """Under torchrun, route training_step's forwards through DDP, whose backward then
+        averages the gradients across ranks; on all but the last micro-batch it does not
+        (no_sync), so accumulation costs one all-reduce per optimizer step."""
+        if self._ddp is None:
+            yield
+            return
+        module, self.model = self.model, self._ddp
+        try:
+            with contextlib.nullcontext() if last else self._ddp.no_sync():
+                yield
+        finally:
+            self.model = module
 
     def _evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -469,8 +497,15 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole training state: what `load_state_dict` needs to continue exactly."""
+        """The whole training state: what `load_state_dict` needs to continue exactly.
+
+        Under torchrun every rank must call it (it gathers each rank's RNG states and
+        pending metrics); the full state is returned on rank 0, None's parts elsewhere.
+        """
         s = self.state
+        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict()},
+                              torch.device("cpu"))
+        per_rank = distributed.gather(mine)
         return {
             "format": 1,
             "model": self.model.state_dict(),
@@ -480,8 +515,7 @@ class Trainer:
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self._best) if self._best else None},
-            "running": self._running.state_dict(),
-            "rng": get_rng_state(),
+            "per_rank": per_rank,  # [{"rng", "running"}] for each rank, in rank order
             "callbacks": self._callbacks.state_dict(),
             "guards": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
             "config": dataclasses.asdict(self.cfg),
@@ -506,12 +540,18 @@ class Trainer:
             setattr(self.state, key, loop[key])
         self.state.metrics.update(loop["metrics"])
         self._best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
-        self._running.load_state_dict(move_to_device(state["running"], self.device))
+        if len(state["per_rank"]) != self.ranks.world_size:
+            raise CheckpointError(
+                f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
+                f"has {self.ranks.world_size}: each rank's RNG states and data shard would differ. "
+                f"Resume with the same number of processes.")
+        mine = state["per_rank"][self.ranks.rank]
+        self._running.load_state_dict(move_to_device(mine["running"], self.device))
         self._callbacks.load_state_dict(state["callbacks"])
         for key, detector in (self._spikes or {}).items():
             if key in state["guards"]:
                 detector.load_state_dict(move_to_device(state["guards"][key], self.device))
-        self._resume_rng = state["rng"]
+        self._resume_rng = mine["rng"]
 
     def _resume(self) -> None:
         """Continue from `cfg.resume` (auto or a path), after checking the config matches."""
@@ -542,15 +582,20 @@ class Trainer:
         # newest checkpoint is always a good state to resume or roll back to.
         if not self._window_finite():
             return list_checkpoints(root)[-1]  # rolled back to it
-        path = save_checkpoint(root, self.state.step, self.state_dict())
-        rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
+        state = self.state_dict()  # under torchrun, a collective: every rank calls it
+        path = root / f"step-{self.state.step:08d}"
+        if self.ranks.is_main:
+            save_checkpoint(root, self.state.step, state)
+            rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
+        distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         self._callbacks.on_checkpoint(self.view, str(path))
         return path
 
     def _save_final(self) -> None:
         # Always: the final validation may have changed callback state since the last save.
         self._save_checkpoint()
-        save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())
+        if self.ranks.is_main:
+            save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())
 
     def _save_due(self) -> bool:
         every = self.cfg.trainer.save_every_n_steps
@@ -597,7 +642,7 @@ class Trainer:
             bad |= ~torch.isfinite(loss + grad_norm)  # NaN and Inf survive the sum
         if self._skip_spikes and spike is not None:
             bad |= spike
-        return bool(bad)
+        return bool(distributed.all_reduce(bad.int()))  # under torchrun: bad on any rank
 
     def _on_nonfinite(self) -> None:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
@@ -704,7 +749,8 @@ class Trainer:
         loader's error then means the same thing, and the state is still at a boundary.
         """
         signum = self._stop_signals.received
-        worker_died = isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc)
+        worker_died = (isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc)
+                       and self.ranks.world_size == 1)  # under torchrun the ranks must agree
         if signum is None or not (isinstance(exc, _StopRequested) or worker_died):
             return None
         path = self._save_checkpoint()
@@ -718,7 +764,8 @@ class Trainer:
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards
         extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}
-        metrics = self._running.read(extra)
+        metrics = self._running.read(extra, self._stop_votes(), self.ranks.world_size)
+        self._count_stop_votes(metrics)
         if g.nonfinite != "off" and not self._finite(metrics):
             self._on_nonfinite()  # raises, or rolls back (the window's metrics are then moot)
             return None
@@ -728,15 +775,37 @@ class Trainer:
         self.state.metrics.update(metrics)
         return self._callbacks.on_log(self.view, metrics)
 
+    def _stop_agreed(self) -> bool:
+        """One process: a stop signal arrived. Under torchrun: the ranks agreed on it at the
+        last log point, so that all of them save the same step and exit together."""
+        if self.ranks.world_size == 1:
+            return self._stop_signals.received is not None
+        return self._agreed_signal is not None
+
+    def _stop_votes(self) -> dict[str, torch.Tensor]:
+        """Under torchrun: this rank's stop signal, summed over ranks with the log metrics."""
+        if self.ranks.world_size == 1:
+            return {}
+        signum = self._stop_signals.received or 0
+        return {"_stop_votes": torch.full((), float(signum > 0), device=self.device),
+                "_stop_signals": torch.full((), float(signum), device=self.device)}
+
+    def _count_stop_votes(self, metrics: dict[str, float]) -> None:
+        votes, signals = metrics.pop("_stop_votes", 0.0), metrics.pop("_stop_signals", 0.0)
+        if votes:
+            self._agreed_signal = int(round(signals / votes))
+            self._stop_signals.received = self._agreed_signal  # also on ranks that got none
+
     def _configured_callbacks(self) -> list[Callback]:
-        """The `callbacks` nodes, then the `logger` nodes, then the console output."""
+        """The `callbacks` nodes, then (on rank 0) the `logger` nodes and the console output."""
         callbacks: list[Callback] = []
-        for key in ("callbacks", "logger"):
+        for key in ("callbacks", "logger") if self.ranks.is_main else ("callbacks",):
             for name, node in (getattr(self.cfg, key) or {}).items():
                 if node is not None:
                     callbacks.append(self._instantiate(f"{key}.{name}", node))
-        callbacks.append(ProgressBar() if want_progress_bar(self.cfg.trainer.progress_bar)
-                         else LogLines())
+        if self.ranks.is_main:
+            callbacks.append(ProgressBar() if want_progress_bar(self.cfg.trainer.progress_bar)
+                             else LogLines())
         if self.cfg.guards.sync_audit:
             callbacks.append(SyncAudit(self.device.type))  # last: it sees every callback's syncs
         return callbacks
@@ -840,9 +909,10 @@ def _take(iterator: Iterator[Any], n: int) -> list[Any]:
     return group
 
 
-def _resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """auto: CUDA if available, else CPU. Under torchrun, cuda means this rank's own GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as e:
@@ -850,6 +920,9 @@ def _resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device is cuda but no CUDA device is available; "
                           "use trainer.device=cpu or auto.")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     return device
 
 
