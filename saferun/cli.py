@@ -52,13 +52,45 @@ def run(args: list[str]) -> None:
     """`saferun run [hydra args]`: compose the config with Hydra and train."""
     import hydra
 
+    from .distributed import ranks_from_env
+
     _register_with_hydra()
     for config_dir in _config_dirs(args):
         # A copied recipe (saferun new) keeps its Python file next to its configs.
         sys.path.insert(0, os.path.abspath(config_dir))
     sys.path.insert(0, os.getcwd())
+    task = _train
+    if ranks_from_env().world_size > 1:
+        args, task = _join_torchrun_job(args)
     sys.argv = ["saferun"] + args
-    hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(_train)()
+    hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
+    if ranks_from_env().world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
+    """Under torchrun: start the process group before Hydra, so that rank 0 picks the run
+    id (hence one run directory) for every rank; only rank 0 keeps Hydra's files and logs."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from .distributed import broadcast
+
+    if "-m" in args or "--multirun" in args:
+        print("saferun: error: a sweep (-m) cannot run under torchrun; launch one torchrun job "
+              "per configuration.", file=sys.stderr)
+        raise SystemExit(2)
+    global _RUN_ID
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    _RUN_ID = os.environ["SAFERUN_RUN_ID"] = broadcast(run_id())
+    if dist.get_rank() != 0:
+        args = args + ["hydra.output_subdir=null", "hydra/job_logging=disabled",
+                       "hydra/hydra_logging=disabled"]
+    # record: torchrun then reports the failing rank's traceback as the job's root cause.
+    return args, record(_train)
 
 
 def _train(cfg: Any) -> Optional[float]:
@@ -70,11 +102,15 @@ def _train(cfg: Any) -> Optional[float]:
     from .config import load_config
     from .errors import SaferunError
 
+    from .distributed import broadcast, ranks_from_env
+
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
+    main = ranks_from_env().is_main
     started = time.time()
     try:
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        # Resolved once, on rank 0, for every rank (interpolations such as ${now:} could differ).
+        plain = broadcast(OmegaConf.to_container(cfg, resolve=True))
         plain["trainer"]["run_dir"] = run_dir
         config = load_config(plain)
         if config.task is None:
@@ -82,13 +118,16 @@ def _train(cfg: Any) -> Optional[float]:
                                "(recipes do; see `saferun list`).")
         task = dict(config.task)
         task_class = get_class(task.pop("_target_"))
-        OmegaConf.save(OmegaConf.create(plain), os.path.join(run_dir, "config.yaml"))
-        print(f"saferun: run directory {run_dir}", flush=True)
+        if main:
+            OmegaConf.save(OmegaConf.create(plain), os.path.join(run_dir, "config.yaml"))
+            print(f"saferun: run directory {run_dir}", flush=True)
         trainer = task_class(config, **task)
         metrics = trainer.fit()
     except SaferunError as e:
         print(f"saferun: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    if not main:
+        return None
     summary = {
         "name": config.name,
         "run_dir": run_dir,

@@ -110,40 +110,60 @@ def weights(trainer: saferun.Trainer) -> dict[str, torch.Tensor]:
 
 
 class SelfSignalling(AugmentedTrainer):
-    """Sends itself a real signal at a chosen step (in training or during validation)."""
+    """Plants events at a chosen step, on a chosen rank: a real signal (in training or during
+    validation), an exception, or a NaN loss. Used by the subprocess and torchrun tests."""
 
     def __init__(self, cfg: Any, signal_at: int = -1, signum: int = 0, in_validation: bool = False,
+                 on_rank: int = -1, fail_at: int = -1, nan_at: int = -1, plain: bool = False,
                  **kw: Any) -> None:
         super().__init__(cfg, **kw)
         self.signal_at, self.signum, self.in_validation = signal_at, signum, in_validation
+        self.on_rank, self.fail_at, self.nan_at, self.plain = on_rank, fail_at, nan_at, plain
+
+    def build_model(self) -> nn.Module:
+        if self.plain:  # no BatchNorm or Dropout: results do not depend on the per-rank batch
+            return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        return super().build_model()
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         x, y = make_classification(64, seed=1)
+        if self.plain:
+            return TensorDataset(*make_classification(256)), TensorDataset(x, y)
         return AugmentedDataset(), TensorDataset(x, y)
 
+    def _planted(self, at: int) -> bool:
+        return self.state.step + 1 == at and self.on_rank in (-1, self.ranks.rank)
+
     def training_step(self, batch: Any) -> torch.Tensor:
-        if not self.in_validation and self.state.step == self.signal_at:
+        if not self.in_validation and self._planted(self.signal_at):
             os.kill(os.getpid(), self.signum)
-        return super().training_step(batch)
+        if self._planted(self.fail_at):
+            raise RuntimeError(f"planted failure on rank {self.ranks.rank}")
+        loss = super().training_step(batch)
+        return loss * float("nan") if self._planted(self.nan_at) else loss
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
-        if self.in_validation and self.state.step == self.signal_at:
+        if self.in_validation and self.state.step == self.signal_at and \
+                self.on_rank in (-1, self.ranks.rank):
             os.kill(os.getpid(), self.signum)
         return super().validation_step(batch)
 
 
 def main() -> None:
-    """`python tests/toys.py CONFIG_JSON [SIGNAL_AT SIGNUM [validation]]`: train, print weights."""
+    """`python tests/toys.py CONFIG_JSON [PLANT_JSON]` (or under torchrun): train, save weights.
+
+    PLANT_JSON holds SelfSignalling's keyword arguments. Each rank writes its final weights
+    to <run_dir>/final_weights_rank<R>.pt.
+    """
     import json
     import sys
 
     cfg = json.loads(sys.argv[1])
-    extra = sys.argv[2:]
-    trainer = SelfSignalling(cfg, signal_at=int(extra[0]) if extra else -1,
-                             signum=int(extra[1]) if extra else 0,
-                             in_validation=len(extra) > 2 and extra[2] == "validation")
+    plant = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    trainer = SelfSignalling(cfg, **plant)
     trainer.fit()
-    torch.save(weights(trainer), os.path.join(cfg["trainer"]["run_dir"], "final_weights.pt"))
+    torch.save(weights(trainer), os.path.join(cfg["trainer"]["run_dir"],
+                                              f"final_weights_rank{trainer.ranks.rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -22,13 +22,15 @@ def config(run_dir, **kw):
     return cfg
 
 
-def train(cfg, *signal_args):
-    return subprocess.run([sys.executable, TOYS_PATH, json.dumps(cfg), *map(str, signal_args)],
+def train(cfg, signal_at=None, signum=None, where="training"):
+    plant = {} if signal_at is None else {"signal_at": signal_at, "signum": int(signum),
+                                          "in_validation": where == "validation"}
+    return subprocess.run([sys.executable, TOYS_PATH, json.dumps(cfg), json.dumps(plant)],
                           capture_output=True, text=True, timeout=300)
 
 
 def final_weights(run_dir):
-    return torch.load(run_dir / "final_weights.pt", weights_only=True)
+    return torch.load(run_dir / "final_weights_rank0.pt", weights_only=True)
 
 
 def assert_bitwise_equal(a, b):

@@ -1,0 +1,149 @@
+"""Real torchrun, gloo on the CPU: agreement across ranks, equality with one process,
+exact resume, failures and signals on one rank, two nodes on localhost, the CLI."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from saferun.checkpoint import list_checkpoints
+from toys import TOYS_PATH, SelfSignalling, toy_config, weights
+
+TIMEOUT = 240  # a hang fails the test instead of the suite
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(cfg, plant=None, nproc=2, extra=(), env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", *extra, TOYS_PATH, json.dumps(cfg), json.dumps(plant or {})]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def plain_config(run_dir, batch_size, **kw):
+    cfg = toy_config(run_dir.parent, max_steps=8, batch_size=batch_size, shuffle=False,
+                     log_every_n_steps=4, **kw)
+    cfg["trainer"]["run_dir"] = str(run_dir)
+    cfg["optim"] = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}
+    return cfg
+
+
+def rank_weights(run_dir, rank):
+    return torch.load(run_dir / f"final_weights_rank{rank}.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    proc = torchrun(plain_config(run_dir, batch_size=16, tensorboard=True), {"plain": True})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+def test_ranks_agree_and_equal_one_process_over_the_same_global_batch(two_ranks, tmp_path):
+    r0, r1 = rank_weights(two_ranks, 0), rank_weights(two_ranks, 1)
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    # one process, batches of 32: with shuffle off, rank r's batch j holds samples
+    # 32j + r, 32j + r + 2, ...: together the single process's batch j
+    single = SelfSignalling(plain_config(tmp_path / "one", batch_size=32), plain=True)
+    single.fit()
+    one = weights(single)
+    for k in one:
+        torch.testing.assert_close(r0[k], one[k], rtol=1e-5, atol=1e-6)
+    # only rank 0 wrote the event files, the checkpoints and the weights
+    assert len(list((two_ranks / "tensorboard").iterdir())) == 1
+    assert [p.name for p in list_checkpoints(two_ranks / "checkpoints")] == ["step-00000008"]
+    assert (two_ranks / "model.pt").is_file()
+
+
+def test_two_nodes_on_localhost(two_ranks, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = plain_config(run_dir, batch_size=16)
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+         "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", TOYS_PATH,
+         json.dumps(cfg), json.dumps({"plain": True})],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for node in (0, 1)]
+    outputs = [n.communicate(timeout=TIMEOUT)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outputs
+    single_node = rank_weights(two_ranks, 0)
+    for rank in (0, 1):
+        w = rank_weights(run_dir, rank)
+        assert all(torch.equal(w[k], single_node[k]) for k in w)
+
+
+def augmented_config(run_dir):
+    cfg = toy_config(run_dir.parent, max_steps=12, batch_size=16, save_every_n_steps=5,
+                     log_every_n_steps=3, val_every_n_steps=6)
+    cfg["trainer"]["run_dir"] = str(run_dir)
+    return cfg
+
+
+def test_killed_and_resumed_equals_uninterrupted(tmp_path):
+    straight = tmp_path / "straight"
+    assert torchrun(augmented_config(straight)).returncode == 0
+    run_dir = tmp_path / "run"
+    killed = torchrun(augmented_config(run_dir), {"signal_at": 8, "signum": int(signal.SIGKILL),
+                                                  "on_rank": 0})
+    assert killed.returncode != 0
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000005"]
+    cfg = augmented_config(run_dir)
+    cfg["resume"] = "auto"
+    resumed = torchrun(cfg)
+    assert resumed.returncode == 0, resumed.stderr
+    for rank in (0, 1):
+        a, b = rank_weights(run_dir, rank), rank_weights(straight, rank)
+        assert all(torch.equal(a[k], b[k]) for k in a), rank
+
+
+def test_an_exception_on_rank_1_stops_every_rank_and_is_reported(tmp_path):
+    proc = torchrun(augmented_config(tmp_path / "run"), {"fail_at": 3, "on_rank": 1})
+    assert proc.returncode != 0
+    assert "planted failure on rank 1" in proc.stdout + proc.stderr
+
+
+def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = torchrun(augmented_config(run_dir), {"signal_at": 4, "signum": int(signal.SIGTERM),
+                                                "on_rank": 1})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # the signal reached rank 1 during step 4; the ranks agreed at the log point after step 6
+    assert out.count("stopped by SIGTERM at step 6") == 2, out
+    assert list_checkpoints(run_dir / "checkpoints")[-1].name == "step-00000006"
+    assert "exitcode  : 143" in out
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    proc = torchrun(augmented_config(tmp_path / "run"), {"nan_at": 2, "on_rank": 1})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("non-finite values at step 2") == 2, out
+
+
+def test_the_command_line_under_torchrun_uses_one_run_directory(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master_port={free_port()}", "-m", "saferun", "run", "debug=fast",
+         "trainer.progress_bar=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = list((tmp_path / "runs" / "digits").iterdir())
+    assert len(runs) == 1
+    assert {p.name for p in runs[0].iterdir()} >= {"config.yaml", "summary.json", "model.pt",
+                                                   "tensorboard", "checkpoints"}
+    assert json.loads((runs[0] / "summary.json").read_text())["step"] == 10
+    assert proc.stdout.count("saferun: done at step 10") == 1  # rank 0 speaks for the job
