@@ -1,0 +1,108 @@
+"""Tabular: an MLP regressor on the diabetes data set that ships with scikit-learn.
+
+Launch:   saferun run recipe=tabular
+Expected: validation R^2 about 0.46 (at least 0.44) and RMSE about 57 in the
+          target's units after 500 steps, about 10 seconds on one CPU core.
+          Ordinary least squares gets R^2 0.48 and RMSE 56 on the same split:
+          this data is close to linear, and the MLP comes within about 0.02.
+
+Everything specific to the task is in this file: the data (442 patients, 10
+numeric features, bundled with scikit-learn, so nothing is downloaded), its
+standardisation, the model and the training and validation steps. Features and
+target are standardised with statistics of the training split only, so nothing
+about the validation rows leaks into training. The loop, its discipline and
+its safety checks come from saferun.Trainer. Copy it with
+`saferun new DIR --from tabular`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import saferun
+
+
+class TabularDataset(Dataset):
+    """Standardised rows (features, target), plus the scales needed to report errors."""
+
+    def __init__(self, features: torch.Tensor, targets: torch.Tensor, target_std: float) -> None:
+        self.features = features  # (N, F), standardised with training statistics
+        self.targets = targets  # (N,), standardised with training statistics
+        self.target_std = target_std  # the training target's std, in original units
+        # This split's target variance (standardised): R^2 = 1 - MSE / target_var.
+        self.target_var = float(targets.var(unbiased=False))
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.features[i], self.targets[i]
+
+
+def datasets(val_fraction: float = 0.2, split_seed: int = 0
+             ) -> tuple[TabularDataset, TabularDataset]:
+    """scikit-learn's diabetes data, split once with a fixed seed, standardised by training rows."""
+    from sklearn.datasets import load_diabetes
+
+    # scaled=False: the raw measurements; we standardise them ourselves, from training rows only.
+    x_all, y_all = load_diabetes(return_X_y=True, scaled=False)
+    x = torch.tensor(x_all, dtype=torch.float32)  # (442, 10)
+    y = torch.tensor(y_all, dtype=torch.float32)  # (442,)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(split_seed))
+    n_val = int(len(y) * val_fraction)
+    val, train = order[:n_val], order[n_val:]
+    x_mean, x_std = x[train].mean(dim=0), x[train].std(dim=0)
+    y_mean, y_std = y[train].mean(), y[train].std()
+    x, y = (x - x_mean) / x_std, (y - y_mean) / y_std
+    return (TabularDataset(x[train], y[train], float(y_std)),
+            TabularDataset(x[val], y[val], float(y_std)))
+
+
+class MLP(nn.Module):
+    """`layers` hidden layers of width `hidden` with GELU and dropout, then one output."""
+
+    def __init__(self, features: int = 10, hidden: int = 64, layers: int = 2,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for i in range(layers):
+            blocks += [nn.Linear(features if i == 0 else hidden, hidden), nn.GELU(),
+                       nn.Dropout(dropout)]
+        self.body = nn.Sequential(*blocks)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, F) -> (B,) predictions of the standardised target."""
+        return self.head(self.body(x)).squeeze(-1)
+
+
+class TabularTrainer(saferun.Trainer):
+    """Mean squared error on the standardised target.
+
+    Validation reports `loss` (MSE, standardised units), `mse` and `rmse` (original
+    units of the target) and `r2`. saferun averages each metric over batches
+    weighted by batch size: exact for loss, mse and r2, which are linear in the
+    squared error; `rmse` is the root of a batch's MSE, so it is exact only
+    because the validation set is one batch (checked below).
+    """
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        features, targets = batch
+        return F.mse_loss(self.model(features), targets)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]
+                        ) -> Mapping[str, torch.Tensor]:
+        features, targets = batch
+        assert self.val_loader is not None  # validation runs only with a validation loader
+        val_set: TabularDataset = self.val_loader.dataset  # type: ignore[assignment]
+        if len(targets) != len(val_set):
+            raise saferun.ConfigError(f"trainer.val_batch_size must be >= {len(val_set)}: tabular "
+                                      f"computes rmse from one batch holding the validation set.")
+        loss = F.mse_loss(self.model(features), targets)  # standardised units
+        mse = loss * val_set.target_std**2  # original units
+        return {"loss": loss, "mse": mse, "rmse": mse.sqrt(), "r2": 1 - loss / val_set.target_var}

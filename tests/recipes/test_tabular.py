@@ -1,0 +1,103 @@
+"""The tabular recipe: a smoke run of the real CLI, golden first losses, (slow) its quality."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+import saferun
+from saferun.cli import _register_with_hydra
+
+# train/loss at steps 1-5, recorded on CPU (torch 2.13, fp32, one thread) with seed 0.
+# The test shortens the warm-up to one step: with the recipe's, the first updates are
+# too small for rtol 1e-4 to notice a change in how the loop applies them.
+GOLDEN_LOSSES = [0.777198, 0.841293, 0.982024, 0.739243, 1.264477]
+
+
+def saferun_run(*overrides: str, run_dir: Path, timeout: int) -> subprocess.CompletedProcess:
+    """`saferun run OVERRIDES` in a subprocess, from run_dir's parent; fails the test on error."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "saferun", "run", *overrides, f"hydra.run.dir={run_dir}",
+         "trainer.progress_bar=false"],
+        cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (f"saferun run failed ({proc.returncode}):\n"
+                                  f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_smoke_run_through_the_cli(tmp_path):
+    saferun_run("recipe=tabular", "debug=fast", run_dir=tmp_path / "run", timeout=120)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["name"] == "tabular" and summary["step"] == 10
+    m = summary["metrics"]
+    assert all(math.isfinite(m[k]) for k in ("val/loss", "val/mse", "val/rmse", "val/r2"))
+    assert m["val/rmse"] == pytest.approx(math.sqrt(m["val/mse"]), rel=1e-5)
+
+
+def compose_recipe(*overrides: str) -> saferun.Config:
+    """The recipe's config as `saferun run` composes it."""
+    _register_with_hydra()
+    with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["recipe=tabular", *overrides])
+    return saferun.load_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+class LossRecorder(saferun.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_log(self, view, metrics):
+        self.losses.append(metrics["train/loss"])
+
+
+def build(tmp_path: Path, *overrides: str, callbacks=()) -> saferun.Trainer:
+    config = compose_recipe("trainer.device=cpu", "logger=none", f"trainer.run_dir={tmp_path}",
+                            *overrides)
+    task = dict(config.task)
+    return get_class(task.pop("_target_"))(config, callbacks=callbacks, **task)
+
+
+def test_golden_first_losses(tmp_path):
+    assert torch.get_num_threads() == 1  # set by tests/conftest.py; numerics depend on it
+    recorder = LossRecorder()
+    build(tmp_path, "trainer.max_steps=5", "trainer.log_every_n_steps=1", "sched.warmup_steps=1",
+          callbacks=[recorder]).fit()
+    assert recorder.losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+
+
+def test_validation_metrics_match_scikit_learn(tmp_path):
+    """mse and rmse in the target's units and r2 agree with sklearn.metrics on the predictions."""
+    from sklearn.metrics import mean_squared_error, r2_score
+
+    trainer = build(tmp_path, "trainer.max_steps=20")
+    metrics = trainer.fit()
+    val = trainer.val_loader.dataset
+    # Original units less the training mean, an offset that cancels in every metric.
+    pred = trainer.predict(val) * val.target_std
+    true = val.targets * val.target_std
+    assert metrics["val/mse"] == pytest.approx(mean_squared_error(true, pred), rel=1e-4)
+    assert metrics["val/rmse"] == pytest.approx(math.sqrt(mean_squared_error(true, pred)), rel=1e-4)
+    assert metrics["val/r2"] == pytest.approx(r2_score(true, pred), rel=1e-4)
+
+
+def test_rmse_refuses_a_split_validation_set(tmp_path):
+    with pytest.raises(saferun.ConfigError, match="val_batch_size must be >= 88"):
+        build(tmp_path, "trainer.max_steps=1", "trainer.val_batch_size=32").fit()
+
+
+@pytest.mark.slow
+def test_reaches_stated_quality(tmp_path):
+    """The docstring's promise: val R^2 at least 0.44 after the recipe's 500 steps."""
+    saferun_run("recipe=tabular", run_dir=tmp_path / "run", timeout=600)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["step"] == 500
+    assert summary["metrics"]["val/r2"] >= 0.44
