@@ -335,7 +335,9 @@ class Trainer:
         means = WeightedMeans()
         set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
         before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
-        with self._evaluating():
+        # preserved_rng: randomness in validation must not shift training's random streams,
+        # or the training results would depend on how often you validate.
+        with self._evaluating(), preserved_rng():
             for i, batch in enumerate(self.val_loader):
                 if limit is not None and i >= limit:
                     break

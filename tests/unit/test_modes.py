@@ -120,3 +120,18 @@ def test_optimizer_built_with_frozen_params_is_refused(tmp_path):
     t = make(Leaky, tmp_path, frozen_modules=["backbone"])
     with pytest.raises(saferun.SaferunError, match="frozen parameter 'backbone.0.weight'"):
         t.setup()
+
+
+def test_randomness_in_validation_does_not_change_training(tmp_path):
+    class RandomVal(ToyTrainer):
+        def validation_step(self, batch):
+            torch.rand(100)  # e.g. a random crop in validation, in the main process
+            return super().validation_step(batch)
+
+    def train(every):
+        t = RandomVal(toy_config(tmp_path, max_steps=12, val_every_n_steps=every))
+        t.fit()
+        return weights(t)
+
+    a, b = train(3), train(12)
+    assert all(torch.equal(a[k], b[k]) for k in a if "num_batches" not in k)
