@@ -144,6 +144,25 @@ def _train(cfg: Any) -> Optional[float]:
     return None
 
 
+def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = ()) -> Any:
+    """The `saferun.Config` that `saferun run OVERRIDES` would train with (no run directory)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from .config import load_config
+
+    _register_with_hydra()
+    overrides = list(overrides)
+    for config_dir in config_dirs:
+        sys.path.insert(0, os.path.abspath(config_dir))
+    if config_dirs:
+        paths = ",".join(f"file://{os.path.abspath(d)}" for d in config_dirs)
+        overrides.append(f"hydra.searchpath=[{paths}]")
+    with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return load_config(OmegaConf.to_container(cfg, resolve=True))
+
+
 def _register_with_hydra() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
@@ -210,32 +229,18 @@ class SweepSummary(_HydraCallback):
 
 def check(args: list[str]) -> None:
     """`saferun check [overrides]`: compose the config as `run` would, run the diagnostics."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
     from .check import exit_status, format_report, make_factory, run_checks
-    from .config import load_config
     from .errors import SaferunError
 
-    _register_with_hydra()
     # The report is the output: saferun's INFO lines from the short runs would bury it.
     quiet = logging.StreamHandler(sys.stderr)
     quiet.setLevel(logging.WARNING)
     logging.getLogger("saferun").addHandler(quiet)
-    overrides, dirs = [], []
-    for i, arg in enumerate(args):
-        if arg in ("-cd", "--config-dir") or (i and args[i - 1] in ("-cd", "--config-dir")):
-            continue
-        overrides.append(arg)
-    for config_dir in _config_dirs(args):
-        dirs.append(f"file://{os.path.abspath(config_dir)}")
-        sys.path.insert(0, os.path.abspath(config_dir))
-    if dirs:
-        overrides.append(f"hydra.searchpath=[{','.join(dirs)}]")
+    overrides = [a for i, a in enumerate(args)
+                 if a not in ("-cd", "--config-dir") and not (i and args[i - 1] in ("-cd", "--config-dir"))
+                 and not a.startswith("--config-dir=")]
     try:
-        with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
-        config = load_config(OmegaConf.to_container(cfg, resolve=True))
+        config = compose_config(overrides, _config_dirs(args))
         results = run_checks(make_factory(config.task), config)
     except SaferunError as e:
         print(f"saferun check: error: {e}", file=sys.stderr)

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from hydra.utils import get_class
-from omegaconf import OmegaConf
 
 import saferun
-from saferun.cli import _register_with_hydra
+from saferun.cli import compose_config
 
 # train/loss at steps 1-5, recorded on CPU (torch 2.13, fp32, one thread) with seed 0.
 # The test shortens the warm-up to one step: with the recipe's, the first updates are
@@ -45,10 +43,7 @@ def test_smoke_run_through_the_cli(tmp_path):
 
 def compose_recipe(*overrides: str) -> saferun.Config:
     """The recipe's config as `saferun run` composes it."""
-    _register_with_hydra()
-    with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
-        cfg = compose("config", overrides=["recipe=tabular", *overrides])
-    return saferun.load_config(OmegaConf.to_container(cfg, resolve=True))
+    return compose_config(["recipe=tabular", *overrides])
 
 
 class LossRecorder(saferun.Callback):
