@@ -69,7 +69,7 @@ def test_signal_saves_at_the_boundary_exits_128_plus_n_and_resumes_exactly(
     run_dir = tmp_path / "run"
     # in validation: during the validation after step 6; in training: during step 8,
     # the epoch's last (the signal lands in training_step, the save after the step)
-    at, saved = (6, 6) if where == "validation" else (7, 8)
+    at, saved = (6, 6) if where == "validation" else (8, 8)
     stopped = train(config(run_dir), at, signum, where)
     assert stopped.returncode == 128 + signum, stopped.stderr
     assert f"stopped by {signal.Signals(signum).name} at step {saved}" in stopped.stderr

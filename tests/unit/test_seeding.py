@@ -28,7 +28,7 @@ def epoch_draws(loader, epoch):
     return torch.cat(list(loader))
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_workers_and_epochs_draw_differently_and_reproducibly(context):
     def loader():
         return make_loader(DrawsDataset(), batch_size=2, shuffle=False, drop_last=False,
