@@ -92,7 +92,10 @@ def top_sites(sites: collections.Counter[str], n: int = 8) -> list[tuple[str, in
     def short(site: str) -> str:
         if "site-packages" + os.sep in site:
             return site.split("site-packages" + os.sep, 1)[1]
-        return site[len(repo):] if site.startswith(repo) else site
+        if site.startswith(repo):
+            return site[len(repo):]
+        marker = os.sep + "saferun" + os.sep  # saferun imported from elsewhere (PYTHONPATH)
+        return "saferun" + os.sep + site.split(marker, 1)[1] if marker in site else site
 
     return [(short(s), c) for s, c in sites.most_common(n)]
 

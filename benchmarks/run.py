@@ -11,7 +11,7 @@ then runs the job once more under saferun's HostSyncCounter (and, on CUDA,
 torch.cuda.set_sync_debug_mode("warn")) to count syncs; that second run is never timed.
 
 The report goes to stdout and, with the raw figures, to --report-dir (results.md, results.json,
-one log per process under logs/).
+one log per process under logs/). docs/benchmarks.md explains the method and the results.
 """
 
 from __future__ import annotations
@@ -156,14 +156,27 @@ def environment(cuda: bool) -> dict[str, Any]:
         import torch
 
         env["gpu"] = torch.cuda.get_device_name(0)
+    env["commit"] = git_commit()
     return env
+
+
+def git_commit() -> str:
+    """The checkout's commit, marked '+changes' when saferun/ or benchmarks/ differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True).stdout
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--", "saferun", "benchmarks").strip()
+    except OSError:
+        return "unknown"
+    return (commit or "unknown") + (" +changes" if dirty else "")
 
 
 def render(results: list[dict[str, Any]], env: dict[str, Any], command: str) -> str:
     """The report as Markdown: one table per device and workload."""
     lines = [f"Command: `{command}`", "",
              f"Python {env['python']}, torch {env['torch']}, lightning {env['lightning']}, "
-             f"saferun {env['saferun']}; {env['cores']} cores, {env['cpu']}"
+             f"saferun {env['saferun']} (commit {env['commit']}); {env['cores']} cores, {env['cpu']}"
              + (f", {env['gpu']}" if "gpu" in env else "") + f"; {env['wall_minutes']} min.", ""]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in results:
