@@ -123,6 +123,11 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     strings, None) pass through. A NumPy array or a tensor that fails to move
     raises `SaferunError` naming its place in the batch.
     """
+    if type(batch) in (list, tuple) and all(type(t) is torch.Tensor for t in batch):
+        try:  # the common (inputs, targets) batch, without building a path per element
+            return type(batch)(t.to(device, non_blocking=non_blocking) for t in batch)
+        except (RuntimeError, TypeError):
+            pass  # the walk below names the tensor that failed
     return _move(batch, device, non_blocking, "batch")
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 

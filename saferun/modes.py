@@ -67,21 +67,28 @@ def evaluating(model: nn.Module, grad_mode: str = "inference_mode") -> Iterator[
             m.training = training
 
 
-def declared_modes(model: nn.Module, frozen: Sequence[nn.Module]) -> list[tuple[str, nn.Module, bool]]:
-    """(name, module, should be training) for every submodule: frozen parts eval, the rest train."""
-    frozen_ids = {id(m) for f in frozen for m in f.modules()}
-    return [(name or type(model).__name__, m, id(m) not in frozen_ids)
-            for name, m in model.named_modules()]
+class DeclaredModes:
+    """What `train()`/`eval()` state every submodule must be in during training steps:
+    frozen modules (and their children) in eval mode, all others in train mode."""
 
+    def __init__(self, model: nn.Module, frozen: Sequence[nn.Module]) -> None:
+        frozen_ids = {id(m) for f in frozen for m in f.modules()}
+        named = [(name or type(model).__name__, m) for name, m in model.named_modules()]
+        self.names = [name for name, _ in named]
+        self.modules = [m for _, m in named]
+        self.expected = [id(m) not in frozen_ids for m in self.modules]
 
-def check_declared(expected: Sequence[tuple[str, nn.Module, bool]], step: int) -> None:
-    """Raise `SaferunError` naming the first module whose mode differs from its declaration."""
-    for name, module, training in expected:
-        if module.training is not training:
-            now, declared = ("train", "eval (declared frozen in trainer.frozen_modules)") if \
-                module.training else ("eval", "train")
-            raise SaferunError(
-                f"step {step}: module '{name}' ({type(module).__name__}) is in {now} mode but "
-                f"should be in {declared} mode. Something in training_step or forward called "
-                f".train() or .eval(); saferun sets the modes itself, so remove that call, or "
-                f"declare the module in trainer.frozen_modules to keep it in eval mode.")
+    def check(self, step: int) -> None:
+        """Raise `SaferunError` naming the first module whose mode differs from its declaration."""
+        actual = [m.training for m in self.modules]  # one comprehension: ~30 ns per module
+        if actual == self.expected:
+            return
+        i = next(i for i, (a, e) in enumerate(zip(actual, self.expected)) if a != e)
+        module = self.modules[i]
+        now, declared = (("train", "eval (declared frozen in trainer.frozen_modules)")
+                         if module.training else ("eval", "train"))
+        raise SaferunError(
+            f"step {step}: module '{self.names[i]}' ({type(module).__name__}) is in {now} mode but "
+            f"should be in {declared} mode. Something in training_step or forward called "
+            f".train() or .eval(); saferun sets the modes itself, so remove that call, or "
+            f"declare the module in trainer.frozen_modules to keep it in eval mode.")

@@ -20,7 +20,8 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -230,7 +231,7 @@ class Trainer:
         if g.spikes != "off":
             self._spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup)
                             for k in ("loss", "grad_norm")}
-        self._declared = modes.declared_modes(self.model, self._frozen) if g.declared_modes else None
+        self._declared = modes.DeclaredModes(self.model, self._frozen) if g.declared_modes else None
         self._check_first_batch = False
         if g.preflight:
             for loader in (self.train_loader, self.val_loader):
@@ -285,7 +286,7 @@ class Trainer:
         opt, scaler = self.optimizer, self._scaler
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
-            modes.check_declared(self._declared, self.state.step + 1)
+            self._declared.check(self.state.step + 1)
         scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
         grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:
@@ -376,14 +377,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop helpers
 
-    @contextlib.contextmanager
-    def _data_parallel(self, last: bool) -> Iterator[None]:
+    def _data_parallel(self, last: bool) -> ContextManager[None]:
         """Under torchrun, route training_step's forwards through DDP, whose backward then
         averages the gradients across ranks; on all but the last micro-batch it does not
         (no_sync), so accumulation costs one all-reduce per optimizer step."""
-        if self._ddp is None:
-            yield
-            return
+        return _NO_CONTEXT if self._ddp is None else self._through_ddp(last)
+
+    @contextlib.contextmanager
+    def _through_ddp(self, last: bool) -> Iterator[None]:
+        assert self._ddp is not None
         module, self.model = self.model, self._ddp
         try:
             with contextlib.nullcontext() if last else self._ddp.no_sync():
@@ -853,6 +855,9 @@ def _loss_and_logs(out: Any, step: int, need_grad: bool = True
             f"the loss at step {step} does not require grad, so backward() cannot train anything. "
             f"Was it computed under torch.no_grad(), detached, or from frozen parameters only?")
     return out, logs
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch
 
 
 class _StopRequested(Exception):
