@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import sys
 import time
 from importlib import resources

@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-import saferun
-from saferun.check import make_factory, run_checks
+from saferun.check import run_checks
 from saferun.config import load_config
 from test_guards import BNAlwaysTrains, GeneratorOnDataset, LambdaTransformTrainer
 from toys import ToyTrainer, toy_config
@@ -67,7 +66,6 @@ def test_a_model_that_ignores_its_input_fails_to_overfit(tmp_path):
 
 BAD_RECIPE = '''
 import torch.nn.functional as F
-import saferun
 from torch import nn
 
 

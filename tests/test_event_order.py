@@ -2,7 +2,6 @@
 
 import pytest
 
-import saferun
 from saferun import Callback, Control
 from toys import ToyTrainer, toy_config
 

@@ -4,8 +4,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import Dataset
 
 import saferun
@@ -13,7 +11,7 @@ from saferun.checkpoint import load_latest
 from saferun.syncs import HostSyncCounter
 from saferun.trainer import NonFiniteError
 from guard_toys import Compose, Scale
-from toys import Net, ToyTrainer, make_classification, toy_config, weights
+from toys import Net, ToyTrainer, make_classification, toy_config
 
 
 # ---------------------------------------------------------------------- eval purity

@@ -1,7 +1,6 @@
 """The real `saferun` command in a subprocess, run from a directory outside the repository."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -2,17 +2,13 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import get_class
 
 import saferun
-from saferun.cli import compose_config
+from recipe_tools import LossRecorder, build_recipe, saferun_run
 
 # A fixed corpus for the golden test: the default one is this Python's standard
 # library, whose text changes between CPython releases.
@@ -25,18 +21,6 @@ CORPUS = "".join(f"def f{i}(x, y={i % 7}):\n    return x * {i} + y  # {i:04x}\n\
 GOLDEN_LOSSES = [4.722301, 3.392418, 2.709719, 2.302617, 2.120843]
 
 
-def saferun_run(*overrides: str, run_dir: Path, timeout: int) -> subprocess.CompletedProcess:
-    """`saferun run OVERRIDES` in a subprocess, from run_dir's parent; fails the test on error."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "saferun", "run", *overrides, f"hydra.run.dir={run_dir}",
-         "trainer.progress_bar=false"],
-        cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, (f"saferun run failed ({proc.returncode}):\n"
-                                  f"{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
 def test_smoke_run_through_the_cli(tmp_path):
     proc = saferun_run("recipe=charlm", "debug=fast", run_dir=tmp_path / "run", timeout=120)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -47,24 +31,8 @@ def test_smoke_run_through_the_cli(tmp_path):
     assert "charlm sample:\ndef " in proc.stdout
 
 
-def compose_recipe(*overrides: str) -> saferun.Config:
-    """The recipe's config as `saferun run` composes it."""
-    return compose_config(["recipe=charlm", *overrides])
-
-
-class LossRecorder(saferun.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_log(self, view, metrics):
-        self.losses.append(metrics["train/loss"])
-
-
 def build(tmp_path: Path, *overrides: str, callbacks=()) -> saferun.Trainer:
-    config = compose_recipe("trainer.device=cpu", "logger=none", f"trainer.run_dir={tmp_path}",
-                            *overrides)
-    task = dict(config.task)
-    return get_class(task.pop("_target_"))(config, callbacks=callbacks, **task)
+    return build_recipe("charlm", tmp_path, *overrides, callbacks=callbacks)
 
 
 def test_golden_first_losses(tmp_path):

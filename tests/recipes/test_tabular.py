@@ -2,34 +2,18 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import get_class
 
 import saferun
-from saferun.cli import compose_config
+from recipe_tools import LossRecorder, build_recipe, saferun_run
 
 # train/loss at steps 1-5, recorded on CPU (torch 2.13, fp32, one thread) with seed 0.
 # The test shortens the warm-up to one step: with the recipe's, the first updates are
 # too small for rtol 1e-4 to notice a change in how the loop applies them.
 GOLDEN_LOSSES = [0.777198, 0.841293, 0.982024, 0.739243, 1.264477]
-
-
-def saferun_run(*overrides: str, run_dir: Path, timeout: int) -> subprocess.CompletedProcess:
-    """`saferun run OVERRIDES` in a subprocess, from run_dir's parent; fails the test on error."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "saferun", "run", *overrides, f"hydra.run.dir={run_dir}",
-         "trainer.progress_bar=false"],
-        cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, (f"saferun run failed ({proc.returncode}):\n"
-                                  f"{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 def test_smoke_run_through_the_cli(tmp_path):
@@ -41,24 +25,8 @@ def test_smoke_run_through_the_cli(tmp_path):
     assert m["val/rmse"] == pytest.approx(math.sqrt(m["val/mse"]), rel=1e-5)
 
 
-def compose_recipe(*overrides: str) -> saferun.Config:
-    """The recipe's config as `saferun run` composes it."""
-    return compose_config(["recipe=tabular", *overrides])
-
-
-class LossRecorder(saferun.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_log(self, view, metrics):
-        self.losses.append(metrics["train/loss"])
-
-
 def build(tmp_path: Path, *overrides: str, callbacks=()) -> saferun.Trainer:
-    config = compose_recipe("trainer.device=cpu", "logger=none", f"trainer.run_dir={tmp_path}",
-                            *overrides)
-    task = dict(config.task)
-    return get_class(task.pop("_target_"))(config, callbacks=callbacks, **task)
+    return build_recipe("tabular", tmp_path, *overrides, callbacks=callbacks)
 
 
 def test_golden_first_losses(tmp_path):

@@ -2,7 +2,6 @@
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import time
 import pytest
 import torch
 
-import saferun
 from saferun.checkpoint import (CheckpointError, check_plain, list_checkpoints, load_checkpoint,
                                 load_latest, save_checkpoint)
 from saferun.stopping import EarlyStopping
