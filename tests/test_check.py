@@ -66,6 +66,7 @@ def test_a_model_that_ignores_its_input_fails_to_overfit(tmp_path):
 
 BAD_RECIPE = '''
 import torch.nn.functional as F
+import saferun
 from torch import nn
 
 
