@@ -192,6 +192,10 @@ class Trainer:
         check_dataset(train_set, "training")
         if val_set is not None:
             check_dataset(val_set, "validation")
+            if hasattr(val_set, "__len__") and len(val_set) < self.ranks.world_size:
+                raise SaferunError(
+                    f"the validation dataset has {len(val_set)} samples for "
+                    f"{self.ranks.world_size} processes: every rank needs at least one.")
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
