@@ -877,6 +877,12 @@ def _explained(exc: BaseException, step: int) -> Optional[SaferunError]:
             f"forward or validation_step). Store a .clone() made outside inference mode, or set "
             f"trainer.eval_grad_mode=no_grad."
         )
+    if "Cannot re-initialize CUDA in forked subprocess" in str(exc):
+        return SaferunError(
+            f"step {step}: a DataLoader worker used CUDA (a .cuda() or device='cuda' in the "
+            f"dataset or collate_fn). Workers started with fork cannot use CUDA once the main "
+            f"process has. Return CPU tensors from the dataset: saferun moves each batch to the "
+            f"device, with pinned memory and non_blocking copies.")
     return None
 
 

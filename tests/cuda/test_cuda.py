@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import saferun
 from saferun.syncs import HostSyncCounter
 from toys import ToyTrainer, toy_config
 
@@ -73,3 +74,38 @@ def test_fp16_grad_scaler_costs_one_sync_per_step(tmp_path):
     with HostSyncCounter() as counter:
         t.fit()
     assert counter.count == 50 + 2 + 1, counter.sites  # steps + log points + validation
+
+
+class CudaInWorker(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.ones(8, device="cuda"), torch.tensor(0)
+
+
+def test_cuda_in_a_forked_worker_is_explained(tmp_path):
+    class Planted(ToyTrainer):
+        def build_datasets(self):
+            return CudaInWorker(), None
+
+    torch.ones(1, device="cuda")  # CUDA initialised in the main process, as in any GPU run
+    t = Planted(toy_config(tmp_path, device="cuda", num_workers=1, multiprocessing_context="fork"))
+    with pytest.raises(saferun.SaferunError, match="DataLoader worker used CUDA|on cuda"):
+        t.fit()
+
+
+def test_sync_audit_on_cuda_reports_a_per_step_item(tmp_path, caplog):
+    import logging
+
+    class Chatty(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.seen = loss.item()
+            return loss
+
+    cfg = toy_config(tmp_path, device="cuda", max_steps=6, log_every_n_steps=3)
+    cfg["guards"] = {"sync_audit": True}
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        Chatty(cfg).fit()
+    assert any("self.seen = loss.item()" in r.getMessage() for r in caplog.records)
