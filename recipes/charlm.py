@@ -193,15 +193,11 @@ class CharLMTrainer(saferun.Trainer):
         # Linear in the loss, so saferun's batch-size-weighted mean of it is exact.
         return {"loss": loss, "bpc": loss / math.log(2)}
 
-    def fit(self) -> dict[str, float]:
-        """Train (saferun's loop, unchanged), then print a sample from the trained model."""
-        # Wrapping fit() is the one place that runs after training with the model at hand:
-        # callbacks never see the model, and the command line only calls fit().
-        metrics = super().fit()
-        if self.sample_chars > 0 and self.state.rank == 0:
+    def after_fit(self, metrics: dict[str, float]) -> None:
+        """Once trained: print a sample from the model."""
+        if self.sample_chars > 0:
             print(f"saferun: charlm sample:\n{self.sample_prompt}{self.sample(self.sample_chars)}",
                   flush=True)
-        return metrics
 
     def sample(self, n: int) -> str:
         """`n` characters continuing `sample_prompt`, drawn with a generator seeded by cfg.seed."""

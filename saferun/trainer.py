@@ -2,8 +2,8 @@
 
 Users subclass `Trainer` and override the task hooks (`build_model`,
 `build_datasets`, `training_step`, `validation_step`, and optionally
-`build_dataloaders`, `build_optimizer`, `build_scheduler`, `predict_step`,
-`batch_size`). The loop itself (`fit`, `train_step`, `validate`) is not an
+`build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
+`after_fit`, `predict_step`, `batch_size`). The loop itself (`fit`, `train_step`, `validate`) is not an
 override point; callbacks observe it (see `saferun.callbacks`).
 """
 
@@ -159,6 +159,15 @@ class Trainer:
         raise SaferunError(f"{type(self).__name__} has a validation dataset but does not "
                            f"override validation_step(batch).")
 
+    def finish_validation(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Turn the batch-size-weighted means of validation_step's values into the reported
+        metrics; add what is not a mean (rmse = sqrt(mse), perplexity = exp(loss)). Default: as is."""
+        return metrics
+
+    def after_fit(self, metrics: dict[str, float]) -> None:
+        """Called once training ended normally, with the final metrics and the trained model
+        (on rank 0 under torchrun): e.g. print a sample. Default: nothing."""
+
     def predict_step(self, batch: Any) -> Any:
         """Return the model's output for `batch`. Default: model(batch), or model(batch[0])."""
         if isinstance(batch, (tuple, list)):
@@ -277,6 +286,8 @@ class Trainer:
                     self._validate_and_report()
                 self._save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
+            if self.ranks.is_main:
+                self.after_fit(dict(state.metrics))
         except BaseException as exc:
             error = self._preempted(exc) or _explained(exc, state.step + 1) or exc
             cbs.on_exception(self.view, error)
@@ -353,7 +364,7 @@ class Trainer:
         probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}
         values, flags = means.read(probe, self.device)  # one read: the means and the purity flag
         self._check_purity(before, flags.get("changed", 0.0))
-        metrics = {f"val/{k}": v for k, v in values.items()}
+        metrics = {f"val/{k}": v for k, v in self.finish_validation(values).items()}
         self.state.metrics.update(metrics)
         return metrics
 

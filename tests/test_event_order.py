@@ -119,3 +119,29 @@ def test_metrics_in_on_log_are_host_floats(tmp_path):
     assert {"train/loss", "train/grad_norm", "train/lr", "perf/steps_per_sec",
             "perf/samples_per_sec"} <= set(seen)
     assert all(type(v) is float for v in seen.values())
+
+
+def test_task_hooks_finish_validation_and_after_fit(tmp_path):
+    rec = Recorder()
+
+    class Hooks(ToyTrainer):
+        def finish_validation(self, metrics):
+            return {**metrics, "err": 1.0 - metrics["acc"]}
+
+        def after_fit(self, metrics):
+            rec.events.append(("after_fit", self.state.step))
+            self.final = metrics
+
+    t = Hooks(toy_config(tmp_path, max_steps=4, log_every_n_steps=4), callbacks=[rec])
+    metrics = t.fit()
+    assert metrics["val/err"] == pytest.approx(1.0 - metrics["val/acc"])
+    assert rec.events[-2:] == [("fit_end", 4), ("after_fit", 4)] and t.final == metrics
+
+    class Failing(Hooks):
+        def training_step(self, batch):
+            raise KeyError("planted")
+
+    rec.events.clear()
+    with pytest.raises(KeyError):
+        Failing(toy_config(tmp_path, max_steps=4), callbacks=[rec]).fit()
+    assert ("after_fit", 0) not in rec.events

@@ -52,9 +52,12 @@ def test_validation_metrics_match_scikit_learn(tmp_path):
     assert metrics["val/r2"] == pytest.approx(r2_score(true, pred), rel=1e-4)
 
 
-def test_rmse_refuses_a_split_validation_set(tmp_path):
-    with pytest.raises(saferun.ConfigError, match="val_batch_size must be >= 88"):
-        build(tmp_path, "trainer.max_steps=1", "trainer.val_batch_size=32").fit()
+def test_rmse_is_derived_from_the_mean_when_validation_is_split(tmp_path):
+    """finish_validation: rmse is the root of the mean MSE, however the set is batched."""
+    one = build(tmp_path / "a", "trainer.max_steps=3", "trainer.val_batch_size=512").fit()
+    split = build(tmp_path / "b", "trainer.max_steps=3", "trainer.val_batch_size=16").fit()
+    assert split["val/mse"] == pytest.approx(one["val/mse"], rel=1e-5)
+    assert split["val/rmse"] == pytest.approx(math.sqrt(one["val/mse"]), rel=1e-5)
 
 
 @pytest.mark.slow
