@@ -54,7 +54,7 @@ def run(args: list[str]) -> None:
     from .distributed import ranks_from_env
 
     _register_with_hydra()
-    for config_dir in _config_dirs(args):
+    for config_dir in _config_dirs(args)[0]:
         # A copied recipe (saferun new) keeps its Python file next to its configs.
         sys.path.insert(0, os.path.abspath(config_dir))
     sys.path.insert(0, os.getcwd())
@@ -186,14 +186,18 @@ def run_id() -> str:
     return _RUN_ID
 
 
-def _config_dirs(args: list[str]) -> list[str]:
-    dirs = []
-    for i, arg in enumerate(args):
-        if arg in ("-cd", "--config-dir") and i + 1 < len(args):
-            dirs.append(args[i + 1])
+def _config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's `-cd DIR` / `--config-dir DIR` / `--config-dir=DIR` arguments: (dirs, the rest)."""
+    dirs, rest = [], []
+    args_iter = iter(args)
+    for arg in args_iter:
+        if arg in ("-cd", "--config-dir"):
+            dirs.append(next(args_iter, ""))
         elif arg.startswith("--config-dir="):
             dirs.append(arg.split("=", 1)[1])
-    return dirs
+        else:
+            rest.append(arg)
+    return [d for d in dirs if d], rest
 
 
 try:
@@ -235,11 +239,9 @@ def check(args: list[str]) -> None:
     quiet = logging.StreamHandler(sys.stderr)
     quiet.setLevel(logging.WARNING)
     logging.getLogger("saferun").addHandler(quiet)
-    overrides = [a for i, a in enumerate(args)
-                 if a not in ("-cd", "--config-dir") and not (i and args[i - 1] in ("-cd", "--config-dir"))
-                 and not a.startswith("--config-dir=")]
+    dirs, overrides = _config_dirs(args)
     try:
-        config = compose_config(overrides, _config_dirs(args))
+        config = compose_config(overrides, dirs)
         results = run_checks(make_factory(config.task), config)
     except SaferunError as e:
         print(f"saferun check: error: {e}", file=sys.stderr)

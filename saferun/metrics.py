@@ -97,11 +97,14 @@ class RunningTrainMetrics:
             metrics["train/skipped_steps"] = float(self.skipped)
         return metrics
 
-    def first_bad(self, check_grads: bool = True) -> Optional[tuple[int, str]]:
+    def first_bad(self, check_nonfinite: bool = True, check_grads: bool = True
+                  ) -> Optional[tuple[int, str]]:
         """(position in this window, "non-finite" or "spike") of the first bad step, or None."""
         nonfinite = ~torch.isfinite(torch.stack(self.losses).float())
         if check_grads:
             nonfinite |= ~torch.isfinite(torch.stack(self.grad_norms).float())
+        if not check_nonfinite:  # guards.nonfinite=off: only spikes count
+            nonfinite = torch.zeros_like(nonfinite)
         bad = torch.stack([nonfinite, torch.stack(self.spikes)]) if self.spikes else nonfinite[None]
         bad = distributed.all_reduce(bad.int()) > 0  # under torchrun: bad on any rank
         found = bad.nonzero().tolist()  # [[row, step], ...]: the one host read

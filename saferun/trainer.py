@@ -490,7 +490,7 @@ class Trainer:
             batch = move_to_device(next(iter(self.train_loader)), self.device, self._non_blocking)
 
             def first_loss() -> torch.Tensor:
-                with modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode), self._autocast():
+                with self._evaluating():
                     return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
 
             check_compiled(first_loss, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
@@ -519,7 +519,7 @@ class Trainer:
         """The whole training state: what `load_state_dict` needs to continue exactly.
 
         Under torchrun every rank must call it (it gathers each rank's RNG states and
-        pending metrics); the full state is returned on rank 0, None's parts elsewhere.
+        pending metrics onto rank 0); on the other ranks `per_rank` is None.
         """
         s = self.state
         mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict()},
@@ -644,7 +644,7 @@ class Trainer:
         g = self.cfg.guards
         if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not self._running.losses:
             return True
-        if self._running.first_bad(self._grads_checked) is None:
+        if self._running.first_bad(g.nonfinite != "off", self._grads_checked) is None:
             return True
         self._on_nonfinite()  # raises, or rolls back
         return False
@@ -666,7 +666,7 @@ class Trainer:
     def _on_nonfinite(self) -> None:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         running, g = self._running, self.cfg.guards
-        found = running.first_bad(self._grads_checked) if running.losses else None
+        found = running.first_bad(g.nonfinite != "off", self._grads_checked) if running.losses else None
         if found is None:  # the losses and gradients were finite: guards.check_params fired
             raise NonFiniteError(
                 f"the parameters are not finite at step {self.state.step}: "
@@ -785,7 +785,7 @@ class Trainer:
         extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}
         metrics = self._running.read(extra, self._stop_votes(), self.ranks.world_size)
         self._count_stop_votes(metrics)
-        if g.nonfinite != "off" and not self._finite(metrics):
+        if not self._finite(metrics):
             self._on_nonfinite()  # raises, or rolls back (the window's metrics are then moot)
             return None
         self._running.reset()

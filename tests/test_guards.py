@@ -186,6 +186,23 @@ def test_a_loss_spike_raises_naming_the_step(tmp_path):
         SpikesAt(spike_config(tmp_path, "raise")).fit()
 
 
+def test_spikes_are_caught_with_the_nonfinite_guard_off_and_nan_is_then_let_through(tmp_path):
+    cfg = spike_config(tmp_path, "raise")
+    cfg["guards"]["nonfinite"] = "off"
+    with pytest.raises(NonFiniteError, match=r"loss spike.*at step 30:"):
+        SpikesAt(cfg).fit()
+
+    class NanAt30(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            return loss * float("nan") if self.state.step + 1 == 30 else loss
+
+    cfg = spike_config(tmp_path, "raise")
+    cfg["guards"]["nonfinite"] = "off"
+    metrics = NanAt30(cfg).fit()
+    assert metrics["train/loss"] != metrics["train/loss"]  # NaN: not a spike, and allowed
+
+
 def test_a_loss_spike_can_be_skipped(tmp_path):
     t = SpikesAt(spike_config(tmp_path, "skip"))
     metrics = t.fit()
