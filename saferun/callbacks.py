@@ -80,6 +80,9 @@ class StepOutput:
     """The update was dropped (a guard's skip policy): the step was non-finite or a spike."""
     spike: Optional[torch.Tensor] = None
     """With guards.spikes on: 0-dim bool device tensor, True if the loss or grad norm spiked."""
+    loss_spike: Optional[torch.Tensor] = None
+    """With guards.spikes on: True if this process's own loss spiked. Under torchrun the gradient
+    norm is the same on every rank, so this says on which rank a spike started."""
 
 
 class TrainerView:

@@ -77,6 +77,10 @@ class TrainerConfig:
     """Also keep the checkpoint with the best value of this validation metric (e.g. val/acc)."""
     save_best_mode: str = "min"
     """min or max: which direction of save_best is better."""
+    sched_metric: Optional[str] = None
+    """The validation metric (e.g. val/loss) a scheduler stepped with a metric, such as
+    ReduceLROnPlateau, watches: it is stepped after each validation. Required by such a
+    scheduler, refused with any other."""
     progress_bar: Optional[bool] = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
@@ -171,7 +175,8 @@ class Config:
     optim: Any = field(default_factory=_adamw)
     """Optimizer: `_target_` plus keyword arguments; `params` is passed by the Trainer."""
     sched: Any = None
-    """LR scheduler stepped once per optimizer step: `_target_` plus arguments, or null."""
+    """LR scheduler: `_target_` plus arguments, or null. Stepped once per optimizer step that ran
+    (a ReduceLROnPlateau: after each validation, see trainer.sched_metric)."""
     model: Any = None
     """Model `_target_` node, used by the default `Trainer.build_model`."""
     data: Any = None
@@ -302,14 +307,24 @@ def _one_of(cfg: Any, name: str, choices: tuple[str, ...]) -> None:
 EXACTNESS_KEYS = ("seed", "model", "data", "task", "optim", "sched", "trainer.batch_size",
                   "trainer.accumulate", "trainer.num_workers", "trainer.shuffle",
                   "trainer.drop_last", "trainer.precision", "trainer.frozen_modules",
-                  "trainer.max_grad_norm")
+                  "trainer.max_grad_norm", "trainer.sched_metric",
+                  "guards.nonfinite", "guards.spikes")  # which steps are skipped or rolled back
+# Under a spike policy that drops steps (skip, rollback), which steps are spikes.
+SPIKE_KEYS = ("guards.spike_window", "guards.spike_threshold", "guards.spike_warmup")
 
 
 def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool) -> None:
-    """Refuse to resume when `current` differs from the checkpoint's config in EXACTNESS_KEYS."""
-    old, new = _flatten(saved), _flatten(current)
+    """Refuse to resume when `current` differs from the checkpoint's config in EXACTNESS_KEYS
+    (and in SPIKE_KEYS when either config skips or rolls back spikes)."""
+    # a trainer or guards key the checkpoint's saferun did not know yet had its default there
+    known = {"trainer": dataclasses.asdict(TrainerConfig()), "guards": dataclasses.asdict(GuardsConfig())}
+    old = {**_flatten(known), **_flatten(saved)}
+    new = _flatten(current)
+    keys = EXACTNESS_KEYS
+    if {old.get("guards.spikes"), new.get("guards.spikes")} & {"skip", "rollback"}:
+        keys += SPIKE_KEYS
     changed = sorted(k for k in set(old) | set(new)
-                     if k.startswith(EXACTNESS_KEYS) and old.get(k, "<absent>") != new.get(k, "<absent>"))
+                     if k.startswith(keys) and old.get(k, "<absent>") != new.get(k, "<absent>"))
     if not changed or force:
         return
     listed = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed)

@@ -57,12 +57,12 @@ def gather(obj: Any) -> Optional[list[Any]]:
     return out
 
 
-def broadcast(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank."""
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 

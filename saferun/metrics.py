@@ -29,6 +29,7 @@ class RunningTrainMetrics:
         self.logs: list[Mapping[str, torch.Tensor]] = []
         self.batches: list[Any] = []  # per step: (epoch, [sample indices per micro-batch]) or None
         self.spikes: list[torch.Tensor] = []  # per step, when the spike guard is on
+        self.loss_spikes: list[torch.Tensor] = []  # the same, for this rank's loss alone
         self.samples = 0
         self.skipped = 0
         self.started = time.perf_counter()
@@ -48,19 +49,22 @@ class RunningTrainMetrics:
             self.logs.append(output.logs)
         if output.spike is not None:
             self.spikes.append(output.spike)
+        if output.loss_spike is not None:
+            self.loss_spikes.append(output.loss_spike)
         self.batches.append(batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The values collected since the last log point (so a resumed run logs the same means)."""
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
                 "logs": [dict(d) for d in self.logs], "batches": list(self.batches),
-                "spikes": list(self.spikes), "samples": self.samples, "skipped": self.skipped}
+                "spikes": list(self.spikes), "loss_spikes": list(self.loss_spikes),
+                "samples": self.samples, "skipped": self.skipped}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.reset()
         self.losses, self.grad_norms = list(state["losses"]), list(state["grad_norms"])
         self.logs, self.batches = [dict(d) for d in state["logs"]], list(state["batches"])
-        self.spikes = list(state["spikes"])
+        self.spikes, self.loss_spikes = list(state["spikes"]), list(state.get("loss_spikes", []))
         self.samples, self.skipped = state["samples"], state["skipped"]
 
     def read(self, extra: Mapping[str, torch.Tensor] = {}, totals: Mapping[str, torch.Tensor] = {},
@@ -97,21 +101,30 @@ class RunningTrainMetrics:
             metrics["train/skipped_steps"] = float(self.skipped)
         return metrics
 
-    def first_bad(self, check_nonfinite: bool = True, check_grads: bool = True
-                  ) -> Optional[tuple[int, str]]:
-        """(position in this window, "non-finite" or "spike") of the first bad step, or None."""
-        nonfinite = ~torch.isfinite(torch.stack(self.losses).float())
-        if check_grads:
-            nonfinite |= ~torch.isfinite(torch.stack(self.grad_norms).float())
-        if not check_nonfinite:  # guards.nonfinite=off: only spikes count
-            nonfinite = torch.zeros_like(nonfinite)
-        bad = torch.stack([nonfinite, torch.stack(self.spikes)]) if self.spikes else nonfinite[None]
-        bad = distributed.all_reduce(bad.int()) > 0  # under torchrun: bad on any rank
-        found = bad.nonzero().tolist()  # [[row, step], ...]: the one host read
+    def first_bad(self, check_nonfinite: bool = True, check_grads: bool = True,
+                  ranks: distributed.Ranks = distributed.Ranks()) -> Optional[tuple[int, str, int]]:
+        """(position in this window, "non-finite" or "spike", rank) of the first bad step, or None.
+
+        Under torchrun: the first step bad on any rank, and the rank where it started. The
+        gradient norm, averaged over ranks, is the same everywhere, so a rank whose own loss
+        was non-finite or spiked comes first; then the lowest rank. One collective, one read.
+        """
+        losses = ~torch.isfinite(torch.stack(self.losses).float())
+        grads = ~torch.isfinite(torch.stack(self.grad_norms).float()) if check_grads else losses & False
+        rows = [losses, grads] if check_nonfinite else [losses & False] * 2  # off: spikes only
+        if len(self.loss_spikes) == len(self.losses):
+            rows.append(torch.stack(self.loss_spikes))
+        if self.spikes:
+            rows.append(torch.stack(self.spikes))
+        # per (row, step): world_size - the lowest rank that flagged it (0: none), via max
+        codes = distributed.all_reduce(torch.stack(rows).int() * (ranks.world_size - ranks.rank),
+                                       op="max")
+        found = [(step, row, code) for row, flags in enumerate(codes.tolist())  # the one read
+                 for step, code in enumerate(flags) if code]
         if not found:
             return None
-        row, step = min(found, key=lambda rs: (rs[1], rs[0]))  # earliest step; non-finite first
-        return step, "non-finite" if row == 0 else "spike"
+        step, row, code = min(found)  # earliest step; non-finite first, this rank's own first
+        return step, "non-finite" if row < 2 else "spike", ranks.world_size - code
 
 
 class WeightedMeans:

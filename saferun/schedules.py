@@ -1,11 +1,14 @@
-"""Learning-rate schedules stepped once per optimizer step."""
+"""Learning-rate schedules: when the loop steps them, and which rates each step used."""
 
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping, Optional
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
+
+from .errors import ConfigError
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
@@ -23,3 +26,77 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+class Schedule:
+    """Steps the LR scheduler for the loop and remembers the rates the latest step used.
+
+    A scheduler is stepped once per optimizer step that really ran: steps a skip
+    policy drops, and steps whose `optimizer.step()` a GradScaler skipped on
+    inf/NaN gradients, leave it where it was. A post-step hook on the optimizer
+    tells which steps ran, so knowing costs no host sync. A scheduler stepped
+    with a metric (`ReduceLROnPlateau`) is stepped after each validation with
+    the metric `metric` names instead (trainer.sched_metric).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Optional[LRScheduler],
+                 metric: Optional[str], validates: bool) -> None:
+        plateau = isinstance(scheduler, ReduceLROnPlateau)
+        name = type(scheduler).__name__
+        if plateau and metric is None:
+            raise ConfigError(
+                f"sched: {name} is stepped with a validation metric, not once per step. Set "
+                f"trainer.sched_metric to the metric it should watch (e.g. val/loss), and its "
+                f"mode (min or max) to match.")
+        if metric is not None and not plateau:
+            raise ConfigError(
+                f"trainer.sched_metric={metric!r} is set, but the scheduler "
+                f"({name if scheduler is not None else 'none'}) is stepped once per optimizer "
+                f"step, not with a metric. Remove trainer.sched_metric, or use a "
+                f"ReduceLROnPlateau.")
+        if metric is not None and not validates:
+            raise ConfigError(f"trainer.sched_metric={metric!r} needs validation data: the "
+                              f"scheduler is stepped after each validation.")
+        self.optimizer, self.scheduler, self.metric = optimizer, scheduler, metric
+        self._per_step = scheduler is not None and not plateau
+        self._used: Optional[list[Any]] = None  # the rates of the latest step
+        self._ran = False
+        if self._per_step:
+            optimizer.register_step_post_hook(self._optimizer_ran)
+
+    def _optimizer_ran(self, *_: Any) -> None:
+        self._ran = True
+
+    def after_step(self) -> None:
+        """Once after every step of the loop, skipped or not: remember its rates, then step the
+        per-step scheduler if the optimizer really stepped."""
+        if self.scheduler is None:
+            return  # the rates only change here: they are read at log points
+        # a tensor rate is updated in place by the scheduler: keep a copy (a device op)
+        self._used = [lr.clone() if isinstance(lr, torch.Tensor) else lr
+                      for lr in (g["lr"] for g in self.optimizer.param_groups)]
+        if self._ran:
+            self._ran = False
+            self.scheduler.step()
+
+    def after_validation(self, metrics: Mapping[str, float]) -> None:
+        """Step a metric-driven scheduler with the validation metric it watches."""
+        if self.metric is None:
+            return
+        if self.metric not in metrics:
+            raise ConfigError(f"trainer.sched_metric={self.metric!r}, but validation reports "
+                              f"only {', '.join(metrics)}.")
+        assert self.scheduler is not None
+        self.scheduler.step(metrics[self.metric])
+
+    def rates(self) -> dict[str, float]:
+        """The learning rate the latest step used, per parameter group: `train/lr` for the
+        first group, `train/lr/<name>` for a group with a 'name' key, else `train/lr/group<i>`."""
+        groups = self.optimizer.param_groups
+        used = self._used if self._used is not None and len(self._used) == len(groups) else [
+            g["lr"] for g in groups]
+        out: dict[str, float] = {}
+        for i, (group, lr) in enumerate(zip(groups, used)):
+            key = "train/lr" if i == 0 else f"train/lr/{group.get('name') or f'group{i}'}"
+            out[key if key not in out else f"train/lr/group{i}"] = float(lr)
+        return out

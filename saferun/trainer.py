@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import __version__, distributed, modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
+from .buffers import BufferSnapshot
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
 from .compile import check_compiled, unwrap_compiled
@@ -43,6 +44,7 @@ from .preemption import Preempted, StopSignals, signal_name
 from .preflight import check_batch_on_cpu, check_loader
 from .purity import changed as purity_changed
 from .purity import diff, find_inference_tensors, fingerprint
+from .schedules import Schedule
 from .spikes import SpikeDetector
 from .sync_audit import SyncAudit
 from .replay import first_nonfinite, replay
@@ -138,7 +140,9 @@ class Trainer:
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer
                         ) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
-        """Return an LR scheduler stepped once per optimizer step, or None. Default: `sched`."""
+        """Return an LR scheduler, or None. Default: the `sched` node. It is stepped once per
+        optimizer step that ran; a ReduceLROnPlateau after each validation, with the metric
+        trainer.sched_metric names."""
         if self.cfg.sched is None:
             return None
         from hydra.utils import instantiate
@@ -213,6 +217,8 @@ class Trainer:
         self.optimizer = self.build_optimizer(self._params)
         _check_optimizer_params(self.optimizer, model)
         self.scheduler = self.build_scheduler(self.optimizer)
+        self._schedule = Schedule(self.optimizer, self.scheduler, t.sched_metric,
+                                  validates=self.val_loader is not None)
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
@@ -239,6 +245,8 @@ class Trainer:
         self._grads_checked = t.precision != "fp16"
         self._skip_nonfinite = g.nonfinite == "skip" and self._grads_checked
         self._skip_spikes = g.spikes == "skip"
+        # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
+        self._snapshot = BufferSnapshot(self.model) if self._skip_nonfinite or self._skip_spikes else None
         self._unused_check_pending = g.unused_params
         self._spikes = None
         if g.spikes != "off":
@@ -299,6 +307,8 @@ class Trainer:
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
         opt, scaler = self.optimizer, self._scaler
+        if self._snapshot is not None:
+            self._snapshot.take()  # under a skip policy: the buffers as before this step
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
@@ -306,18 +316,17 @@ class Trainer:
         grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:
             self._report_unused_parameters()
-        spike = self._spike(loss, grad_norm) if self._spikes else None  # on the device
+        spike, loss_spike = self._spike(loss, grad_norm) if self._spikes else (None, None)  # device
         if (self._skip_nonfinite or self._skip_spikes) and self._bad_now(loss, grad_norm, spike):
             return self._skip_step(loss, grad_norm, samples)  # one host sync per step
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         self.state.step += 1
         self.state.samples_seen += samples
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
-                          spike=spike)
+                          spike=spike, loss_spike=loss_spike)
 
     def _forward_backward(self, micro_batches: Sequence[Any]
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -507,10 +516,11 @@ class Trainer:
         metrics = self.validate()
         if not metrics:
             return None
+        self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
         control = self._callbacks.on_validation_end(self.view, metrics)
         best = self.cfg.trainer.save_best
         if best is not None and self._improves(metrics, best):
-            self._best = (metrics[best], str(self._save_checkpoint()))
+            self._save_checkpoint(best=metrics[best])
         return control
 
     # ------------------------------------------------------------------ checkpoints
@@ -522,8 +532,9 @@ class Trainer:
         pending metrics onto rank 0); on the other ranks `per_rank` is None.
         """
         s = self.state
-        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict()},
-                              torch.device("cpu"))
+        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
+                               "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()}},
+                              torch.device("cpu"))  # spike detectors: each rank sees its own loss
         per_rank = distributed.gather(mine)
         return {
             "format": 1,
@@ -534,9 +545,8 @@ class Trainer:
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self._best) if self._best else None},
-            "per_rank": per_rank,  # [{"rng", "running"}] for each rank, in rank order
+            "per_rank": per_rank,  # [{"rng", "running", "spikes"}] for each rank, in rank order
             "callbacks": self._callbacks.state_dict(),
-            "guards": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
             "config": dataclasses.asdict(self.cfg),
             "provenance": {"saferun": __version__, "torch": str(torch.__version__),
                            "python": platform.python_version()},
@@ -567,9 +577,10 @@ class Trainer:
         mine = state["per_rank"][self.ranks.rank]
         self._running.load_state_dict(move_to_device(mine["running"], self.device))
         self._callbacks.load_state_dict(state["callbacks"])
+        spikes = mine.get("spikes", state.get("guards", {}))  # "guards": saferun 0.1's, rank 0's
         for key, detector in (self._spikes or {}).items():
-            if key in state["guards"]:
-                detector.load_state_dict(move_to_device(state["guards"][key], self.device))
+            if key in spikes:
+                detector.load_state_dict(move_to_device(spikes[key], self.device))
         self._resume_rng = mine["rng"]
 
     def _resume(self) -> None:
@@ -594,15 +605,18 @@ class Trainer:
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  self.state.step, self.state.epoch, self.state.batches_in_epoch)
 
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self, best: Optional[float] = None) -> Path:
+        """Save the state; `best`: this is save_best's new best checkpoint, with that value."""
         t = self.cfg.trainer
         root = checkpoint_root(self.state.run_dir)
         # A checkpoint is only saved if the steps since the last check were finite, so the
         # newest checkpoint is always a good state to resume or roll back to.
         if not self._window_finite():
             return list_checkpoints(root)[-1]  # rolled back to it
-        state = self.state_dict()  # under torchrun, a collective: every rank calls it
         path = root / f"step-{self.state.step:08d}"
+        if best is not None:  # before state_dict(): the checkpoint records itself as the best
+            self._best = (best, str(path))
+        state = self.state_dict()  # under torchrun, a collective: every rank calls it
         if self.ranks.is_main:
             save_checkpoint(root, self.state.step, state)
             rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
@@ -644,14 +658,16 @@ class Trainer:
         g = self.cfg.guards
         if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not self._running.losses:
             return True
-        if self._running.first_bad(g.nonfinite != "off", self._grads_checked) is None:
+        if self._running.first_bad(g.nonfinite != "off", self._grads_checked, self.ranks) is None:
             return True
         self._on_nonfinite()  # raises, or rolls back
         return False
 
-    def _spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    def _spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss or the gradient norm spiked, the loss spiked), on the device."""
         assert self._spikes is not None
-        return self._spikes["loss"].update(loss) | self._spikes["grad_norm"].update(grad_norm)
+        loss_spike = self._spikes["loss"].update(loss)
+        return loss_spike | self._spikes["grad_norm"].update(grad_norm), loss_spike
 
     def _bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
                  spike: Optional[torch.Tensor]) -> bool:
@@ -666,25 +682,29 @@ class Trainer:
     def _on_nonfinite(self) -> None:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         running, g = self._running, self.cfg.guards
-        found = running.first_bad(g.nonfinite != "off", self._grads_checked) if running.losses else None
+        found = (running.first_bad(g.nonfinite != "off", self._grads_checked, self.ranks)
+                 if running.losses else None)
         if found is None:  # the losses and gradients were finite: guards.check_params fired
             raise NonFiniteError(
                 f"the parameters are not finite at step {self.state.step}: "
                 f"{first_nonfinite(self.model.named_parameters())}. Lower optim.lr or set "
                 f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
-        first, kind = found
+        first, kind, rank = found
         key = "guards.nonfinite" if kind == "non-finite" else "guards.spikes"
         policy = g.nonfinite if kind == "non-finite" else g.spikes
         bad_step = self.state.step - running.steps + 1 + first
-        loss, norm = torch.stack([running.losses[first], running.grad_norms[first]]).tolist()
-        where = running.batches[first]
+        # the values and samples of the rank where it started, on every rank (torchrun)
+        mine = ([*torch.stack([running.losses[first], running.grad_norms[first]]).tolist(),
+                 running.batches[first]] if rank == self.ranks.rank else None)
+        loss, norm, where = distributed.broadcast(mine, src=rank)
+        on_rank = f" on rank {rank}" if self.ranks.world_size > 1 else ""
         indices = [i for micro in (where[1] if where else ()) for i in (micro or ())]
         samples = (f"epoch {where[0]}, sample indices {_short(indices)}" if indices
                    else "sample indices unknown (a custom DataLoader)")
         what = "non-finite values" if kind == "non-finite" else (
             f"a loss spike or gradient explosion (guards.spikes, threshold "
             f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
-        report = f"{what} at step {bad_step}: loss {loss}, gradient norm {norm}; {samples}."
+        report = f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm {norm}; {samples}."
         if policy == "rollback":
             self._roll_back(report, bad_step)
             return
@@ -699,8 +719,13 @@ class Trainer:
             f"steps.{replayed}")
 
     def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
-        """guards.nonfinite=skip: drop this update; optimizer and scheduler stay untouched."""
+        """A skip policy: drop this update. Parameters, buffers, optimizer and scheduler stay as
+        before the step; the GradScaler, which saw the gradients, updates its scale as usual."""
+        assert self._snapshot is not None
+        self._snapshot.restore()
         self.optimizer.zero_grad(set_to_none=True)
+        self._scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
+        self._schedule.after_step()  # the optimizer did not step: nor does the scheduler
         step = self.state.step + 1
         self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
         self._last_skipped = step
@@ -790,7 +815,7 @@ class Trainer:
             return None
         self._running.reset()
         self._rollbacks = 0
-        metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
         return self._callbacks.on_log(self.view, metrics)
 

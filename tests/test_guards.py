@@ -214,7 +214,7 @@ def test_spike_detector_state_survives_checkpoint_and_resume(tmp_path):
     cfg["trainer"]["max_steps"] = 20
     first = ToyTrainer(cfg)
     first.fit()
-    saved = load_latest(tmp_path / "run" / "checkpoints")[1]["guards"]
+    saved = load_latest(tmp_path / "run" / "checkpoints")[1]["per_rank"][0]["spikes"]
     cfg["resume"] = "auto"
     resumed = ToyTrainer(cfg)
     resumed.setup()

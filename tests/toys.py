@@ -115,10 +115,11 @@ class SelfSignalling(AugmentedTrainer):
 
     def __init__(self, cfg: Any, signal_at: int = -1, signum: int = 0, in_validation: bool = False,
                  on_rank: int = -1, fail_at: int = -1, nan_at: int = -1, plain: bool = False,
-                 **kw: Any) -> None:
+                 spike_at: int = -1, **kw: Any) -> None:
         super().__init__(cfg, **kw)
         self.signal_at, self.signum, self.in_validation = signal_at, signum, in_validation
         self.on_rank, self.fail_at, self.nan_at, self.plain = on_rank, fail_at, nan_at, plain
+        self.spike_at = spike_at
 
     def build_model(self) -> nn.Module:
         if self.plain:  # no BatchNorm or Dropout: results do not depend on the per-rank batch
@@ -140,6 +141,8 @@ class SelfSignalling(AugmentedTrainer):
         if self._planted(self.fail_at):
             raise RuntimeError(f"planted failure on rank {self.ranks.rank}")
         loss = super().training_step(batch)
+        if self._planted(self.spike_at):
+            return loss * 1000
         return loss * float("nan") if self._planted(self.nan_at) else loss
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
@@ -153,7 +156,8 @@ def main() -> None:
     """`python tests/toys.py CONFIG_JSON [PLANT_JSON]` (or under torchrun): train, save weights.
 
     PLANT_JSON holds SelfSignalling's keyword arguments. Each rank writes its final weights
-    to <run_dir>/final_weights_rank<R>.pt.
+    to <run_dir>/final_weights_rank<R>.pt, and the state of its spike detectors (if on) to
+    <run_dir>/spikes_rank<R>.pt.
     """
     import json
     import sys
@@ -164,6 +168,9 @@ def main() -> None:
     trainer.fit()
     torch.save(weights(trainer), os.path.join(cfg["trainer"]["run_dir"],
                                               f"final_weights_rank{trainer.ranks.rank}.pt"))
+    if trainer._spikes:
+        torch.save({k: d.state_dict() for k, d in trainer._spikes.items()},
+                   os.path.join(cfg["trainer"]["run_dir"], f"spikes_rank{trainer.ranks.rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ exact resume, failures and signals on one rank, two nodes on localhost, the CLI.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from saferun.checkpoint import list_checkpoints
+from saferun.checkpoint import list_checkpoints, load_checkpoint
 from toys import TOYS_PATH, SelfSignalling, toy_config, weights
 
 TIMEOUT = 240  # a hang fails the test instead of the suite
@@ -131,6 +132,41 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert out.count("non-finite values at step 2") == 2, out
+
+
+def spike_config(run_dir, max_steps):
+    cfg = plain_config(run_dir, batch_size=16, save_every_n_steps=10)
+    cfg["trainer"]["max_steps"] = max_steps
+    cfg["guards"] = {"spikes": "raise", "spike_window": 8, "spike_warmup": 4}
+    return cfg
+
+
+def test_a_spike_on_rank_1_is_reported_with_its_values_and_every_rank_keeps_its_detector(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = torchrun(spike_config(run_dir, 16), {"plain": True, "spike_at": 12, "on_rank": 1})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # both ranks raise the same report: rank 1's loss (1000x) and rank 1's samples (shuffle off:
+    # rank r holds samples r, r + 2, ...), not rank 0's
+    reports = re.findall(r"loss spike or gradient explosion .*at step 12 on rank 1: loss ([\d.]+), "
+                         r"gradient norm [\d.]+; epoch 1, sample indices \[([\d, .]+)\]", out)
+    assert len(reports) == 2, out
+    for loss, indices in reports:
+        assert float(loss) > 100
+        assert all(int(i) % 2 == 1 for i in indices.replace("...", "").split(",") if i.strip())
+    # the step-10 checkpoint holds each rank's own detector state (their losses differ)
+    saved = load_checkpoint(run_dir / "checkpoints" / "step-00000010")["per_rank"]
+    r0, r1 = saved[0]["spikes"]["loss"], saved[1]["spikes"]["loss"]
+    assert int(r0["count"]) == int(r1["count"]) == 10 and not torch.equal(r0["values"], r1["values"])
+    # and each rank gets its own back on resume (no further step: the state as loaded)
+    cfg = spike_config(run_dir, 10)
+    cfg["resume"] = str(run_dir / "checkpoints" / "step-00000010")
+    resumed = torchrun(cfg, {"plain": True})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    for rank in (0, 1):
+        mine = torch.load(run_dir / f"spikes_rank{rank}.pt", weights_only=True)
+        for key in ("loss", "grad_norm"):
+            assert all(torch.equal(mine[key][k], saved[rank]["spikes"][key][k]) for k in mine[key])
 
 
 def test_the_command_line_under_torchrun_uses_one_run_directory(tmp_path):

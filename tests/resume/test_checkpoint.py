@@ -25,10 +25,10 @@ def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000002", "step-00000004"]
     state = load_checkpoint(run / "checkpoints" / "step-00000004")  # weights_only=True inside
     assert set(state) == {"format", "model", "optimizer", "scheduler", "scaler", "loop", "per_rank",
-                          "callbacks", "guards", "config", "provenance"}
+                          "callbacks", "config", "provenance"}
     assert state["loop"]["step"] == 4 and state["loop"]["epoch"] == 0
     assert state["loop"]["batches_in_epoch"] == 4
-    assert len(state["per_rank"]) == 1 and set(state["per_rank"][0]) == {"rng", "running"}
+    assert len(state["per_rank"]) == 1 and set(state["per_rank"][0]) == {"rng", "running", "spikes"}
     assert set(state["per_rank"][0]["rng"]) >= {"python", "numpy", "torch"}
     assert state["scheduler"]["last_epoch"] == 4
     assert state["config"]["trainer"]["precision"] == "bf16"

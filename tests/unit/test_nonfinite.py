@@ -1,13 +1,14 @@
 """The non-finite sentinel: each policy, tested by planting a NaN."""
 
 import logging
+import math
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from saferun.checkpoint import list_checkpoints
+from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.syncs import HostSyncCounter
 from saferun.trainer import NonFiniteError
 from toys import ToyTrainer, make_classification, toy_config, weights
@@ -64,8 +65,20 @@ class BadAt(ToyTrainer):
         return loss * float("nan") if self.state.step + 1 in self.bad else loss
 
 
-def test_skip_drops_the_update_and_leaves_the_optimizer_untouched(tmp_path):
-    cfg = toy_config(tmp_path, max_steps=7, log_every_n_steps=7, shuffle=False)
+def assert_same_state(a, b):
+    """Parameters and buffers (BatchNorm statistics and batch count included), optimizer state."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    assert [k for k in wb if not torch.equal(wa[k], wb[k])] == []
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sb["state"] for k in sb["state"][i])
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step(tmp_path, accumulate):
+    cfg = toy_config(tmp_path, max_steps=7, log_every_n_steps=7, shuffle=False, accumulate=accumulate,
+                     batch_size=32 // accumulate)
     cfg["optim"] = {"_target_": "torch.optim.AdamW", "lr": 1e-2}
     cfg["guards"] = {"nonfinite": "skip"}
     skipped = BadAt(cfg)
@@ -74,11 +87,28 @@ def test_skip_drops_the_update_and_leaves_the_optimizer_untouched(tmp_path):
     six = BadAt(cfg)
     six.fit()
     assert metrics["train/skipped_steps"] == 1.0 and skipped.state.step == 7
-    w7, w6 = weights(skipped), weights(six)
-    assert all(torch.equal(w7[k], w6[k]) for k in w6 if "running" not in k and "num_batches" not in k)
-    s7, s6 = skipped.optimizer.state_dict()["state"], six.optimizer.state_dict()["state"]
-    assert all(torch.equal(s7[i]["step"], s6[i]["step"]) and torch.equal(s7[i]["exp_avg"], s6[i]["exp_avg"])
-               for i in s6)
+    assert_same_state(skipped, six)
+
+
+class PoisonedWithValidation(ToyTrainer):
+    def build_datasets(self):
+        return PoisonedData(), super().build_datasets()[1]
+
+
+def test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics(tmp_path):
+    # The NaN batch's forward ran in train mode: without the restore, running_mean/var are NaN,
+    # every validation is NaN and model.pt and the checkpoints hold NaN buffers.
+    cfg = toy_config(tmp_path, max_steps=16, log_every_n_steps=4, val_every_n_steps=8,
+                     save_every_n_steps=8)
+    cfg["guards"] = {"nonfinite": "skip"}
+    t = PoisonedWithValidation(cfg)
+    metrics = t.fit()
+    assert math.isfinite(metrics["val/loss"])
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert [k for k, v in saved.items() if not torch.isfinite(v.float()).all()] == []
+    for path in list_checkpoints(tmp_path / "run" / "checkpoints"):
+        model = load_checkpoint(path)["model"]
+        assert all(torch.isfinite(v.float()).all() for v in model.values()), path
 
 
 def test_skip_stops_after_too_many_in_a_row(tmp_path):
