@@ -11,7 +11,7 @@ from saferun.checkpoint import load_latest
 from saferun.syncs import HostSyncCounter
 from saferun.trainer import NonFiniteError
 from guard_toys import Compose, Scale
-from toys import Net, ToyTrainer, make_classification, toy_config
+from toys import Net, ToyTrainer, make_classification, toy_config, weights
 
 
 # ---------------------------------------------------------------------- eval purity
@@ -176,7 +176,7 @@ class SpikesAt(ToyTrainer):
 
 
 def spike_config(tmp_path, policy, **kw):
-    cfg = toy_config(tmp_path, max_steps=40, log_every_n_steps=10, **kw)
+    cfg = toy_config(tmp_path, **{"max_steps": 40, "log_every_n_steps": 10, **kw})
     cfg["guards"] = {"spikes": policy, "spike_window": 20, "spike_warmup": 10}
     return cfg
 
@@ -207,6 +207,20 @@ def test_a_loss_spike_can_be_skipped(tmp_path):
     t = SpikesAt(spike_config(tmp_path, "skip"))
     metrics = t.fit()
     assert t.state.step == 40 and metrics["train/loss"] < 2.0
+
+
+def test_a_skipped_spike_leaves_parameters_and_buffers_as_before_it(tmp_path):
+    cfg = spike_config(tmp_path, "skip", max_steps=30)
+    cfg["optim"] = {"_target_": "torch.optim.SGD", "lr": 0.05, "momentum": 0.9}
+    skipped = SpikesAt(cfg)
+    skipped.fit()
+    cfg["trainer"]["max_steps"] = 29
+    before = SpikesAt(cfg)
+    before.fit()
+    a, b = weights(skipped), weights(before)  # BatchNorm statistics and batch count included
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    sa, sb = skipped.optimizer.state_dict()["state"], before.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"]) for i in sb)
 
 
 def test_spike_detector_state_survives_checkpoint_and_resume(tmp_path):

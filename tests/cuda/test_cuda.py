@@ -109,3 +109,50 @@ def test_sync_audit_on_cuda_reports_a_per_step_item(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="saferun"):
         Chatty(cfg).fit()
     assert any("self.seen = loss.item()" in r.getMessage() for r in caplog.records)
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity forward, infinite gradient backward: an overflow the GradScaler must skip."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class PlantedAt(ToyTrainer):
+    spike_at, overflow_at = -1, -1
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        step = self.state.step + 1
+        if step == self.overflow_at:
+            loss = _InfGrad.apply(loss)
+        return loss * 1000 if step == self.spike_at else loss
+
+
+def test_fp16_trains_past_a_step_the_spike_guard_skipped(tmp_path):
+    # the step after a skipped one used to raise "unscale_() has already been called"
+    cfg = toy_config(tmp_path, device="cuda", precision="fp16", max_steps=36, log_every_n_steps=6)
+    cfg["guards"] = {"spikes": "skip", "spike_window": 20, "spike_warmup": 10}
+    t = PlantedAt(cfg)
+    t.spike_at = 30
+    t.fit()
+    assert t.state.step == 36
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+def test_fp16_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path):
+    cfg = toy_config(tmp_path, device="cuda", precision="fp16", max_steps=6)
+    cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.5}
+    t = PlantedAt(cfg)
+    t.overflow_at = 3
+    t.setup()
+    ran = []
+    t.optimizer.register_step_post_hook(lambda *_: ran.append(1))
+    t.fit()
+    assert len(ran) <= 5 and t.scheduler.last_epoch == len(ran)
+    assert t.optimizer.param_groups[0]["lr"] == 0.05 * 0.5 ** len(ran)

@@ -112,6 +112,30 @@ def test_keep_last_and_best(tmp_path):
     assert kept == ["step-00000004", "step-00000008", "step-00000010"]
 
 
+class ScoreAt(ToyTrainer):
+    """Validation score scripted per step (lower is better): best at step 8."""
+
+    def validation_step(self, batch):
+        return {"score": torch.tensor({4: 5.0, 8: 3.0, 12: 4.0, 16: 6.0}[self.state.step])}
+
+
+def best_config(tmp_path, max_steps):
+    return toy_config(tmp_path, max_steps=max_steps, save_every_n_steps=4, val_every_n_steps=4,
+                      keep_last=1, save_best="val/score", save_best_mode="min")
+
+
+def test_the_best_checkpoint_records_itself_and_survives_a_resume(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    ScoreAt(best_config(tmp_path, 8)).fit()
+    best = load_checkpoint(root / "step-00000008")["loop"]["best"]
+    assert best == [3.0, str(root / "step-00000008")]  # itself, not the previous best (step 4)
+    cfg = best_config(tmp_path, 16)
+    cfg["resume"] = "auto"
+    ScoreAt(cfg).fit()  # step 12 scores 4.0: better than step 4's 5.0, not than step 8's 3.0
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000008", "step-00000016"]
+    assert load_checkpoint(root / "step-00000016")["loop"]["best"] == best
+
+
 def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
     root = tmp_path / "checkpoints"
     script = f"""

@@ -120,6 +120,32 @@ def test_resume_with_a_different_config_is_refused_naming_the_keys(tmp_path):
     assert t.state.step == 8
 
 
+@pytest.mark.parametrize("before, after, named", [
+    ({"nonfinite": "skip"}, {"nonfinite": "raise"}, "guards.nonfinite: 'skip' -> 'raise'"),
+    ({"spikes": "skip"}, {"spikes": "skip", "spike_threshold": 3.0},
+     "guards.spike_threshold: 6.0 -> 3.0"),
+])
+def test_resume_with_a_different_skip_policy_is_refused(tmp_path, before, after, named):
+    cfg = toy_config(tmp_path, max_steps=4)
+    cfg["guards"] = before
+    ToyTrainer(cfg).fit()
+    cfg = toy_config(tmp_path, max_steps=8)
+    cfg["guards"], cfg["resume"] = after, "auto"
+    with pytest.raises(saferun.ConfigError, match="cannot resume exactly") as e:
+        ToyTrainer(cfg).fit()
+    assert named in str(e.value)
+
+
+def test_spike_settings_do_not_matter_on_resume_when_spikes_are_only_reported(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=4)
+    ToyTrainer(cfg).fit()
+    cfg = toy_config(tmp_path, max_steps=6)
+    cfg["guards"], cfg["resume"] = {"spike_threshold": 3.0}, "auto"  # spikes=off: no effect
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert t.state.step == 6
+
+
 def test_resume_auto_without_checkpoint_starts_fresh_and_explicit_path_must_exist(tmp_path):
     cfg = toy_config(tmp_path, max_steps=3)
     cfg["resume"] = "auto"
