@@ -9,8 +9,8 @@ the step, so the model is exactly as before it, parameters and buffers.
 
 Cost, only under a skip policy: one device copy of every buffer per step,
 made by one `torch._foreach_copy_` (no host sync). Measured on one CPU thread:
-about 90 us for the 150 buffers of 50 BatchNorm2d(16) layers; on CUDA a
-multi-tensor copy kernel per dtype.
+about 5 us for 3 buffers and 90-140 us for the 150 buffers of 50 BatchNorm
+layers (about 1 us per buffer); on CUDA one multi-tensor copy kernel per dtype.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ pins this order)::
             if step % log_every_n_steps == 0:
                 on_log(view, metrics)                    -> Control | None
             if validation is due or a callback asked for it:
-                validate(); on_validation_end(view, metrics) -> Control | None
+                validate(); step a ReduceLROnPlateau (trainer.sched_metric)
+                on_validation_end(view, metrics) -> Control | None
                 if save_best improved: save; on_checkpoint(view, path)
             if a save is due or a callback asked for it:
                 save; on_checkpoint(view, path)

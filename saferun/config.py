@@ -113,7 +113,8 @@ class GuardsConfig:
 
     nonfinite: str = "raise"
     """NaN/Inf in the loss or gradients: raise (checked at log points, no per-step sync),
-    skip (drop that update; one host sync per step), rollback (restore the last checkpoint and
+    skip (drop that update and restore the buffers its forward changed, e.g. BatchNorm statistics;
+    one host sync and one copy of the buffers per step), rollback (restore the last checkpoint and
     go on with the next data), or off."""
     max_consecutive: int = 5
     """skip/rollback: stop after this many non-finite steps (or rollbacks) in a row."""

@@ -243,7 +243,7 @@ class Trainer:
         t, g = self.cfg.trainer, self.cfg.guards
         # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
         self._grads_checked = t.precision != "fp16"
-        self._skip_nonfinite = g.nonfinite == "skip" and self._grads_checked
+        self._skip_nonfinite = g.nonfinite == "skip"  # fp16: a non-finite loss (a bad batch)
         self._skip_spikes = g.spikes == "skip"
         # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
         self._snapshot = BufferSnapshot(self.model) if self._skip_nonfinite or self._skip_spikes else None
@@ -674,7 +674,8 @@ class Trainer:
         """For the skip policies: is this step bad? Reads one value from the device."""
         bad = torch.zeros((), dtype=torch.bool, device=loss.device)
         if self._skip_nonfinite:
-            bad |= ~torch.isfinite(loss + grad_norm)  # NaN and Inf survive the sum
+            # NaN and Inf survive the sum; under fp16 the GradScaler handles the gradients
+            bad |= ~torch.isfinite(loss + grad_norm if self._grads_checked else loss)
         if self._skip_spikes and spike is not None:
             bad |= spike
         return bool(distributed.all_reduce(bad.int()))  # under torchrun: bad on any rank

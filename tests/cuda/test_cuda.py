@@ -124,11 +124,12 @@ class _InfGrad(torch.autograd.Function):
 
 
 class PlantedAt(ToyTrainer):
-    spike_at, overflow_at = -1, -1
+    spike_at, overflow_at, nan_input_at = -1, -1, -1
 
     def training_step(self, batch):
-        loss = super().training_step(batch)
         step = self.state.step + 1
+        x, y = batch
+        loss = F.cross_entropy(self.model(x * float("nan") if step == self.nan_input_at else x), y)
         if step == self.overflow_at:
             loss = _InfGrad.apply(loss)
         return loss * 1000 if step == self.spike_at else loss
@@ -156,3 +157,13 @@ def test_fp16_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path):
     t.fit()
     assert len(ran) <= 5 and t.scheduler.last_epoch == len(ran)
     assert t.optimizer.param_groups[0]["lr"] == 0.05 * 0.5 ** len(ran)
+
+
+def test_fp16_skip_keeps_a_nan_batch_out_of_the_batchnorm_statistics(tmp_path):
+    cfg = toy_config(tmp_path, device="cuda", precision="fp16", max_steps=8, log_every_n_steps=4)
+    cfg["guards"] = {"nonfinite": "skip"}
+    t = PlantedAt(cfg)
+    t.nan_input_at = 3
+    metrics = t.fit()
+    assert t.state.step == 8 and metrics["val/loss"] == metrics["val/loss"]  # not NaN
+    assert all(torch.isfinite(b.float()).all() for b in t.model.buffers())

@@ -115,21 +115,28 @@ def test_keep_last_and_best(tmp_path):
 class ScoreAt(ToyTrainer):
     """Validation score scripted per step (lower is better): best at step 8."""
 
+    crash_at = -1
+
+    def training_step(self, batch):
+        if self.state.step + 1 == self.crash_at:
+            raise RuntimeError("simulated crash")
+        return super().training_step(batch)
+
     def validation_step(self, batch):
         return {"score": torch.tensor({4: 5.0, 8: 3.0, 12: 4.0, 16: 6.0}[self.state.step])}
 
 
-def best_config(tmp_path, max_steps):
-    return toy_config(tmp_path, max_steps=max_steps, save_every_n_steps=4, val_every_n_steps=4,
-                      keep_last=1, save_best="val/score", save_best_mode="min")
-
-
 def test_the_best_checkpoint_records_itself_and_survives_a_resume(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=16, save_every_n_steps=None, val_every_n_steps=4,
+                     keep_last=1, save_best="val/score", save_best_mode="min")
     root = tmp_path / "run" / "checkpoints"
-    ScoreAt(best_config(tmp_path, 8)).fit()
+    crashing = ScoreAt(cfg)
+    crashing.crash_at = 9  # after the best checkpoint (step 8), before any other
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashing.fit()
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000008"]
     best = load_checkpoint(root / "step-00000008")["loop"]["best"]
     assert best == [3.0, str(root / "step-00000008")]  # itself, not the previous best (step 4)
-    cfg = best_config(tmp_path, 16)
     cfg["resume"] = "auto"
     ScoreAt(cfg).fit()  # step 12 scores 4.0: better than step 4's 5.0, not than step 8's 3.0
     assert [p.name for p in list_checkpoints(root)] == ["step-00000008", "step-00000016"]

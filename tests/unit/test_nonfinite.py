@@ -90,6 +90,14 @@ def test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step(tmp_path
     assert_same_state(skipped, six)
 
 
+def test_skip_costs_one_host_read_per_step_and_the_buffer_snapshot_none(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=10, log_every_n_steps=5, val_every_n_steps=10)
+    cfg["guards"] = {"nonfinite": "skip"}
+    with HostSyncCounter() as counter:
+        ToyTrainer(cfg).fit()
+    assert counter.count == 10 + 2 + 1, counter.sites  # steps, log points, validation
+
+
 class PoisonedWithValidation(ToyTrainer):
     def build_datasets(self):
         return PoisonedData(), super().build_datasets()[1]
