@@ -47,7 +47,7 @@ class BufferSnapshot:
             raise SaferunError(
                 "a skipped step cannot be undone: the model registered buffers after training "
                 "started, which the step's snapshot does not hold. Register every buffer in "
-                "__init__ (None is not a buffer yet), or use guards.nonfinite=rollback.")
+                "__init__ (None is not a buffer yet), or use the rollback policy instead of skip.")
         for (d, name), source in zip(self._slots, self._sources):
             d[name] = source
         if self._sources:
