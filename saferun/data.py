@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
@@ -120,50 +121,86 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     """Move every tensor in a nested batch (tuples, lists, dicts, dataclasses) to `device`.
 
     Objects with their own `.to(device)` are moved with it; other leaves (ints,
-    strings, None) pass through. A NumPy array or a tensor that fails to move
-    raises `SaferunError` naming its place in the batch.
+    strings, None) pass through. Containers keep their type: a dict subclass its
+    extra state (a defaultdict's factory), a dataclass its other attributes (it is
+    copied and its fields replaced, without running `__init__`/`__post_init__` again).
+    A NumPy array or a tensor that fails to move raises `SaferunError` naming its
+    place in the batch.
     """
     if type(batch) in (list, tuple) and all(type(t) is torch.Tensor for t in batch):
         try:  # the common (inputs, targets) batch, without building a path per element
             return type(batch)(t.to(device, non_blocking=non_blocking) for t in batch)
         except (RuntimeError, TypeError):
             pass  # the walk below names the tensor that failed
-    return _move(batch, device, non_blocking, "batch")
 
-
-def _move(obj: Any, device: torch.device, non_blocking: bool, path: str) -> Any:
-    if isinstance(obj, torch.Tensor):
+    def tensor(t: torch.Tensor, path: str) -> torch.Tensor:
         try:
-            return obj.to(device, non_blocking=non_blocking)
+            return t.to(device, non_blocking=non_blocking)
         except (RuntimeError, TypeError) as e:
             raise SaferunError(
-                f"cannot move {path} (tensor of dtype {obj.dtype}, shape {tuple(obj.shape)}) "
+                f"cannot move {path} (tensor of dtype {t.dtype}, shape {tuple(t.shape)}) "
                 f"to {device}: {e}. Return a supported dtype from the dataset or collate_fn."
             ) from None
+
+    def other(obj: Any, path: str) -> Any:
+        if type(obj).__module__ == "numpy":
+            raise SaferunError(
+                f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which cannot be moved "
+                f"to {device}. Return torch tensors from the dataset (torch.from_numpy) or the "
+                f"collate_fn.")
+        to = getattr(obj, "to", None)
+        return to(device, non_blocking=non_blocking) if callable(to) else obj
+
+    return _map_tensors(batch, tensor, other, "batch")
+
+
+def to_host(outputs: Any) -> Any:
+    """`outputs` with every tensor on the CPU as a normal tensor (inference tensors are
+    cloned, so that the caller can use them in autograd); other leaves pass through."""
+
+    def tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+        t = t.detach().cpu()
+        return t.clone() if t.is_inference() else t
+
+    def other(obj: Any, path: str) -> Any:
+        to = getattr(obj, "to", None)
+        if callable(to) and type(obj).__module__ != "numpy":
+            return to(torch.device("cpu"))
+        return obj
+
+    return _map_tensors(outputs, tensor, other, "output")
+
+
+def _map_tensors(obj: Any, tensor: Callable[[torch.Tensor, str], Any],
+                 other: Callable[[Any, str], Any], path: str) -> Any:
+    """`obj` rebuilt with `tensor(t, path)` for each tensor and `other(x, path)` for each leaf
+    that is neither a tensor, a plain value nor a container."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj, path)
     if isinstance(obj, (str, bytes, int, float, bool, type(None))):
         return obj
     if isinstance(obj, dict):
-        return type(obj)(
-            (k, _move(v, device, non_blocking, f"{path}[{k!r}]")) for k, v in obj.items()
-        )
+        if type(obj) is dict:
+            return {k: _map_tensors(v, tensor, other, f"{path}[{k!r}]") for k, v in obj.items()}
+        out = copy.copy(obj)  # keeps a subclass's own state (defaultdict's default_factory)
+        for k, v in obj.items():
+            out[k] = _map_tensors(v, tensor, other, f"{path}[{k!r}]")
+        return out
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_move(v, device, non_blocking, f"{path}.{f}")
+        return type(obj)(*(_map_tensors(v, tensor, other, f"{path}.{f}")
                            for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_move(v, device, non_blocking, f"{path}[{i}]") for i, v in enumerate(obj))
+        return type(obj)(_map_tensors(v, tensor, other, f"{path}[{i}]") for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _move(getattr(obj, f.name), device, non_blocking, f"{path}.{f.name}")
-                   for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if type(obj).__module__ == "numpy":
-        raise SaferunError(
-            f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which cannot be moved to "
-            f"{device}. Return torch tensors from the dataset (torch.from_numpy) or the collate_fn."
-        )
-    to = getattr(obj, "to", None)
-    if callable(to):
-        return to(device, non_blocking=non_blocking)
-    return obj
+        # Not dataclasses.replace: it would run __init__ and __post_init__ again and reset
+        # the init=False fields. A shallow copy with each field replaced keeps everything.
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(out, f.name, _map_tensors(getattr(obj, f.name), tensor, other,
+                                                             f"{path}.{f.name}"))
+        return out
+    return other(obj, path)
 
 
 def batch_size_of(batch: Any) -> int:

@@ -34,7 +34,7 @@ from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, loa
 from .compile import check_compiled, unwrap_compiled
 from .config import Config, check_resume_config, load_config
 from .data import (IndexRecorder, batch_size_of, check_dataset, make_loader, move_to_device,
-                   set_loader_epoch)
+                   set_loader_epoch, to_host)
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
@@ -371,7 +371,8 @@ class Trainer:
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.
 
-        Tensors are concatenated along the batch dimension; other outputs come back as a list.
+        Tensors are concatenated along the batch dimension; other outputs come back as a list
+        (one entry per batch) with every tensor inside on the CPU, usable in autograd.
         """
         self.setup()
         loader = data if isinstance(data, DataLoader) else DataLoader(
@@ -388,7 +389,7 @@ class Trainer:
         # which the caller may later use in autograd.
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
             return torch.cat(outputs).cpu()
-        return [move_to_device(o, torch.device("cpu")) for o in outputs]
+        return [to_host(o) for o in outputs]
 
     # ------------------------------------------------------------------ loop helpers
 
