@@ -50,3 +50,23 @@ def test_predict_outputs_inside_dicts_and_tuples_are_normal_tensors_usable_in_au
     w = torch.ones(3, requires_grad=True)
     (out[0]["logits"] * w).sum().backward()  # saving an inference tensor for backward would fail
     assert torch.equal(w.grad, out[0]["logits"].sum(0))
+
+
+def test_a_metric_reported_by_some_batches_is_averaged_over_those_batches_only(tmp_path):
+    class Sometimes(ToyTrainer):
+        n_val = 70  # batches of 32, 32 and 6
+
+        def validation_step(self, batch):
+            x, _ = batch
+            out = {"first": x[:, 0].mean()}
+            if len(x) == 32:  # e.g. a metric that needs a full batch
+                out["full_only"] = x[:, 1].mean()
+            if len(x) == 6:
+                out["last_only"] = torch.tensor(5.0)
+            return out
+
+    metrics = Sometimes(toy_config(tmp_path)).validate()
+    x, _ = make_classification(256 + 70)
+    assert abs(metrics["val/first"] - x[256:, 0].mean().item()) < 1e-6
+    assert abs(metrics["val/full_only"] - x[256:320, 1].mean().item()) < 1e-6  # not diluted by 70
+    assert metrics["val/last_only"] == 5.0
