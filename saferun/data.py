@@ -13,7 +13,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 
 from .distributed import ShardSampler
 from .errors import SaferunError
-from .seeding import WorkerSeeder, derive_seed
+from .preflight import rng_kind, rng_objects
+from .seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
 
 
 class IndexRecorder(Sampler[list[int]]):
@@ -102,6 +103,77 @@ def sampler_of(loader: DataLoader) -> Any:
     if isinstance(batch_sampler, IndexRecorder):
         batch_sampler = batch_sampler.batch_sampler
     return getattr(batch_sampler, "sampler", loader.sampler)
+
+
+# Where a DataLoader keeps what decides an epoch's order (besides the global RNGs).
+_ORDER_PARTS = ("generator", "sampler", "batch_sampler")
+
+
+def epoch_state(loader: DataLoader) -> dict[str, Any]:
+    """What an epoch of `loader` is drawn from, taken just before `iter(loader)`.
+
+    The global RNGs (a sampler without a generator seeds itself from torch's, the
+    workers' base seed too, and augmentations without workers draw from all three),
+    every `torch.Generator` on the loader and its samplers, and the `state_dict()` of
+    a sampler that has one. Saved with checkpoints: a resumed run puts it back before
+    replaying the interrupted epoch (`restore_epoch_state`), so a loader built by the
+    user shuffles and seeds its workers as the uninterrupted run did.
+    """
+    return {"rng": get_rng_state(),
+            "generators": {path: g.get_state() for path, g in _generators(loader)},
+            "samplers": {path: s.state_dict() for path, s in _stateful_samplers(loader)}}
+
+
+def restore_epoch_state(loader: DataLoader, state: dict[str, Any]) -> None:
+    """Put back what `epoch_state` returned (for the same loader, built the same way)."""
+    set_rng_state(state["rng"])
+    for path, g in _generators(loader):
+        if path in state["generators"]:
+            g.set_state(state["generators"][path])
+    for path, sampler in _stateful_samplers(loader):
+        if path in state["samplers"]:
+            sampler.load_state_dict(state["samplers"][path])
+
+
+def resume_limits(loader: DataLoader) -> list[str]:
+    """Why a resumed run could not replay `loader`'s epochs exactly ([] when it can)."""
+    reasons = []
+    if loader.num_workers > 0 and loader.persistent_workers:
+        reasons.append("persistent_workers=True: the workers' random state carries over from "
+                       "epoch to epoch and is not saved, so a resume after the first epoch draws "
+                       "other augmentations. Fix: persistent_workers=False (workers then start "
+                       "each epoch from seeds that saferun restores)")
+    stateful = tuple(s for _, s in _stateful_samplers(loader))  # their state_dict() covers them
+    seen: set[int] = set()
+    for name in _ORDER_PARTS[1:]:
+        for path, rng in rng_objects(getattr(loader, name), name, (loader.dataset, *stateful)):
+            if not isinstance(rng, torch.Generator) and id(rng) not in seen:
+                seen.add(id(rng))
+                reasons.append(
+                    f"{path}: {rng_kind(rng)}, whose state saferun cannot save, so a resumed run "
+                    f"shuffles the interrupted epoch differently. Fix: draw from a "
+                    f"torch.Generator attribute or the global RNGs, or give the sampler "
+                    f"state_dict() and load_state_dict()")
+    return reasons
+
+
+def _generators(loader: DataLoader) -> list[tuple[str, torch.Generator]]:
+    found: dict[int, tuple[str, torch.Generator]] = {}
+    for name in _ORDER_PARTS:
+        for path, rng in rng_objects(getattr(loader, name), name, (loader.dataset,)):
+            if isinstance(rng, torch.Generator):
+                found.setdefault(id(rng), (path, rng))
+    return list(found.values())
+
+
+def _stateful_samplers(loader: DataLoader) -> list[tuple[str, Any]]:
+    found: dict[int, tuple[str, Any]] = {}
+    for name, part in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler),
+                       ("batch_sampler.sampler", sampler_of(loader))):
+        if callable(getattr(part, "state_dict", None)) and \
+                callable(getattr(part, "load_state_dict", None)):
+            found.setdefault(id(part), (name, part))
+    return list(found.values())
 
 
 def check_dataset(dataset: Any, name: str) -> None:

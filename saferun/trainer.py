@@ -33,8 +33,8 @@ from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, loa
                          load_latest, rotate, save_checkpoint, save_weights)
 from .compile import check_compiled, unwrap_compiled
 from .config import Config, check_resume_config, load_config
-from .data import (IndexRecorder, batch_size_of, check_dataset, make_loader, move_to_device,
-                   set_loader_epoch, to_host)
+from .data import (IndexRecorder, batch_size_of, check_dataset, epoch_state, make_loader,
+                   move_to_device, restore_epoch_state, resume_limits, set_loader_epoch, to_host)
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
@@ -92,6 +92,8 @@ class Trainer:
         self._user_callbacks = list(callbacks)
         self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self._resume_rng: Optional[dict[str, Any]] = None
+        self._epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
+        self._resume_epoch_start: Optional[dict[str, Any]] = None
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
         self._agreed_signal: Optional[int] = None
@@ -206,6 +208,11 @@ class Trainer:
                     f"the validation dataset has {len(val_set)} samples for "
                     f"{self.ranks.world_size} processes: every rank needs at least one.")
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
+        limits = resume_limits(self.train_loader)
+        if limits:
+            log.warning("The training DataLoader cannot be resumed exactly: a run resumed from a "
+                        "checkpoint would not equal an uninterrupted one (resume is not exact). "
+                        "%s.", "; ".join(limits))
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise SaferunError("the model has no trainable parameters (all are frozen or have "
@@ -436,10 +443,11 @@ class Trainer:
         `where` is (epoch, [sample indices of each micro-batch]), or None when the
         loader does not record indices (a user-built DataLoader).
 
-        After a resume, the first epoch replays its batches up to the saved position
-        (loading only, no compute; workers draw the same augmentations again), then
-        the RNG states saved with the checkpoint are restored: the run continues
-        exactly as if it had not stopped.
+        After a resume, the RNG and sampler states of the interrupted epoch's start are
+        put back, the epoch replays its batches up to the saved position (loading only,
+        no compute; the same order, and workers draw the same augmentations again), then
+        the step's RNG states are restored: the run continues exactly as if it had not
+        stopped, with saferun's loaders and with loaders built by the user.
         """
         t, state = self.cfg.trainer, self.state
         loader = self.train_loader
@@ -448,6 +456,10 @@ class Trainer:
         recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
         while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
             set_loader_epoch(loader, self.cfg.seed, state.epoch, state.rank)
+            if self._resume_epoch_start is not None:  # a user-built loader draws from these
+                restore_epoch_state(loader, self._resume_epoch_start)
+                self._resume_epoch_start = None
+            self._epoch_start = epoch_state(loader)
             batches = iter(loader)
             for _ in itertools.islice(batches, state.batches_in_epoch):
                 if recorder is not None:
@@ -523,8 +535,11 @@ class Trainer:
         pending metrics onto rank 0); on the other ranks `per_rank` is None.
         """
         s = self.state
-        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict()},
-                              torch.device("cpu"))
+        assert self.train_loader is not None
+        # Before an epoch has started (or after the last one ended) the next one starts from now.
+        epoch_start = self._epoch_start if s.batches_in_epoch else epoch_state(self.train_loader)
+        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
+                               "epoch_start": epoch_start}, torch.device("cpu"))
         per_rank = distributed.gather(mine)
         return {
             "format": 1,
@@ -535,7 +550,7 @@ class Trainer:
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self._best) if self._best else None},
-            "per_rank": per_rank,  # [{"rng", "running"}] for each rank, in rank order
+            "per_rank": per_rank,  # [{"rng", "running", "epoch_start"}] per rank, in rank order
             "callbacks": self._callbacks.state_dict(),
             "guards": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
             "config": dataclasses.asdict(self.cfg),
@@ -572,6 +587,7 @@ class Trainer:
             if key in state["guards"]:
                 detector.load_state_dict(move_to_device(state["guards"][key], self.device))
         self._resume_rng = mine["rng"]
+        self._resume_epoch_start = mine.get("epoch_start")  # absent from older checkpoints
 
     def _resume(self) -> None:
         """Continue from `cfg.resume` (auto or a path), after checking the config matches."""
@@ -732,7 +748,7 @@ class Trainer:
         self.load_state_dict(state)
         # Go on with the data after the bad step: replaying it would fail the same way.
         self.state.epoch, self.state.batches_in_epoch = epoch, position
-        self._resume_rng = None
+        self._resume_rng = self._resume_epoch_start = None
         self._running.reset()
         log.warning("%s Rolled back to %s (step %d); training continues with the data after "
                     "step %d.", report, path, self.state.step, bad_step)
