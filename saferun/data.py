@@ -55,6 +55,7 @@ def make_loader(
     world_size: int = 1,
     evaluation: bool = False,
     multiprocessing_context: Optional[str] = None,
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None,
 ) -> DataLoader:
     """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`).
 
@@ -64,7 +65,7 @@ def make_loader(
     so every sample counts once in the metrics).
     """
     generator = torch.Generator()
-    workers = dict(num_workers=num_workers, pin_memory=pin_memory,
+    workers = dict(num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
                    worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
                    multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
     if isinstance(dataset, IterableDataset):

@@ -2,7 +2,7 @@
 
 Users subclass `Trainer` and override the task hooks (`build_model`,
 `build_datasets`, `training_step`, `validation_step`, and optionally
-`build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
+`build_collate_fn`, `build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
 `after_fit`, `predict_step`, `batch_size`). The loop itself (`fit`, `train_step`, `validate`) is not an
 override point; callbacks observe it (see `saferun.callbacks`).
 """
@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
-from typing import Any, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -119,7 +119,8 @@ class Trainer:
         t = self.cfg.trainer
         common = dict(num_workers=t.num_workers, seed=self.cfg.seed, rank=self.state.rank,
                       world_size=self.state.world_size, pin_memory=self._pin_memory(),
-                      multiprocessing_context=t.multiprocessing_context)
+                      multiprocessing_context=t.multiprocessing_context,
+                      collate_fn=self.build_collate_fn())
         train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
                                    drop_last=t.drop_last, **common)
         val_loader = None
@@ -127,6 +128,15 @@ class Trainer:
             val_loader = make_loader(val, batch_size=t.val_batch_size or t.batch_size,
                                      shuffle=False, drop_last=False, evaluation=True, **common)
         return train_loader, val_loader
+
+    def build_collate_fn(self) -> Optional[Callable[[list[Any]], Any]]:
+        """Return the function that turns a list of samples into a batch, used by the training,
+        validation and predict loaders, or None for torch's default. Default: the `collate_fn`
+        node. With workers it must pickle (a module-level function, or an instance of a
+        module-level class): the preflight names what does not."""
+        if self.cfg.collate_fn is None:
+            return None
+        return self._instantiate("collate_fn", self.cfg.collate_fn)
 
     def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """Return the optimizer over the trainable `params`. Default: the `optim` node."""
@@ -383,7 +393,8 @@ class Trainer:
         """
         self.setup()
         loader = data if isinstance(data, DataLoader) else DataLoader(
-            data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size)
+            data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
+            collate_fn=self.build_collate_fn())
         outputs = []
         before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
         with self._evaluating():
