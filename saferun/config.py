@@ -324,15 +324,17 @@ EXACTNESS_KEYS = ("seed", "model", "data", "collate_fn", "task", "optim", "sched
                   "trainer.max_grad_norm")
 
 
-def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool) -> None:
-    """Refuse to resume when `current` differs from the checkpoint's config in EXACTNESS_KEYS."""
+def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool,
+                        keys: tuple[str, ...] = EXACTNESS_KEYS, purpose: str = "resume exactly"
+                        ) -> None:
+    """Refuse to resume when `current` differs from the checkpoint's config in `keys`."""
     old, new = _flatten(saved), _flatten(current)
     changed = sorted(k for k in set(old) | set(new)
-                     if k.startswith(EXACTNESS_KEYS) and old.get(k, "<absent>") != new.get(k, "<absent>"))
+                     if k.startswith(keys) and old.get(k, "<absent>") != new.get(k, "<absent>"))
     if not changed or force:
         return
     listed = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed)
-    raise ConfigError(f"cannot resume exactly: the config differs from the checkpoint's in {listed}. "
+    raise ConfigError(f"cannot {purpose}: the config differs from the checkpoint's in {listed}. "
                       f"Restore those values, or set force_resume=true to continue anyway.")
 
 

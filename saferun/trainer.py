@@ -94,6 +94,8 @@ class Trainer:
         self._resume_rng: Optional[dict[str, Any]] = None
         self._epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
         self._resume_epoch_start: Optional[dict[str, Any]] = None
+        self._pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
+        self._untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
         self._agreed_signal: Optional[int] = None
@@ -248,6 +250,7 @@ class Trainer:
             self._ddp = distributed.ModelDDP(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=t.find_unused_parameters)
+        self._find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
     def _setup_guards(self) -> None:
@@ -362,6 +365,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Average `validation_step` over the validation set, in eval mode without autograd."""
         self.setup()
+        self._check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
         limit = self.cfg.trainer.limit_val_batches
@@ -392,6 +396,7 @@ class Trainer:
         (one entry per batch) with every tensor inside on the CPU, usable in autograd.
         """
         self.setup()
+        self._check_evaluated_weights("predict")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
             collate_fn=self.build_collate_fn())
@@ -572,10 +577,7 @@ class Trainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s result. RNG states apply when training resumes."""
         self.setup()
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
+        self._load_model(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -600,8 +602,9 @@ class Trainer:
         self._resume_rng = mine["rng"]
         self._resume_epoch_start = mine.get("epoch_start")  # absent from older checkpoints
 
-    def _resume(self) -> None:
-        """Continue from `cfg.resume` (auto or a path), after checking the config matches."""
+    def _find_resume(self) -> None:
+        """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
+        every entry point uses them; `fit` then restores the rest (`_resume`)."""
         resume = self.cfg.resume
         if resume is None:
             return
@@ -615,12 +618,42 @@ class Trainer:
             if resume != "auto":
                 raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
             log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
+            self._untrained_auto = True
+            return
+        state = found[1]
+        # Evaluation needs only the same model; continuing training needs the whole config.
+        check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume,
+                            keys=("model", "task"), purpose="use the checkpoint's weights")
+        self._load_model(state["model"])
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
+            setattr(self.state, key, state["loop"][key])
+        self._pending_resume = found
+
+    def _resume(self) -> None:
+        """Continue training from the checkpoint found by setup, after checking the config."""
+        found, self._pending_resume = self._pending_resume, None
+        self._untrained_auto = False  # fit trains them
+        if found is None:
             return
         path, state = found
         check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume)
         self.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  self.state.step, self.state.epoch, self.state.batches_in_epoch)
+
+    def _check_evaluated_weights(self, entry: str) -> None:
+        if self._untrained_auto:
+            raise SaferunError(
+                f"{entry}(): resume=auto found no checkpoint in {self.state.run_dir}, so it would "
+                f"evaluate the untrained initial weights. Set resume to the run directory or "
+                f"checkpoint to evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the "
+                f"initial weights on purpose.")
+
+    def _load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
+        try:
+            self.model.load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
 
     def _save_checkpoint(self) -> Path:
         t = self.cfg.trainer
