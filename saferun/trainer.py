@@ -31,7 +31,7 @@ from . import __version__, distributed, modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
-from .compile import check_compiled, unwrap_compiled
+from .compile import check_compiled, check_compiled_training, unwrap_compiled
 from .config import Config, check_resume_config, load_config
 from .data import (IndexRecorder, batch_size_of, check_dataset, epoch_state, make_loader,
                    move_to_device, restore_epoch_state, resume_limits, set_loader_epoch, to_host)
@@ -513,16 +513,32 @@ class Trainer:
             self._save_checkpoint()  # so there is always a good state to go back to
 
     def _check_compile(self) -> None:
-        assert self.train_loader is not None
+        """Compiled against eager on the first training batch: the loss in eval mode; the loss,
+        gradients and buffers in training mode. Leaves the model, its gradients, its modes,
+        every RNG and the loader's generators as it found them."""
+        loader, t = self.train_loader, self.cfg.trainer
+        assert loader is not None
+        found = epoch_state(loader)
+        try:
+            set_loader_epoch(loader, self.cfg.seed, 0, self.state.rank)
+            batch = move_to_device(next(iter(loader)), self.device, self._non_blocking)
+        finally:
+            restore_epoch_state(loader, found)
+
+        def eval_loss() -> torch.Tensor:
+            with self._evaluating():
+                return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
+
+        def train_loss() -> torch.Tensor:
+            with self._autocast():
+                loss = _loss_and_logs(self.training_step(batch), 1)[0]
+            loss.backward()
+            return loss
+
         with preserved_rng():
-            set_loader_epoch(self.train_loader, self.cfg.seed, 0, self.state.rank)
-            batch = move_to_device(next(iter(self.train_loader)), self.device, self._non_blocking)
-
-            def first_loss() -> torch.Tensor:
-                with self._evaluating():
-                    return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
-
-            check_compiled(first_loss, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
+            check_compiled(eval_loss, t.compile_rtol, t.compile_atol)
+        with modes.training(self.model, self._frozen):
+            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)
 
     def _validation_due(self, epoch_end: bool) -> bool:
         if self.val_loader is None:
@@ -577,6 +593,7 @@ class Trainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s result. RNG states apply when training resumes."""
         self.setup()
+        self._pending_resume, self._untrained_auto = None, False  # this state replaces it
         self._load_model(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
