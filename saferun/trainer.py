@@ -568,8 +568,10 @@ class Trainer:
         """
         s = self.state
         assert self.train_loader is not None
-        # Before an epoch has started (or after the last one ended) the next one starts from now.
-        epoch_start = self._epoch_start if s.batches_in_epoch else epoch_state(self.train_loader)
+        # Before an epoch has started (or after the last one ended) the next one starts from now;
+        # right after a resume, before the loop restarted, from the loaded checkpoint's start.
+        epoch_start = ((self._resume_epoch_start or self._epoch_start) if s.batches_in_epoch
+                       else epoch_state(self.train_loader))
         mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
                                "epoch_start": epoch_start}, torch.device("cpu"))
         per_rank = distributed.gather(mine)
