@@ -200,7 +200,8 @@ def _compile_parity(make: Factory, cfg: Config) -> CheckResult:
     trainer = make(cfg)
     trainer.setup()
     trainer._check_compile()
-    return CheckResult("compile parity", "pass", "compiled and eager agree on the first batch")
+    return CheckResult("compile parity", "pass", "compiled and eager agree on the first batch: "
+                       "the eval-mode loss; the training-mode loss, gradients and buffers")
 
 
 def _one_line(message: str, limit: int = 400) -> str:

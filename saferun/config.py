@@ -182,6 +182,11 @@ class Config:
     """Model `_target_` node, used by the default `Trainer.build_model`."""
     data: Any = None
     """Data `_target_` node returning (train, val) datasets, used by `build_datasets`."""
+    collate_fn: Any = None
+    """`_target_` node of the function that turns a list of samples into a batch, for the
+    training, validation and predict loaders (null: torch's default_collate). A function
+    needs `_partial_: true`; a class is instantiated with the node's arguments. It must be
+    importable by module name, so that spawned DataLoader workers can receive it."""
     callbacks: Any = None
     """Named callback `_target_` nodes ({name: node}), called in this order."""
     logger: Any = field(default_factory=_tensorboard)
@@ -202,8 +207,9 @@ class Config:
         lr = self.optim.get("lr") if isinstance(self.optim, Mapping) else None
         if isinstance(lr, (int, float)) and lr < 0:
             raise ConfigError(f"optim.lr must be >= 0, got {lr}.")
-        for key in ("optim", "sched", "model", "data"):
+        for key in ("optim", "sched", "model", "data", "collate_fn"):
             _check_target_node(key, getattr(self, key), required=(key == "optim"))
+        _check_partial_function("collate_fn", self.collate_fn)
         for key in ("callbacks", "logger"):
             nodes = getattr(self, key) or {}
             if not isinstance(nodes, Mapping):
@@ -258,6 +264,18 @@ def _check_target_node(key: str, node: Any, required: bool) -> None:
     check_target_signature(key, node)
 
 
+def _check_partial_function(key: str, node: Any) -> None:
+    """A function given as a `_target_` is called by instantiate unless `_partial_` is set."""
+    from hydra.utils import get_object
+
+    if node is None or node.get("_partial_"):
+        return
+    if inspect.isfunction(get_object(node["_target_"])):
+        raise ConfigError(f"{key}._target_ {node['_target_']} is a function: add "
+                          f"`_partial_: true` so that it is passed to the DataLoader, not called "
+                          f"once with no samples.")
+
+
 def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -> None:
     """Resolve `node['_target_']` and check its keyword arguments bind to its signature.
 
@@ -305,7 +323,8 @@ def _one_of(cfg: Any, name: str, choices: tuple[str, ...]) -> None:
 
 
 # Keys whose change makes a resumed run differ from the uninterrupted one.
-EXACTNESS_KEYS = ("seed", "model", "data", "task", "optim", "sched", "trainer.batch_size",
+EXACTNESS_KEYS = ("seed", "model", "data", "collate_fn", "task", "optim", "sched",
+                  "trainer.batch_size",
                   "trainer.accumulate", "trainer.num_workers", "trainer.shuffle",
                   "trainer.drop_last", "trainer.precision", "trainer.frozen_modules",
                   "trainer.max_grad_norm", "trainer.sched_metric",
@@ -314,22 +333,25 @@ EXACTNESS_KEYS = ("seed", "model", "data", "task", "optim", "sched", "trainer.ba
 SPIKE_KEYS = ("guards.spike_window", "guards.spike_threshold", "guards.spike_warmup")
 
 
-def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool) -> None:
-    """Refuse to resume when `current` differs from the checkpoint's config in EXACTNESS_KEYS
-    (and in SPIKE_KEYS when either config skips or rolls back spikes)."""
+def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool,
+                        keys: tuple[str, ...] = EXACTNESS_KEYS, purpose: str = "resume exactly"
+                        ) -> None:
+    """Refuse to resume when `current` differs from the checkpoint's config in `keys`
+    (and in SPIKE_KEYS when the guards' spike policy is checked and either config skips or
+    rolls back spikes)."""
     # a trainer or guards key the checkpoint's saferun did not know yet had its default there
     known = {"trainer": dataclasses.asdict(TrainerConfig()), "guards": dataclasses.asdict(GuardsConfig())}
     old = {**_flatten(known), **_flatten(saved)}
     new = _flatten(current)
-    keys = EXACTNESS_KEYS
-    if {old.get("guards.spikes"), new.get("guards.spikes")} & {"skip", "rollback"}:
+    if "guards.spikes" in keys and \
+            {old.get("guards.spikes"), new.get("guards.spikes")} & {"skip", "rollback"}:
         keys += SPIKE_KEYS
     changed = sorted(k for k in set(old) | set(new)
                      if k.startswith(keys) and old.get(k, "<absent>") != new.get(k, "<absent>"))
     if not changed or force:
         return
     listed = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed)
-    raise ConfigError(f"cannot resume exactly: the config differs from the checkpoint's in {listed}. "
+    raise ConfigError(f"cannot {purpose}: the config differs from the checkpoint's in {listed}. "
                       f"Restore those values, or set force_resume=true to continue anyway.")
 
 

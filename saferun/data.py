@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
@@ -12,7 +13,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 
 from .distributed import ShardSampler
 from .errors import SaferunError
-from .seeding import WorkerSeeder, derive_seed
+from .preflight import rng_kind, rng_objects
+from .seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
 
 
 class IndexRecorder(Sampler[list[int]]):
@@ -53,6 +55,7 @@ def make_loader(
     world_size: int = 1,
     evaluation: bool = False,
     multiprocessing_context: Optional[str] = None,
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None,
 ) -> DataLoader:
     """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`).
 
@@ -62,7 +65,7 @@ def make_loader(
     so every sample counts once in the metrics).
     """
     generator = torch.Generator()
-    workers = dict(num_workers=num_workers, pin_memory=pin_memory,
+    workers = dict(num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
                    worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
                    multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
     if isinstance(dataset, IterableDataset):
@@ -103,6 +106,77 @@ def sampler_of(loader: DataLoader) -> Any:
     return getattr(batch_sampler, "sampler", loader.sampler)
 
 
+# Where a DataLoader keeps what decides an epoch's order (besides the global RNGs).
+_ORDER_PARTS = ("generator", "sampler", "batch_sampler")
+
+
+def epoch_state(loader: DataLoader) -> dict[str, Any]:
+    """What an epoch of `loader` is drawn from, taken just before `iter(loader)`.
+
+    The global RNGs (a sampler without a generator seeds itself from torch's, the
+    workers' base seed too, and augmentations without workers draw from all three),
+    every `torch.Generator` on the loader and its samplers, and the `state_dict()` of
+    a sampler that has one. Saved with checkpoints: a resumed run puts it back before
+    replaying the interrupted epoch (`restore_epoch_state`), so a loader built by the
+    user shuffles and seeds its workers as the uninterrupted run did.
+    """
+    return {"rng": get_rng_state(),
+            "generators": {path: g.get_state() for path, g in _generators(loader)},
+            "samplers": {path: s.state_dict() for path, s in _stateful_samplers(loader)}}
+
+
+def restore_epoch_state(loader: DataLoader, state: dict[str, Any]) -> None:
+    """Put back what `epoch_state` returned (for the same loader, built the same way)."""
+    set_rng_state(state["rng"])
+    for path, g in _generators(loader):
+        if path in state["generators"]:
+            g.set_state(state["generators"][path])
+    for path, sampler in _stateful_samplers(loader):
+        if path in state["samplers"]:
+            sampler.load_state_dict(state["samplers"][path])
+
+
+def resume_limits(loader: DataLoader) -> list[str]:
+    """Why a resumed run could not replay `loader`'s epochs exactly ([] when it can)."""
+    reasons = []
+    if loader.num_workers > 0 and loader.persistent_workers:
+        reasons.append("persistent_workers=True: the workers' random state carries over from "
+                       "epoch to epoch and is not saved, so a resume after the first epoch draws "
+                       "other augmentations. Fix: persistent_workers=False (workers then start "
+                       "each epoch from seeds that saferun restores)")
+    stateful = tuple(s for _, s in _stateful_samplers(loader))  # their state_dict() covers them
+    seen: set[int] = set()
+    for name in _ORDER_PARTS[1:]:
+        for path, rng in rng_objects(getattr(loader, name), name, (loader.dataset, *stateful)):
+            if not isinstance(rng, torch.Generator) and id(rng) not in seen:
+                seen.add(id(rng))
+                reasons.append(
+                    f"{path}: {rng_kind(rng)}, whose state saferun cannot save, so a resumed run "
+                    f"shuffles the interrupted epoch differently. Fix: draw from a "
+                    f"torch.Generator attribute or the global RNGs, or give the sampler "
+                    f"state_dict() and load_state_dict()")
+    return reasons
+
+
+def _generators(loader: DataLoader) -> list[tuple[str, torch.Generator]]:
+    found: dict[int, tuple[str, torch.Generator]] = {}
+    for name in _ORDER_PARTS:
+        for path, rng in rng_objects(getattr(loader, name), name, (loader.dataset,)):
+            if isinstance(rng, torch.Generator):
+                found.setdefault(id(rng), (path, rng))
+    return list(found.values())
+
+
+def _stateful_samplers(loader: DataLoader) -> list[tuple[str, Any]]:
+    found: dict[int, tuple[str, Any]] = {}
+    for name, part in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler),
+                       ("batch_sampler.sampler", sampler_of(loader))):
+        if callable(getattr(part, "state_dict", None)) and \
+                callable(getattr(part, "load_state_dict", None)):
+            found.setdefault(id(part), (name, part))
+    return list(found.values())
+
+
 def check_dataset(dataset: Any, name: str) -> None:
     """Fail early, with the fix, on an empty or length-less dataset."""
     try:
@@ -120,50 +194,86 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     """Move every tensor in a nested batch (tuples, lists, dicts, dataclasses) to `device`.
 
     Objects with their own `.to(device)` are moved with it; other leaves (ints,
-    strings, None) pass through. A NumPy array or a tensor that fails to move
-    raises `SaferunError` naming its place in the batch.
+    strings, None) pass through. Containers keep their type: a dict subclass its
+    extra state (a defaultdict's factory), a dataclass its other attributes (it is
+    copied and its fields replaced, without running `__init__`/`__post_init__` again).
+    A NumPy array or a tensor that fails to move raises `SaferunError` naming its
+    place in the batch.
     """
     if type(batch) in (list, tuple) and all(type(t) is torch.Tensor for t in batch):
         try:  # the common (inputs, targets) batch, without building a path per element
             return type(batch)(t.to(device, non_blocking=non_blocking) for t in batch)
         except (RuntimeError, TypeError):
             pass  # the walk below names the tensor that failed
-    return _move(batch, device, non_blocking, "batch")
 
-
-def _move(obj: Any, device: torch.device, non_blocking: bool, path: str) -> Any:
-    if isinstance(obj, torch.Tensor):
+    def tensor(t: torch.Tensor, path: str) -> torch.Tensor:
         try:
-            return obj.to(device, non_blocking=non_blocking)
+            return t.to(device, non_blocking=non_blocking)
         except (RuntimeError, TypeError) as e:
             raise SaferunError(
-                f"cannot move {path} (tensor of dtype {obj.dtype}, shape {tuple(obj.shape)}) "
+                f"cannot move {path} (tensor of dtype {t.dtype}, shape {tuple(t.shape)}) "
                 f"to {device}: {e}. Return a supported dtype from the dataset or collate_fn."
             ) from None
+
+    def other(obj: Any, path: str) -> Any:
+        if type(obj).__module__ == "numpy":
+            raise SaferunError(
+                f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which cannot be moved "
+                f"to {device}. Return torch tensors from the dataset (torch.from_numpy) or the "
+                f"collate_fn.")
+        to = getattr(obj, "to", None)
+        return to(device, non_blocking=non_blocking) if callable(to) else obj
+
+    return _map_tensors(batch, tensor, other, "batch")
+
+
+def to_host(outputs: Any) -> Any:
+    """`outputs` with every tensor on the CPU as a normal tensor (inference tensors are
+    cloned, so that the caller can use them in autograd); other leaves pass through."""
+
+    def tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+        t = t.detach().cpu()
+        return t.clone() if t.is_inference() else t
+
+    def other(obj: Any, path: str) -> Any:
+        to = getattr(obj, "to", None)
+        if callable(to) and type(obj).__module__ != "numpy":
+            return to(torch.device("cpu"))
+        return obj
+
+    return _map_tensors(outputs, tensor, other, "output")
+
+
+def _map_tensors(obj: Any, tensor: Callable[[torch.Tensor, str], Any],
+                 other: Callable[[Any, str], Any], path: str) -> Any:
+    """`obj` rebuilt with `tensor(t, path)` for each tensor and `other(x, path)` for each leaf
+    that is neither a tensor, a plain value nor a container."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj, path)
     if isinstance(obj, (str, bytes, int, float, bool, type(None))):
         return obj
     if isinstance(obj, dict):
-        return type(obj)(
-            (k, _move(v, device, non_blocking, f"{path}[{k!r}]")) for k, v in obj.items()
-        )
+        if type(obj) is dict:
+            return {k: _map_tensors(v, tensor, other, f"{path}[{k!r}]") for k, v in obj.items()}
+        out = copy.copy(obj)  # keeps a subclass's own state (defaultdict's default_factory)
+        for k, v in obj.items():
+            out[k] = _map_tensors(v, tensor, other, f"{path}[{k!r}]")
+        return out
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_move(v, device, non_blocking, f"{path}.{f}")
+        return type(obj)(*(_map_tensors(v, tensor, other, f"{path}.{f}")
                            for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_move(v, device, non_blocking, f"{path}[{i}]") for i, v in enumerate(obj))
+        return type(obj)(_map_tensors(v, tensor, other, f"{path}[{i}]") for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _move(getattr(obj, f.name), device, non_blocking, f"{path}.{f.name}")
-                   for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if type(obj).__module__ == "numpy":
-        raise SaferunError(
-            f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which cannot be moved to "
-            f"{device}. Return torch tensors from the dataset (torch.from_numpy) or the collate_fn."
-        )
-    to = getattr(obj, "to", None)
-    if callable(to):
-        return to(device, non_blocking=non_blocking)
-    return obj
+        # Not dataclasses.replace: it would run __init__ and __post_init__ again and reset
+        # the init=False fields. A shallow copy with each field replaced keeps everything.
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(out, f.name, _map_tensors(getattr(obj, f.name), tensor, other,
+                                                             f"{path}.{f.name}"))
+        return out
+    return other(obj, path)
 
 
 def batch_size_of(batch: Any) -> int:

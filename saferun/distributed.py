@@ -48,6 +48,15 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def union(keys: list[str]) -> list[str]:
+    """The keys seen on any rank, in one order on every rank (`keys` in a single process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return keys
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, keys)
+    return list(dict.fromkeys(k for rank_keys in every for k in rank_keys))
+
+
 def gather(obj: Any) -> Optional[list[Any]]:
     """Every rank's `obj` on rank 0 (None elsewhere); `[obj]` in a single process."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

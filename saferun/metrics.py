@@ -128,31 +128,47 @@ class RunningTrainMetrics:
 
 
 class WeightedMeans:
-    """Per-key means over batches, weighted by batch size, summed on the device."""
+    """Per-key means over batches, weighted by batch size, summed on the device.
+
+    Each key counts its own samples: a value reported by only some batches is the
+    mean over those batches, not diluted by the others.
+    """
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.count = 0
+        self.counts: dict[str, int] = {}
 
     def add(self, values: Mapping[str, torch.Tensor], n: int) -> None:
         for k, v in values.items():
             weighted = v.detach().float() * n
-            self.sums[k] = self.sums[k] + weighted if k in self.sums else weighted
-        self.count += n
+            if k in self.sums:
+                self.sums[k] = self.sums[k] + weighted
+                self.counts[k] += n
+            else:
+                self.sums[k], self.counts[k] = weighted, n
 
     def read(self, extra: Mapping[str, torch.Tensor] = {}, device: Optional[torch.device] = None
              ) -> tuple[dict[str, float], dict[str, float]]:
-        """(means, sums of `extra`), over every rank's batches: one collective, one host read."""
-        columns = [*self.sums.values(), *(v.float() for v in extra.values())]
-        if not columns:
+        """(means, sums of `extra`), over every rank's batches: one collective, one host read.
+
+        Under torchrun the ranks first agree on the keys (a rank may have seen none of
+        some key's batches), so that every rank reduces the same columns.
+        """
+        keys = distributed.union(list(self.sums))
+        if not keys and not extra:
             return {}, {}
-        # the sample count rides along (made on the device: no host-to-device copy)
-        columns.append(torch.full((), float(self.count), device=device or columns[0].device))
-        stacked = distributed.all_reduce(torch.stack([c.to(columns[0].device) for c in columns]))
-        values = stacked.tolist()
-        totals, extras, count = values[: len(self.sums)], values[len(self.sums):-1], values[-1]
-        return ({k: total / max(count, 1) for k, total in zip(self.sums, totals)},
-                dict(zip(extra, extras)))
+        tensors = [*self.sums.values(), *extra.values()]
+        device = device or (tensors[0].device if tensors else torch.device("cpu"))
+        zero = torch.zeros((), device=device)
+        # The per-key sample counts ride along, made on the device (no host-to-device copy).
+        columns = [self.sums.get(k, zero) for k in keys]
+        columns += [torch.full((), float(self.counts.get(k, 0)), device=device) for k in keys]
+        columns += [v.float() for v in extra.values()]
+        values = distributed.all_reduce(torch.stack([c.to(device) for c in columns])).tolist()
+        n = len(keys)
+        means = {k: total / count for k, total, count in zip(keys, values[:n], values[n:2 * n])
+                 if count > 0}
+        return means, dict(zip(extra, values[2 * n:]))
 
 
 def scalar_dict(out: object, where: str) -> dict[str, torch.Tensor]:

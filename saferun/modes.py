@@ -54,6 +54,18 @@ def set_train_modes(model: nn.Module, frozen: Sequence[nn.Module]) -> bool:
 
 
 @contextlib.contextmanager
+def training(model: nn.Module, frozen: Sequence[nn.Module]) -> Iterator[None]:
+    """The declared training modes (`set_train_modes`); restores every submodule's flag."""
+    flags = [(m, m.training) for m in model.modules()]
+    set_train_modes(model, frozen)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@contextlib.contextmanager
 def evaluating(model: nn.Module, grad_mode: str = "inference_mode") -> Iterator[None]:
     """Eval mode plus `torch.inference_mode()` (or `no_grad`); restores every submodule's flag."""
     flags = [(m, m.training) for m in model.modules()]

@@ -131,6 +131,14 @@ def find_rng_objects(obj: Any, name: str = "dataset") -> list[Finding]:
     return [f for f, _ in found]
 
 
+def rng_objects(obj: Any, name: str, skip: tuple[Any, ...] = ()) -> list[tuple[str, Any]]:
+    """(attribute path, generator) for each generator object `find_rng_objects` would name,
+    not looking inside the objects in `skip` (e.g. the dataset a sampler refers to)."""
+    found: list[tuple[Finding, Any]] = []
+    _scan_rng(obj, name, found, {id(o) for o in skip}, 0)
+    return [(f.path, rng) for f, rng in found]
+
+
 def start_method(loader: DataLoader) -> str:
     """The start method `loader`'s workers will use, without fixing the global default."""
     ctx = loader.multiprocessing_context
@@ -329,7 +337,8 @@ _KNOWN = (
 # ---------------------------------------------------------------------- generators
 
 
-def _rng_kind(obj: Any) -> Optional[str]:
+def rng_kind(obj: Any) -> Optional[str]:
+    """'a numpy.random.Generator' (etc.) for a generator object other than the global ones."""
     if isinstance(obj, np.random.Generator):
         return "a numpy.random.Generator"
     if isinstance(obj, np.random.RandomState) and obj is not np.random.mtrand._rand:
@@ -347,7 +356,7 @@ def _scan_rng(obj: Any, path: str, found: list[tuple[Finding, Any]], seen: set[i
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    kind = _rng_kind(obj)
+    kind = rng_kind(obj)
     if kind is not None:
         found.append((Finding(path, f"{kind}, which DataLoader workers do not reseed", _FIX_RNG),
                       obj))

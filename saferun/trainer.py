@@ -2,7 +2,7 @@
 
 Users subclass `Trainer` and override the task hooks (`build_model`,
 `build_datasets`, `training_step`, `validation_step`, and optionally
-`build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
+`build_collate_fn`, `build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
 `after_fit`, `predict_step`, `batch_size`). The loop itself (`fit`, `train_step`, `validate`) is not an
 override point; callbacks observe it (see `saferun.callbacks`).
 """
@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
-from typing import Any, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -32,10 +32,10 @@ from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView,
 from .buffers import BufferSnapshot
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
-from .compile import check_compiled, unwrap_compiled
+from .compile import check_compiled, check_compiled_training, unwrap_compiled
 from .config import Config, check_resume_config, load_config
-from .data import (IndexRecorder, batch_size_of, check_dataset, make_loader, move_to_device,
-                   set_loader_epoch)
+from .data import (IndexRecorder, batch_size_of, check_dataset, epoch_state, make_loader,
+                   move_to_device, restore_epoch_state, resume_limits, set_loader_epoch, to_host)
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
@@ -94,6 +94,10 @@ class Trainer:
         self._user_callbacks = list(callbacks)
         self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self._resume_rng: Optional[dict[str, Any]] = None
+        self._epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
+        self._resume_epoch_start: Optional[dict[str, Any]] = None
+        self._pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
+        self._untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
         self._agreed_signal: Optional[int] = None
@@ -119,7 +123,8 @@ class Trainer:
         t = self.cfg.trainer
         common = dict(num_workers=t.num_workers, seed=self.cfg.seed, rank=self.state.rank,
                       world_size=self.state.world_size, pin_memory=self._pin_memory(),
-                      multiprocessing_context=t.multiprocessing_context)
+                      multiprocessing_context=t.multiprocessing_context,
+                      collate_fn=self.build_collate_fn())
         train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
                                    drop_last=t.drop_last, **common)
         val_loader = None
@@ -127,6 +132,15 @@ class Trainer:
             val_loader = make_loader(val, batch_size=t.val_batch_size or t.batch_size,
                                      shuffle=False, drop_last=False, evaluation=True, **common)
         return train_loader, val_loader
+
+    def build_collate_fn(self) -> Optional[Callable[[list[Any]], Any]]:
+        """Return the function that turns a list of samples into a batch, used by the training,
+        validation and predict loaders, or None for torch's default. Default: the `collate_fn`
+        node. With workers it must pickle (a module-level function, or an instance of a
+        module-level class): the preflight names what does not."""
+        if self.cfg.collate_fn is None:
+            return None
+        return self._instantiate("collate_fn", self.cfg.collate_fn)
 
     def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """Return the optimizer over the trainable `params`. Default: the `optim` node."""
@@ -210,6 +224,11 @@ class Trainer:
                     f"the validation dataset has {len(val_set)} samples for "
                     f"{self.ranks.world_size} processes: every rank needs at least one.")
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
+        limits = resume_limits(self.train_loader)
+        if limits:
+            log.warning("The training DataLoader cannot be resumed exactly: a run resumed from a "
+                        "checkpoint would not equal an uninterrupted one (resume is not exact). "
+                        "%s.", "; ".join(limits))
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise SaferunError("the model has no trainable parameters (all are frozen or have "
@@ -237,6 +256,7 @@ class Trainer:
             self._ddp = distributed.ModelDDP(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=t.find_unused_parameters)
+        self._find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
     def _setup_guards(self) -> None:
@@ -354,6 +374,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Average `validation_step` over the validation set, in eval mode without autograd."""
         self.setup()
+        self._check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
         limit = self.cfg.trainer.limit_val_batches
@@ -380,11 +401,14 @@ class Trainer:
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.
 
-        Tensors are concatenated along the batch dimension; other outputs come back as a list.
+        Tensors are concatenated along the batch dimension; other outputs come back as a list
+        (one entry per batch) with every tensor inside on the CPU, usable in autograd.
         """
         self.setup()
+        self._check_evaluated_weights("predict")
         loader = data if isinstance(data, DataLoader) else DataLoader(
-            data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size)
+            data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
+            collate_fn=self.build_collate_fn())
         outputs = []
         before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
         with self._evaluating():
@@ -397,7 +421,7 @@ class Trainer:
         # which the caller may later use in autograd.
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
             return torch.cat(outputs).cpu()
-        return [move_to_device(o, torch.device("cpu")) for o in outputs]
+        return [to_host(o) for o in outputs]
 
     # ------------------------------------------------------------------ loop helpers
 
@@ -444,10 +468,11 @@ class Trainer:
         `where` is (epoch, [sample indices of each micro-batch]), or None when the
         loader does not record indices (a user-built DataLoader).
 
-        After a resume, the first epoch replays its batches up to the saved position
-        (loading only, no compute; workers draw the same augmentations again), then
-        the RNG states saved with the checkpoint are restored: the run continues
-        exactly as if it had not stopped.
+        After a resume, the RNG and sampler states of the interrupted epoch's start are
+        put back, the epoch replays its batches up to the saved position (loading only,
+        no compute; the same order, and workers draw the same augmentations again), then
+        the step's RNG states are restored: the run continues exactly as if it had not
+        stopped, with saferun's loaders and with loaders built by the user.
         """
         t, state = self.cfg.trainer, self.state
         loader = self.train_loader
@@ -456,6 +481,10 @@ class Trainer:
         recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
         while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
             set_loader_epoch(loader, self.cfg.seed, state.epoch, state.rank)
+            if self._resume_epoch_start is not None:  # a user-built loader draws from these
+                restore_epoch_state(loader, self._resume_epoch_start)
+                self._resume_epoch_start = None
+            self._epoch_start = epoch_state(loader)
             batches = iter(loader)
             for _ in itertools.islice(batches, state.batches_in_epoch):
                 if recorder is not None:
@@ -493,16 +522,32 @@ class Trainer:
             self._save_checkpoint()  # so there is always a good state to go back to
 
     def _check_compile(self) -> None:
-        assert self.train_loader is not None
+        """Compiled against eager on the first training batch: the loss in eval mode; the loss,
+        gradients and buffers in training mode. Leaves the model, its gradients, its modes,
+        every RNG and the loader's generators as it found them."""
+        loader, t = self.train_loader, self.cfg.trainer
+        assert loader is not None
+        found = epoch_state(loader)
+        try:
+            set_loader_epoch(loader, self.cfg.seed, 0, self.state.rank)
+            batch = move_to_device(next(iter(loader)), self.device, self._non_blocking)
+        finally:
+            restore_epoch_state(loader, found)
+
+        def eval_loss() -> torch.Tensor:
+            with self._evaluating():
+                return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
+
+        def train_loss() -> torch.Tensor:
+            with self._autocast():
+                loss = _loss_and_logs(self.training_step(batch), 1)[0]
+            loss.backward()
+            return loss
+
         with preserved_rng():
-            set_loader_epoch(self.train_loader, self.cfg.seed, 0, self.state.rank)
-            batch = move_to_device(next(iter(self.train_loader)), self.device, self._non_blocking)
-
-            def first_loss() -> torch.Tensor:
-                with self._evaluating():
-                    return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
-
-            check_compiled(first_loss, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
+            check_compiled(eval_loss, t.compile_rtol, t.compile_atol)
+        with modes.training(self.model, self._frozen):
+            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)
 
     def _validation_due(self, epoch_end: bool) -> bool:
         if self.val_loader is None:
@@ -532,9 +577,15 @@ class Trainer:
         pending metrics onto rank 0); on the other ranks `per_rank` is None.
         """
         s = self.state
+        assert self.train_loader is not None
+        # Before an epoch has started (or after the last one ended) the next one starts from now;
+        # right after a resume, before the loop restarted, from the loaded checkpoint's start.
+        epoch_start = ((self._resume_epoch_start or self._epoch_start) if s.batches_in_epoch
+                       else epoch_state(self.train_loader))
         mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
-                               "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()}},
-                              torch.device("cpu"))  # spike detectors: each rank sees its own loss
+                               # spike detectors: each rank sees its own loss
+                               "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
+                               "epoch_start": epoch_start}, torch.device("cpu"))
         per_rank = distributed.gather(mine)
         return {
             "format": 1,
@@ -545,7 +596,7 @@ class Trainer:
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self._best) if self._best else None},
-            "per_rank": per_rank,  # [{"rng", "running", "spikes"}] for each rank, in rank order
+            "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
             "callbacks": self._callbacks.state_dict(),
             "config": dataclasses.asdict(self.cfg),
             "provenance": {"saferun": __version__, "torch": str(torch.__version__),
@@ -555,10 +606,8 @@ class Trainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s result. RNG states apply when training resumes."""
         self.setup()
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
+        self._pending_resume, self._untrained_auto = None, False  # this state replaces it
+        self._load_model(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -582,9 +631,11 @@ class Trainer:
             if key in spikes:
                 detector.load_state_dict(move_to_device(spikes[key], self.device))
         self._resume_rng = mine["rng"]
+        self._resume_epoch_start = mine.get("epoch_start")  # absent from older checkpoints
 
-    def _resume(self) -> None:
-        """Continue from `cfg.resume` (auto or a path), after checking the config matches."""
+    def _find_resume(self) -> None:
+        """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
+        every entry point uses them; `fit` then restores the rest (`_resume`)."""
         resume = self.cfg.resume
         if resume is None:
             return
@@ -598,12 +649,42 @@ class Trainer:
             if resume != "auto":
                 raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
             log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
+            self._untrained_auto = True
+            return
+        state = found[1]
+        # Evaluation needs only the same model; continuing training needs the whole config.
+        check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume,
+                            keys=("model", "task"), purpose="use the checkpoint's weights")
+        self._load_model(state["model"])
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
+            setattr(self.state, key, state["loop"][key])
+        self._pending_resume = found
+
+    def _resume(self) -> None:
+        """Continue training from the checkpoint found by setup, after checking the config."""
+        found, self._pending_resume = self._pending_resume, None
+        self._untrained_auto = False  # fit trains them
+        if found is None:
             return
         path, state = found
         check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume)
         self.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  self.state.step, self.state.epoch, self.state.batches_in_epoch)
+
+    def _check_evaluated_weights(self, entry: str) -> None:
+        if self._untrained_auto:
+            raise SaferunError(
+                f"{entry}(): resume=auto found no checkpoint in {self.state.run_dir}, so it would "
+                f"evaluate the untrained initial weights. Set resume to the run directory or "
+                f"checkpoint to evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the "
+                f"initial weights on purpose.")
+
+    def _load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
+        try:
+            self.model.load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
 
     def _save_checkpoint(self, best: Optional[float] = None) -> Path:
         """Save the state; `best`: this is save_best's new best checkpoint, with that value."""
@@ -757,7 +838,7 @@ class Trainer:
         self.load_state_dict(state)
         # Go on with the data after the bad step: replaying it would fail the same way.
         self.state.epoch, self.state.batches_in_epoch = epoch, position
-        self._resume_rng = None
+        self._resume_rng = self._resume_epoch_start = None
         self._running.reset()
         log.warning("%s Rolled back to %s (step %d); training continues with the data after "
                     "step %d.", report, path, self.state.step, bad_step)

@@ -28,7 +28,9 @@ def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
                           "callbacks", "config", "provenance"}
     assert state["loop"]["step"] == 4 and state["loop"]["epoch"] == 0
     assert state["loop"]["batches_in_epoch"] == 4
-    assert len(state["per_rank"]) == 1 and set(state["per_rank"][0]) == {"rng", "running", "spikes"}
+    assert len(state["per_rank"]) == 1
+    assert set(state["per_rank"][0]) == {"rng", "running", "spikes", "epoch_start"}
+    assert set(state["per_rank"][0]["epoch_start"]) == {"rng", "generators", "samplers"}
     assert set(state["per_rank"][0]["rng"]) >= {"python", "numpy", "torch"}
     assert state["scheduler"]["last_epoch"] == 4
     assert state["config"]["trainer"]["precision"] == "bf16"

@@ -59,3 +59,49 @@ def test_batch_size_is_the_first_dimension_of_the_first_tensor():
     assert batch_size_of((torch.ones(5, 2), torch.ones(5))) == 5
     assert batch_size_of({"ids": [1, 2], "x": torch.ones(3, 1)}) == 3
     assert batch_size_of(Sample(torch.ones(6, 1), 0, {})) == 6
+
+
+@dataclasses.dataclass
+class Derived:
+    """A batch whose __post_init__ derives a field and counts its calls; one field not in init."""
+
+    x: torch.Tensor
+    mask: torch.Tensor = dataclasses.field(init=False)
+    built: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self):
+        self.mask = self.x > 0
+        self.built += 1
+
+
+def test_dataclass_batch_is_moved_field_by_field_without_rerunning_its_constructor():
+    batch = Derived(torch.tensor([1.0, -1.0]))
+    batch.mask = torch.tensor([True, True])  # changed after construction: must survive the move
+    moved = move_to_device(batch, META)
+    assert type(moved) is Derived and moved is not batch
+    assert moved.built == 1  # __post_init__ did not run again
+    assert moved.x.device == META and moved.mask.device == META  # init=False fields move too
+    assert batch.x.device.type == "cpu"  # the original is left as it was
+    assert torch.equal(move_to_device(batch, torch.device("cpu")).mask, torch.tensor([True, True]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+
+
+def test_frozen_dataclass_batch_is_moved():
+    moved = move_to_device(Frozen(torch.ones(2)), META)
+    assert type(moved) is Frozen and moved.x.device == META
+
+
+def test_dict_subclasses_keep_their_type_and_default_factory():
+    import collections
+
+    batch = collections.defaultdict(list, {"x": torch.ones(2), "ids": [1, 2]})
+    moved = move_to_device(batch, META)
+    assert type(moved) is collections.defaultdict and moved.default_factory is list
+    assert moved["x"].device == META and moved["ids"] == [1, 2]
+    ordered = move_to_device(collections.OrderedDict(b=torch.ones(1), a=torch.ones(1)), META)
+    assert type(ordered) is collections.OrderedDict and list(ordered) == ["b", "a"]
+    assert ordered["a"].device == META
