@@ -128,9 +128,10 @@ class GradientSync:
     only notes that it ran, and saferun averages that step's gradients itself. If every rank's
     training_step went through `self.model(...)` in every micro-batch, later steps use DDP
     (and a later step that does not raises: the other ranks would be waiting in DDP's
-    all-reduce). Otherwise saferun keeps averaging after the last micro-batch's backward:
-    one all-reduce per 25 MiB of gradients per optimizer step, not overlapped with backward
-    (with find_unused_parameters also one host read per step, as DDP does).
+    all-reduce). Otherwise, and always with find_unused_parameters, saferun averages after
+    the last micro-batch's backward: one all-reduce per 25 MiB of gradients per optimizer
+    step, not overlapped with backward (with find_unused_parameters also one host read per
+    step, as DDP has).
 
     After each step's backward, rank 0's buffers are broadcast to every rank (DDP does it
     before the next forward), so the ranks hold identical models for evaluation and saving.
@@ -141,8 +142,10 @@ class GradientSync:
         self.ddp = ModelDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             find_unused_parameters=find_unused, forward_sync_buffers=False)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.mode: Optional[str] = None  # "ddp" or "saferun", agreed after the first step
-        self.ddp.__dict__["probing"] = True
+        # "ddp" or "saferun", agreed after the first step. DDP's find_unused_parameters fails
+        # on a parameter used both inside self.model(...) and outside it: saferun averages.
+        self.mode: Optional[str] = "saferun" if find_unused else None
+        self.ddp.__dict__["probing"] = self.mode is None
         self._all_forwarded = True  # DDP's constructor made rank 0's weights and buffers everyone's
 
     @property
@@ -232,19 +235,22 @@ def broadcast_buffers(module: nn.Module) -> None:
 
 
 def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Consecutive runs of tensors of one dtype and device, each at most BUCKET_BYTES (or one)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
+    """The tensors grouped by dtype and device, in runs of at most BUCKET_BYTES (or one)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != bucket[0].dtype
-                       or t.device != bucket[0].device):
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
             yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class ShardSampler(Sampler[int]):
