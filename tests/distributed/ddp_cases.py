@@ -4,7 +4,8 @@
 "cfg") in order, in one process group, and writes for each rank and case
 <run_dir>/result_rank<R>.pt: final parameters and buffers, step, validation steps,
 checkpoint callbacks, the sample ids trained on, and the SaferunError raised, if any.
-A case that fails must fail on every rank at the same point, or the launch hangs.
+A case that fails must fail on every rank at the same point, or the launch hangs; a
+case with block_at (a collective timeout) must come last.
 """
 
 from __future__ import annotations
@@ -164,6 +165,10 @@ def run(case: Mapping[str, Any]) -> None:
     try:
         trainer.fit()
     except saferun.SaferunError as e:
+        error = str(e)
+    except RuntimeError as e:  # a collective timed out: the process group is unusable now
+        if trainer.block_at < 0:
+            raise
         error = str(e)
     decide = trainer._user_callbacks[0]  # every Decide sees the same events
     result = {"state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
