@@ -29,6 +29,14 @@ pins this order)::
 
 A callback sees a read-only `TrainerView`, never the model or the optimizer,
 and its only lever is the `Control` it returns. Callbacks run in list order.
+
+Under torchrun every rank runs its callbacks (loggers exist on rank 0 only), and a
+`Control` returned on any rank counts for all, so that every rank stops, validates and
+saves at the same step. One returned from `on_log` or `on_validation_end` acts at once, as
+in a single process (the ranks exchange three flags there); one returned from
+`on_train_step_end` acts at the next log point (`log_every_n_steps`) or validation,
+whichever comes first, since agreeing at every step would cost a collective per step.
+In a single process every request acts at once.
 `on_train_step_end` receives device tensors: reading their values (`.item()`,
 `float()`, `if t:`) forces a host sync every step; use `on_log`, whose
 metrics are already Python floats.
