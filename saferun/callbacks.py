@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Control:
-    """What a callback asks of the loop. The loop ORs the requests of all callbacks."""
+    """What a callback asks of the loop. The loop ORs the requests of all callbacks (under
+    torchrun, of every rank: see the module docstring for when a request then acts)."""
 
     stop: bool = False
     """Stop training after this step (final validation and on_fit_end still run)."""

@@ -71,6 +71,14 @@ class Numbered(IterableDataset):
             yield self.x[i], self.y[i], i
 
 
+def loss_of(m: nn.Module, path: str, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    if path == "model" or (path == "switch" and step < 2):
+        return F.cross_entropy(m(x), y)
+    if path == "mixed":
+        return F.cross_entropy(m(x), y) + m.aux(m.backbone(0.5 * x)).pow(2).mean()
+    return F.cross_entropy(m.head(m.backbone(x)), y)
+
+
 class Case(saferun.Trainer):
     """path: how training_step reaches the model: "model" (self.model(x)), "submodules"
     (head(backbone(x))), "mixed" (self.model(x) plus aux(backbone(x2))), or "switch"
@@ -107,12 +115,7 @@ class Case(saferun.Trainer):
             self.ids += ids.tolist()
         else:
             x, y = batch
-        m = self.model
-        if self.path == "model" or (self.path == "switch" and self.state.step < 2):
-            return F.cross_entropy(m(x), y)
-        if self.path == "mixed":
-            return F.cross_entropy(m(x), y) + m.aux(m.backbone(0.5 * x)).pow(2).mean()
-        return F.cross_entropy(m.head(m.backbone(x)), y)
+        return loss_of(self.model, self.path, x, y, self.state.step)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         x, y = batch
