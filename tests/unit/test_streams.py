@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import saferun
-from saferun.data import ShardedStream, shard_index
+from saferun.data import ShardedStream, make_loader, shard_index
 from toys import ToyTrainer, make_classification, toy_config, weights
 
 
@@ -59,6 +59,18 @@ def test_shard_index_in_spawned_workers_reads_the_rank_from_the_environment(monk
 def test_a_sharded_stream_gives_each_worker_its_own_items_and_keeps_the_tail():
     loader = DataLoader(ShardedStream(Ids(9)), batch_size=None, num_workers=2)
     assert sorted(int(t) for t in loader) == list(range(9))  # one process: nothing dropped
+
+
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_under_torchrun_training_drops_an_uneven_last_round_and_evaluation_keeps_it(
+        monkeypatch, evaluation):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # read by ShardedStream only: no process group
+    loader = make_loader(ShardedStream(Ids(9)), batch_size=1, shuffle=False, drop_last=False,
+                         num_workers=0, pin_memory=False, seed=0, evaluation=evaluation)
+    kept = [int(t) for t in loader]
+    # every rank must get as many training batches; evaluation counts every sample once
+    assert kept == ([0, 2, 4, 6, 8] if evaluation else [0, 2, 4, 6])
 
 
 def test_a_stream_every_worker_would_read_whole_is_refused(tmp_path):
