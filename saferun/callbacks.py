@@ -30,6 +30,14 @@ pins this order)::
 
 A callback sees a read-only `TrainerView`, never the model or the optimizer,
 and its only lever is the `Control` it returns. Callbacks run in list order.
+
+Under torchrun every rank runs its callbacks (loggers exist on rank 0 only), and a
+`Control` returned on any rank counts for all, so that every rank stops, validates and
+saves at the same step. One returned from `on_log` or `on_validation_end` acts at once, as
+in a single process (the ranks exchange three flags there); one returned from
+`on_train_step_end` acts at the next log point (`log_every_n_steps`) or validation,
+whichever comes first, since agreeing at every step would cost a collective per step.
+In a single process every request acts at once.
 `on_train_step_end` receives device tensors: reading their values (`.item()`,
 `float()`, `if t:`) forces a host sync every step; use `on_log`, whose
 metrics are already Python floats.
@@ -43,13 +51,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 
 import torch
 
+from . import distributed
+
 if TYPE_CHECKING:
     from .trainer import LoopState
 
 
 @dataclass(frozen=True)
 class Control:
-    """What a callback asks of the loop. The loop ORs the requests of all callbacks."""
+    """What a callback asks of the loop. The loop ORs the requests of all callbacks (under
+    torchrun, of every rank: see the module docstring for when a request then acts)."""
 
     stop: bool = False
     """Stop training after this step (final validation and on_fit_end still run)."""
@@ -224,6 +235,17 @@ def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:
     if a is None:
         return b
     return a | b
+
+
+def agree(control: Optional[Control], device: torch.device) -> Optional[Control]:
+    """Under torchrun: every rank's requests ORed together, the same on every rank (one
+    collective of three flags and one host read). In a single process: `control`."""
+    if not distributed.dist.is_initialized() or distributed.dist.get_world_size() == 1:
+        return control
+    c = control or Control()
+    flags = torch.tensor([c.stop, c.evaluate, c.save], dtype=torch.float32).to(device)
+    stop, evaluate, save = (v > 0 for v in distributed.all_reduce(flags, "max").tolist())
+    return Control(stop=stop, evaluate=evaluate, save=save) if stop or evaluate or save else None
 
 
 def _key(index: int, cb: Callback) -> str:

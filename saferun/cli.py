@@ -76,6 +76,7 @@ def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from .config import TrainerConfig
     from .distributed import broadcast
 
     if "-m" in args or "--multirun" in args:
@@ -83,7 +84,10 @@ def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
               "per configuration.", file=sys.stderr)
         raise SystemExit(2)
     global _RUN_ID
-    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    # Bounded from the start; the Trainer then applies the config's trainer.collective_timeout.
+    timeout = datetime.timedelta(seconds=TrainerConfig.collective_timeout)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=timeout)
     _RUN_ID = os.environ["SAFERUN_RUN_ID"] = broadcast(run_id())
     if dist.get_rank() != 0:
         args = args + ["hydra.output_subdir=null", "hydra/job_logging=disabled",

@@ -65,6 +65,10 @@ class TrainerConfig:
     """Pin host memory for batches (None: on when training on CUDA)."""
     find_unused_parameters: bool = False
     """Under torchrun: let DistributedDataParallel handle parameters without gradients."""
+    collective_timeout: float = 600.0
+    """Under torchrun: seconds a rank waits in a collective for the others before the job
+    fails (instead of hanging). Raise it if saving a checkpoint or one rank's work between
+    two collectives can take longer."""
     shuffle: bool = True
     """Shuffle the training data each epoch."""
     drop_last: bool = False
@@ -87,7 +91,8 @@ class TrainerConfig:
     """Directory for this run's outputs (None: runs/<timestamp>)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last")
+        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",
+                  "collective_timeout")
         _positive_or_none(self, "max_epochs", "val_batch_size", "val_every_n_steps",
                           "limit_val_batches", "max_grad_norm", "save_every_n_steps")
         _one_of(self, "save_best_mode", ("min", "max"))

@@ -5,11 +5,14 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+import itertools
+import os
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
-                              IterableDataset, RandomSampler, Sampler, SequentialSampler)
+                              IterableDataset, RandomSampler, Sampler, SequentialSampler,
+                              get_worker_info)
 
 from .distributed import ShardSampler
 from .errors import SaferunError
@@ -69,6 +72,9 @@ def make_loader(
                    worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
                    multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
     if isinstance(dataset, IterableDataset):
+        if evaluation and isinstance(dataset, ShardedStream):
+            dataset = copy.copy(dataset)
+            dataset.drop_uneven = False  # evaluation has no collective per batch: keep every item
         return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
                           generator=generator, **workers)
     sampler: Sampler[int]
@@ -96,6 +102,9 @@ def set_loader_epoch(loader: DataLoader, seed: int, epoch: int, rank: int = 0) -
     set_epoch = getattr(sampler_of(loader), "set_epoch", None)
     if callable(set_epoch):  # DistributedSampler
         set_epoch(epoch)
+    set_epoch = getattr(loader.dataset, "set_epoch", None)
+    if isinstance(loader.dataset, IterableDataset) and callable(set_epoch):
+        set_epoch(epoch)  # a stream that shuffles per epoch (the convention of HF datasets)
 
 
 def sampler_of(loader: DataLoader) -> Any:
@@ -175,6 +184,71 @@ def _stateful_samplers(loader: DataLoader) -> list[tuple[str, Any]]:
                 callable(getattr(part, "load_state_dict", None)):
             found.setdefault(id(part), (name, part))
     return list(found.values())
+
+
+def shard_index() -> tuple[int, int]:
+    """(this reader's shard, number of shards), the readers being every DataLoader worker
+    of every torchrun process. It reads RANK and WORLD_SIZE from the environment, so it is
+    also right in workers started with spawn, where torch.distributed is not initialised."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    info = get_worker_info()
+    worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+    return rank * workers + worker, world * workers
+
+
+class ShardedStream(IterableDataset):
+    """An iterable dataset split across torchrun processes and DataLoader workers.
+
+    `ShardedStream(stream)`: every reader (see `shard_index`) iterates `stream` whole and
+    keeps every n-th item from its index (n readers), so `stream` must yield the same items
+    in the same order in every process (seed its shuffling by epoch: `set_epoch` is passed
+    on). Under torchrun a last round of fewer than n items is dropped in training, so every
+    process gets the same number of batches. Exact resume holds. Cost: each reader reads
+    the whole stream.
+
+    `ShardedStream(stream, presplit=True)`: `stream` splits itself (by `shard_index()`, or
+    torch.distributed's rank and `get_worker_info()`), reading only its part. Its shards may
+    differ in length: under torchrun the ranks then agree before each step that every one of
+    them still has data (one small CPU collective per step); the epoch ends for all when one
+    runs out, and the others' remaining batches of that epoch are not used.
+    """
+
+    def __init__(self, stream: Iterable[Any], presplit: bool = False) -> None:
+        self.stream, self.presplit = stream, presplit
+        self.drop_uneven = True
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.stream, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.stream) if self.presplit else self._share(*shard_index())
+
+    def _share(self, index: int, count: int) -> Iterator[Any]:
+        items = iter(self.stream)
+        even = self.drop_uneven and int(os.environ.get("WORLD_SIZE", 1)) > 1
+        while round_ := list(itertools.islice(items, count)):
+            if len(round_) == count or (index < len(round_) and not even):
+                yield round_[index]
+
+
+def check_stream(loader: DataLoader, world_size: int) -> None:
+    """Refuse a training IterableDataset that every process or worker would read whole."""
+    dataset = loader.dataset
+    if not isinstance(dataset, IterableDataset) or isinstance(dataset, ShardedStream):
+        return
+    readers = [f"{world_size} torchrun processes"] if world_size > 1 else []
+    readers += [f"{loader.num_workers} DataLoader workers"] if loader.num_workers > 1 else []
+    if not readers:
+        return
+    raise SaferunError(
+        f"the training dataset {type(dataset).__name__} is an IterableDataset, and each of "
+        f"the {' x '.join(readers)} would read all of it: every sample would be trained on "
+        f"several times per epoch. Wrap it in saferun.data.ShardedStream(dataset), which "
+        f"gives each process and worker every n-th item; or, if it splits itself (by "
+        f"saferun.data.shard_index(), or torch.distributed.get_rank() and "
+        f"torch.utils.data.get_worker_info()), in ShardedStream(dataset, presplit=True).")
 
 
 def check_dataset(dataset: Any, name: str) -> None:

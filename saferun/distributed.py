@@ -2,20 +2,30 @@
 
 The Trainer detects torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK),
 starts the process group (gloo on CPU, nccl on CUDA) and wraps the model in
-DistributedDataParallel. Everything the ranks must agree on goes through one
-collective at log points; nothing crosses processes between them.
+DistributedDataParallel. Everything the ranks must agree on goes through
+collectives at log points; nothing crosses processes between them but the
+gradients and buffers of each step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Sampler
+
+from .errors import SaferunError
+
+log = logging.getLogger("saferun")
+BUCKET_BYTES = 25 * 2**20  # per all-reduce when saferun averages gradients itself (DDP's size)
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,18 @@ def ranks_from_env() -> Ranks:
                  int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def start(ranks: Ranks, device: torch.device) -> None:
-    """Join the process group (once per process); gloo on the CPU, nccl on CUDA."""
-    if ranks.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+def start(ranks: Ranks, device: torch.device, timeout_s: float) -> None:
+    """Join the process group (once per process); gloo on the CPU, nccl on CUDA (with gloo
+    for CPU tensors). A collective that waits longer than `timeout_s` raises, so a rank
+    left waiting by the others ends the job instead of hanging (and ignoring SIGTERM)."""
+    if ranks.world_size == 1:
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                timeout=timeout)
+    else:  # the command line starts the group before the config is known
+        dist.distributed_c10d._set_pg_timeout(timeout)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -55,6 +73,13 @@ def union(keys: list[str]) -> list[str]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, keys)
     return list(dict.fromkeys(k for rank_keys in every for k in rank_keys))
+
+
+def on_every_rank(flag: bool) -> bool:
+    """Whether `flag` holds on every rank: a collective on a CPU tensor, no device sync."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    return all_reduce(torch.tensor(float(flag))).item() == dist.get_world_size()
 
 
 def gather(obj: Any) -> Optional[list[Any]]:
@@ -81,10 +106,11 @@ def barrier() -> None:
 
 
 class ModelDDP(DistributedDataParallel):
-    """DistributedDataParallel that also answers attribute lookups of the wrapped model.
+    """DistributedDataParallel that also answers attribute lookups of the wrapped model,
+    and notes whether its forward ran (with autograd on) since `forwarded` was reset.
 
-    The Trainer routes training forwards through it so gradients are averaged
-    across ranks, while `self.model.head` in a user's training_step still works.
+    While `probing`, its forward calls the model directly: DDP's own machinery is
+    left untouched until `GradientSync` knows whether training_step goes through it.
     """
 
     def __getattr__(self, name: str) -> Any:
@@ -92,6 +118,148 @@ class ModelDDP(DistributedDataParallel):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.module, name)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.__dict__["forwarded"] = True  # plain attribute: no nn.Module bookkeeping
+        if self.__dict__.get("probing"):
+            return self.module(*inputs, **kwargs)
+        return super().forward(*inputs, **kwargs)
+
+
+class GradientSync:
+    """Averages the gradients over ranks whatever training_step calls; copies rank 0's buffers.
+
+    DistributedDataParallel averages gradients during backward, overlapped with it, but only
+    for parameters of a forward that went through `DDP.forward`: a training_step calling
+    submodules (`self.model.head(self.model.backbone(x))`) bypasses it, and the ranks would
+    silently diverge. So the first step probes: `self.model` is the DDP wrapper, whose forward
+    only notes that it ran, and saferun averages that step's gradients itself. If every rank's
+    training_step went through `self.model(...)` in every micro-batch, later steps use DDP
+    (and a later step that does not raises: the other ranks would be waiting in DDP's
+    all-reduce). Otherwise, and always with find_unused_parameters, saferun averages after
+    the last micro-batch's backward: one all-reduce per 25 MiB of gradients per optimizer
+    step, not overlapped with backward (with find_unused_parameters also one host read per
+    step, as DDP has).
+
+    After each step's backward, rank 0's buffers are broadcast to every rank (DDP does it
+    before the next forward), so the ranks hold identical models for evaluation and saving.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, find_unused: bool) -> None:
+        self.module, self.find_unused = model, find_unused
+        self.ddp = ModelDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                            find_unused_parameters=find_unused, forward_sync_buffers=False)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # "ddp" or "saferun", agreed after the first step. DDP's find_unused_parameters fails
+        # on a parameter used both inside self.model(...) and outside it: saferun averages.
+        self.mode: Optional[str] = "saferun" if find_unused else None
+        self.ddp.__dict__["probing"] = self.mode is None
+        self._all_forwarded = True  # DDP's constructor made rank 0's weights and buffers everyone's
+
+    @property
+    def model(self) -> nn.Module:
+        """What `self.model` is during training_step."""
+        return self.module if self.mode == "saferun" else self.ddp
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool, step: int) -> Iterator[None]:
+        """Around one micro-batch's forward and backward; the last one averages the gradients."""
+        ddp = self.ddp
+        ddp.__dict__["forwarded"] = False
+        with ddp.no_sync() if self.mode == "ddp" and not last else contextlib.nullcontext():
+            yield
+        if self.mode is None:
+            self._all_forwarded &= ddp.__dict__["forwarded"]
+        if not last:
+            return
+        if self.mode != "ddp":  # the probing step, or training_step bypasses DDP
+            average_gradients(self.named, self.find_unused, step)
+            if self.mode is None:
+                self._agree(step)
+        elif not ddp.__dict__["forwarded"]:
+            raise SaferunError(
+                f"step {step}: training_step did not call self.model(...) on rank "
+                f"{dist.get_rank()}, though it did at the first step. DistributedDataParallel "
+                f"averages the gradients only of steps that go through it, so the ranks would "
+                f"diverge. Call self.model(...) in every step, or in none (calling submodules "
+                f"only: saferun then averages the gradients itself).")
+        broadcast_buffers(self.module)
+
+    def _agree(self, step: int) -> None:
+        flag = torch.full((), float(self._all_forwarded), device=self.named[0][1].device)
+        everywhere = all_reduce(flag).item() == dist.get_world_size()  # once, at the first step
+        self.mode = "ddp" if everywhere else "saferun"
+        self.ddp.__dict__["probing"] = False
+        if not everywhere and dist.get_rank() == 0:
+            log.info("training_step does not always go through self.model(...): saferun "
+                     "averages the gradients itself after backward (one all-reduce per step, "
+                     "not overlapped with backward as DistributedDataParallel's is).")
+
+
+def average_gradients(named: Sequence[tuple[str, nn.Parameter]], find_unused: bool,
+                      step: int) -> None:
+    """Replace every gradient by its mean over ranks, in buckets of BUCKET_BYTES.
+
+    A parameter without a gradient on this rank counts as zero; with `find_unused`, one
+    that has none on any rank keeps none (as with DDP), which needs one host read.
+    """
+    missing = [n for n, p in named if p.grad is None]
+    sparse = [n for n, p in named if p.grad is not None and p.grad.is_sparse]
+    if sparse:
+        raise SaferunError(
+            f"step {step}: sparse gradients ({', '.join(sparse[:8])}) are averaged only by "
+            f"DistributedDataParallel: call self.model(...) in training_step.")
+    if missing and not find_unused:
+        raise SaferunError(
+            f"step {step}: {len(missing)} trainable parameter(s) received no gradient on rank "
+            f"{dist.get_rank()}: {', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}. "
+            f"Under torchrun every trainable parameter needs a gradient at every step: freeze "
+            f"them (trainer.frozen_modules) or set trainer.find_unused_parameters=true.")
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
+    used = None
+    if find_unused:
+        used = torch.tensor([p.grad is not None for _, p in named], dtype=torch.float32)
+        used = all_reduce(used.to(grads[0].device)).tolist()
+    world = dist.get_world_size()
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
+        dist.all_reduce(flat)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
+    for (_, p), g, u in zip(named, grads, used or [1.0] * len(named)):
+        p.grad = g if u else None
+
+
+@torch.no_grad()
+def broadcast_buffers(module: nn.Module) -> None:
+    """Copy rank 0's buffers to every rank."""
+    buffers = list(module.buffers())
+    for bucket in _buckets(buffers):
+        flat = torch.cat([b.reshape(-1) for b in bucket])
+        dist.broadcast(flat.view(torch.uint8) if flat.dtype == torch.bool else flat, src=0)
+        if dist.get_rank() != 0:
+            for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                b.copy_(part.view_as(b))
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """The tensors grouped by dtype and device, in runs of at most BUCKET_BYTES (or one)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            yield bucket
 
 
 class ShardSampler(Sampler[int]):

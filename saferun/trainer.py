@@ -28,14 +28,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import __version__, distributed, modes
-from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .buffers import BufferSnapshot
+from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge, agree
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
 from .compile import check_compiled, check_compiled_training, unwrap_compiled
 from .config import Config, check_resume_config, load_config
-from .data import (IndexRecorder, batch_size_of, check_dataset, epoch_state, make_loader,
-                   move_to_device, restore_epoch_state, resume_limits, set_loader_epoch, to_host)
+from .data import (IndexRecorder, ShardedStream, batch_size_of, check_dataset, check_stream,
+                   epoch_state, make_loader, move_to_device, restore_epoch_state,
+                   resume_limits, set_loader_epoch, to_host)
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
@@ -101,6 +102,7 @@ class Trainer:
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
         self._agreed_signal: Optional[int] = None
+        self._pending: Optional[Control] = None  # under torchrun: requests not yet agreed
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -204,7 +206,7 @@ class Trainer:
             return
         t = self.cfg.trainer
         ensure_log_handler()
-        distributed.start(self.ranks, self.device)
+        distributed.start(self.ranks, self.device, t.collective_timeout)
         seed_everything(self.cfg.seed)  # the same on every rank: identical initial weights
         model = self.build_model()
         if not isinstance(model, nn.Module):
@@ -229,6 +231,10 @@ class Trainer:
             log.warning("The training DataLoader cannot be resumed exactly: a run resumed from a "
                         "checkpoint would not equal an uninterrupted one (resume is not exact). "
                         "%s.", "; ".join(limits))
+        check_stream(self.train_loader, self.ranks.world_size)
+        stream = self.train_loader.dataset
+        self._uneven_data = (self.ranks.world_size > 1 and isinstance(stream, ShardedStream)
+                             and stream.presplit)
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise SaferunError("the model has no trainable parameters (all are frozen or have "
@@ -251,11 +257,9 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._ddp: Optional[distributed.ModelDDP] = None
+        self._ddp: Optional[distributed.GradientSync] = None
         if self.ranks.world_size > 1:
-            self._ddp = distributed.ModelDDP(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=t.find_unused_parameters)
+            self._ddp = distributed.GradientSync(self.model, self.device, t.find_unused_parameters)
         self._find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
@@ -296,7 +300,7 @@ class Trainer:
                 for micro_batches, epoch_end, where in self._batch_groups():
                     output = self.train_step(micro_batches)
                     self._running.add(output, where)
-                    control = cbs.on_train_step_end(self.view, output)
+                    control = self._rank_local(cbs.on_train_step_end(self.view, output))
                     if state.step % t.log_every_n_steps == 0:
                         control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
@@ -426,17 +430,16 @@ class Trainer:
     # ------------------------------------------------------------------ loop helpers
 
     def _data_parallel(self, last: bool) -> ContextManager[None]:
-        """Under torchrun, route training_step's forwards through DDP, whose backward then
-        averages the gradients across ranks; on all but the last micro-batch it does not
-        (no_sync), so accumulation costs one all-reduce per optimizer step."""
+        """Under torchrun, average the gradients over ranks once per optimizer step, after
+        the last micro-batch's backward, whatever training_step calls (see GradientSync)."""
         return _NO_CONTEXT if self._ddp is None else self._through_ddp(last)
 
     @contextlib.contextmanager
     def _through_ddp(self, last: bool) -> Iterator[None]:
         assert self._ddp is not None
-        module, self.model = self.model, self._ddp
+        module, self.model = self.model, self._ddp.model  # the DDP wrapper, unless bypassed
         try:
-            with contextlib.nullcontext() if last else self._ddp.no_sync():
+            with self._ddp.micro_batch(last, self.state.step + 1):
                 yield
         finally:
             self.model = module
@@ -492,7 +495,7 @@ class Trainer:
             if self._resume_rng is not None:
                 set_rng_state(self._resume_rng)
                 self._resume_rng = None
-            while state.step < t.max_steps and (group := _take(batches, t.accumulate)):
+            while state.step < t.max_steps and (group := self._next_group(batches)):
                 if self._check_first_batch:
                     check_batch_on_cpu(group[0])  # what the first worker batch holds
                     self._check_first_batch = False
@@ -507,6 +510,15 @@ class Trainer:
                     f"drop_last=True it needs at least batch_size={t.batch_size} samples.")
             state.epoch += 1
             state.batches_in_epoch = 0
+
+    def _next_group(self, batches: Iterator[Any]) -> list[Any]:
+        """The next step's micro-batches; [] at the epoch's end. Shards of a stream that
+        splits itself may differ in length: the ranks agree, so that the epoch ends for all
+        of them when one runs out (a rank left waiting in the gradient all-reduce would hang)."""
+        group = _take(batches, self.cfg.trainer.accumulate)
+        if self._uneven_data and not distributed.on_every_rank(bool(group)):
+            return []
+        return group
 
     def _start_training(self) -> None:
         """Train mode for everything except frozen modules; say so if the model was in eval."""
@@ -562,7 +574,7 @@ class Trainer:
         if not metrics:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
-        control = self._callbacks.on_validation_end(self.view, metrics)
+        control = self._agreed(self._callbacks.on_validation_end(self.view, metrics))
         best = self.cfg.trainer.save_best
         if best is not None and self._improves(metrics, best):
             self._save_checkpoint(best=metrics[best])
@@ -899,7 +911,25 @@ class Trainer:
         self._rollbacks = 0
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
-        return self._callbacks.on_log(self.view, metrics)
+        return self._agreed(self._callbacks.on_log(self.view, metrics))
+
+    def _rank_local(self, control: Optional[Control]) -> Optional[Control]:
+        """Under torchrun, a request made between log points (on_train_step_end) waits for
+        the next log point or validation, where the ranks agree on it; in one process it
+        acts at once."""
+        if self.ranks.world_size == 1:
+            return control
+        self._pending = _merge(self._pending, control)
+        return None
+
+    def _agreed(self, control: Optional[Control]) -> Optional[Control]:
+        """The callbacks' requests, agreed across ranks (any rank's request counts for all:
+        a logger, for one, lives on rank 0 only), so that every rank leaves the loop,
+        validates and saves at the same step. A single process: `control` as is."""
+        if self.ranks.world_size == 1:
+            return control
+        pending, self._pending = _merge(self._pending, control), None
+        return agree(pending, self.device)
 
     def _stop_agreed(self) -> bool:
         """One process: a stop signal arrived. Under torchrun: the ranks agreed on it at the
