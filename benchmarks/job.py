@@ -63,7 +63,7 @@ def main() -> None:
 
 def counted_run(loop: Any, job: Job) -> dict[str, Any]:
     """Run `job` again under the sync counters; its timing is not used (counting slows it)."""
-    from saferun.syncs import HostSyncCounter  # the counter saferun's own tests use
+    from saferun.guards.syncs import HostSyncCounter  # the counter saferun's own tests use
 
     job = dataclasses.replace(job, run_dir=os.path.join(job.run_dir, "counted"))
     with contextlib.ExitStack() as stack:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 
 import torch
 
-from . import distributed
+from .parallel import distributed
 
 if TYPE_CHECKING:
     from .trainer import LoopState

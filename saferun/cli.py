@@ -51,7 +51,7 @@ def run(args: list[str]) -> None:
     """`saferun run [hydra args]`: compose the config with Hydra and train."""
     import hydra
 
-    from .distributed import ranks_from_env
+    from .parallel.distributed import ranks_from_env
 
     _register_with_hydra()
     for config_dir in _config_dirs(args)[0]:
@@ -77,7 +77,7 @@ def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from .config import TrainerConfig
-    from .distributed import broadcast
+    from .parallel.distributed import broadcast
 
     if "-m" in args or "--multirun" in args:
         print("saferun: error: a sweep (-m) cannot run under torchrun; launch one torchrun job "
@@ -105,7 +105,7 @@ def _train(cfg: Any) -> Optional[float]:
     from .config import load_config
     from .errors import SaferunError
 
-    from .distributed import broadcast, ranks_from_env
+    from .parallel.distributed import broadcast, ranks_from_env
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
@@ -236,7 +236,7 @@ class SweepSummary(_HydraCallback):
 
 def check(args: list[str]) -> None:
     """`saferun check [overrides]`: compose the config as `run` would, run the diagnostics."""
-    from .check import exit_status, format_report, make_factory, run_checks
+    from .guards.check import exit_status, format_report, make_factory, run_checks
     from .errors import SaferunError
 
     # The report is the output: saferun's INFO lines from the short runs would bury it.

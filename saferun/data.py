@@ -14,10 +14,10 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               IterableDataset, RandomSampler, Sampler, SequentialSampler,
                               get_worker_info)
 
-from .distributed import ShardSampler
+from .parallel.distributed import ShardSampler
 from .errors import SaferunError
-from .preflight import rng_kind, rng_objects
-from .seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
+from .guards.preflight import rng_kind, rng_objects
+from .loop.seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
 
 
 class IndexRecorder(Sampler[list[int]]):

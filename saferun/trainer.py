@@ -27,29 +27,30 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import __version__, distributed, modes
-from .buffers import BufferSnapshot
+from . import __version__, modes
+from .parallel import distributed
+from .guards.buffers import BufferSnapshot
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge, agree
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
-from .compile import check_compiled, check_compiled_training, unwrap_compiled
+from .loop.compile import check_compiled, check_compiled_training, unwrap_compiled
 from .config import Config, check_resume_config, load_config
 from .data import (IndexRecorder, ShardedStream, batch_size_of, check_dataset, check_stream,
                    epoch_state, make_loader, move_to_device, restore_epoch_state,
                    resume_limits, set_loader_epoch, to_host)
 from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
-from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
-from .precision import autocast_factory, grad_scaler
+from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
+from .loop.precision import autocast_factory, grad_scaler
 from .preemption import Preempted, StopSignals, signal_name
-from .preflight import check_batch_on_cpu, check_loader
-from .purity import changed as purity_changed
-from .purity import diff, find_inference_tensors, fingerprint
+from .guards.preflight import check_batch_on_cpu, check_loader
+from .guards.purity import changed as purity_changed
+from .guards.purity import diff, find_inference_tensors, fingerprint
 from .schedules import Schedule
-from .spikes import SpikeDetector
-from .sync_audit import SyncAudit
-from .replay import first_nonfinite, replay
-from .seeding import derive_seed, get_rng_state, preserved_rng, seed_everything, set_rng_state
+from .guards.spikes import SpikeDetector
+from .guards.sync_audit import SyncAudit
+from .guards.replay import first_nonfinite, replay
+from .loop.seeding import derive_seed, get_rng_state, preserved_rng, seed_everything, set_rng_state
 
 log = logging.getLogger("saferun")
 

@@ -71,7 +71,7 @@ def test_resume_auto_continues_in_the_same_run_directory(tmp_path):
     proc = saferun(*run, "trainer.max_steps=9", cwd=tmp_path)
     assert "Resumed from" in proc.stdout + proc.stderr and "step 6" in proc.stdout + proc.stderr
     assert json.loads((tmp_path / "stable" / "summary.json").read_text())["step"] == 9
-    # (a resume with a changed seed is refused: tests/resume/test_resume.py)
+    # (a resume with a changed seed is refused: tests/checkpoint/test_resume.py)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import saferun
-from saferun.syncs import HostSyncCounter
+from saferun.guards.syncs import HostSyncCounter
 from toys import ToyTrainer, toy_config
 
 pytestmark = pytest.mark.cuda

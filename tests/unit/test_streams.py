@@ -1,5 +1,5 @@
 """Iterable datasets: split across DataLoader workers (and ranks, see
-tests/distributed/test_ddp_paths.py), refused when every worker would read them whole,
+tests/parallel/test_ddp_paths.py), refused when every worker would read them whole,
 resumed exactly."""
 
 from typing import Any

@@ -1,6 +1,6 @@
 """Host-sync audit: which source lines read tensor values each training step, and what it costs.
 
-The loop runs some steps under `saferun.syncs.HostSyncCounter`, keeps each
+The loop runs some steps under `saferun.guards.syncs.HostSyncCounter`, keeps each
 step's `sites` (a Counter of "file:line"), and passes the list here. Each
 site is attributed to the user's code, to a library, or to saferun itself
 (which reads the device only at log steps), and reported with its syncs per
@@ -15,7 +15,7 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .callbacks import Callback
+from ..callbacks import Callback
 
 _SAFERUN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib")})

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from saferun.replay import first_nonfinite, replay
-from saferun.syncs import HostSyncCounter
+from saferun.guards.replay import first_nonfinite, replay
+from saferun.guards.syncs import HostSyncCounter
 
 
 class MaskedSqrt(nn.Module):

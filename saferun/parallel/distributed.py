@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Sampler
 
-from .errors import SaferunError
+from ..errors import SaferunError
 
 log = logging.getLogger("saferun")
 BUCKET_BYTES = 25 * 2**20  # per all-reduce when saferun averages gradients itself (DDP's size)

@@ -5,8 +5,8 @@ import os
 import torch
 
 import saferun
-from saferun.sync_audit import audit, format_audit
-from saferun.syncs import HostSyncCounter
+from saferun.guards.sync_audit import audit, format_audit
+from saferun.guards.syncs import HostSyncCounter
 
 SAFERUN_FILE = os.path.join(os.path.dirname(saferun.__file__), "trainer.py")
 LIBRARY_FILE = os.path.join(os.path.dirname(torch.__file__), os.pardir, "tqdm", "std.py")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import SaferunError
+from ..errors import SaferunError
 
 
 class BufferSnapshot:

@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import distributed
-from .callbacks import StepOutput
-from .errors import SaferunError
+from ..parallel import distributed
+from ..callbacks import StepOutput
+from ..errors import SaferunError
 
 
 class RunningTrainMetrics:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 import saferun
 from guard_toys import (Compose, KeySampler, RngDataset, Scale, Shifter, TransformDataset,
                         make_local_function)
-from saferun.preflight import (check_batch_on_cpu, check_loader, find_rng_objects,
+from saferun.guards.preflight import (check_batch_on_cpu, check_loader, find_rng_objects,
                                find_unpicklable, start_method)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from .errors import SaferunError
+from ..errors import SaferunError
 from .seeding import get_rng_state, preserved_rng, set_rng_state
 
 

@@ -79,7 +79,7 @@ def test_a_crafted_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
     path = save_checkpoint(tmp_path / "checkpoints", 5, {"x": torch.ones(1)})
     # the attacker replaces the state and rewrites the manifest to match
     torch.save({"model": Payload(str(marker))}, path / "state.pt")
-    from saferun.checkpoint import _sha256
+    from saferun.checkpoint.store import _sha256
 
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["state.pt"]["sha256"] = _sha256(path / "state.pt")

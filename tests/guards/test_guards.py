@@ -8,7 +8,7 @@ from torch.utils.data import Dataset
 
 import saferun
 from saferun.checkpoint import load_latest
-from saferun.syncs import HostSyncCounter
+from saferun.guards.syncs import HostSyncCounter
 from saferun.trainer import NonFiniteError
 from guard_toys import Compose, Scale
 from toys import Net, ToyTrainer, make_classification, toy_config, weights

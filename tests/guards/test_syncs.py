@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from saferun.syncs import HostSyncCounter
+from saferun.guards.syncs import HostSyncCounter
 from toys import ToyTrainer, toy_config
 
 

@@ -5,8 +5,8 @@ import io
 import pytest
 import torch
 
-from saferun.spikes import SpikeDetector
-from saferun.syncs import HostSyncCounter
+from saferun.guards.spikes import SpikeDetector
+from saferun.guards.syncs import HostSyncCounter
 
 
 def noisy(n: int, level: float = 2.0, noise: float = 0.05, seed: int = 0) -> list[float]:

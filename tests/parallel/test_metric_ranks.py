@@ -11,7 +11,7 @@ SCRIPT = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-from saferun.metrics import WeightedMeans
+from saferun.loop.metrics import WeightedMeans
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

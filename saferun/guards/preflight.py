@@ -41,7 +41,7 @@ import torch.multiprocessing  # registers the tensor reducers that _Probe replac
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .errors import SaferunError
+from ..errors import SaferunError
 
 # What DataLoader passes to each worker process (torch/utils/data/dataloader.py).
 SENT_TO_WORKERS = ("dataset", "collate_fn", "worker_init_fn")

@@ -8,7 +8,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def autocast_factory(device: torch.device, precision: str) -> Callable[[], ContextManager]:

@@ -17,11 +17,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from .config import Config
-from .errors import SaferunError
+from ..config import Config
+from ..errors import SaferunError
 from .preflight import check_loader, find_rng_objects, find_unpicklable
 from .syncs import HostSyncCounter
-from .trainer import Trainer
+from ..trainer import Trainer
 
 STEPS = 8
 

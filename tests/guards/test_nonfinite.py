@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
-from saferun.syncs import HostSyncCounter
+from saferun.guards.syncs import HostSyncCounter
 from saferun.trainer import NonFiniteError
 from toys import ToyTrainer, make_classification, toy_config, weights
 

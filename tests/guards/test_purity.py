@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from saferun import modes, purity
-from saferun.purity import diff, find_inference_tensors, fingerprint
-from saferun.syncs import HostSyncCounter
+from saferun import modes
+from saferun.guards import purity
+from saferun.guards.purity import diff, find_inference_tensors, fingerprint
+from saferun.guards.syncs import HostSyncCounter
 from toys import Net
 
 

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .errors import SaferunError
+from ..errors import SaferunError
 
 log = logging.getLogger("saferun")
 

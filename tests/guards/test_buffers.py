@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from saferun.buffers import BufferSnapshot
+from saferun.guards.buffers import BufferSnapshot
 from saferun.errors import SaferunError
 
 

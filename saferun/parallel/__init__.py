@@ -1,0 +1,2 @@
+"""Parallelism: process groups and collectives (`distributed`) and the strategy object the loop
+calls at named points (`strategy`)."""
