@@ -54,7 +54,7 @@ import torch
 from .parallel import distributed
 
 if TYPE_CHECKING:
-    from .trainer import LoopState
+    from .loop.state import LoopState
 
 
 @dataclass(frozen=True)

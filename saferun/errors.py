@@ -9,3 +9,7 @@ class SaferunError(Exception):
 
 class ConfigError(SaferunError, ValueError):
     """A config value has the wrong type, an unknown key or an out-of-range value."""
+
+
+class NonFiniteError(SaferunError):
+    """NaN or Inf in the loss, the gradients or the parameters."""

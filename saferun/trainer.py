@@ -14,61 +14,46 @@ import dataclasses
 import datetime
 import itertools
 import logging
-import math
 import os
 import platform
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import __version__, modes
-from .parallel import distributed
-from .guards.buffers import BufferSnapshot
-from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge, agree
+from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
-from .loop.compile import check_compiled, check_compiled_training, unwrap_compiled
 from .config import Config, check_resume_config, load_config
 from .data import (IndexRecorder, ShardedStream, batch_size_of, check_dataset, check_stream,
                    epoch_state, make_loader, move_to_device, restore_epoch_state,
                    resume_limits, set_loader_epoch, to_host)
-from .errors import ConfigError, SaferunError
-from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
-from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
-from .loop.precision import autocast_factory, grad_scaler
-from .preemption import Preempted, StopSignals, signal_name
+from .errors import ConfigError, NonFiniteError, SaferunError  # noqa: F401  (NonFiniteError: saferun.trainer's name)
+from .guards.badstep import BadStepPolicy
 from .guards.preflight import check_batch_on_cpu, check_loader
 from .guards.purity import changed as purity_changed
 from .guards.purity import diff, find_inference_tensors, fingerprint
-from .schedules import Schedule
-from .guards.spikes import SpikeDetector
 from .guards.sync_audit import SyncAudit
-from .guards.replay import first_nonfinite, replay
+from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
+from .loop.batches import take
+from .loop.compile import check_compiled, check_compiled_training, unwrap_compiled
+from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
+from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, get_rng_state, preserved_rng, seed_everything, set_rng_state
+from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
+from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
+                         resolve_device, root_cause, short)
+from .parallel import distributed
+from .parallel.strategy import DataParallel, SingleProcess
+from .preemption import Preempted, StopSignals, signal_name
+from .schedules import Schedule
 
 log = logging.getLogger("saferun")
-
-
-@dataclass
-class LoopState:
-    """The loop's counters and latest metrics; callbacks read it through `TrainerView`."""
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    samples_seen: int = 0
-    max_steps: int = 0
-    run_dir: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-    rank: int = 0
-    world_size: int = 1
 
 
 class Trainer:
@@ -83,7 +68,7 @@ class Trainer:
                  callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = load_config(cfg)
         self.ranks = distributed.ranks_from_env()
-        self.device = _resolve_device(self.cfg.trainer.device, self.ranks.local_rank)
+        self.device = resolve_device(self.cfg.trainer.device, self.ranks.local_rank)
         self.model: nn.Module = None  # type: ignore[assignment]  # built by setup()
         self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
@@ -100,10 +85,6 @@ class Trainer:
         self._resume_epoch_start: Optional[dict[str, Any]] = None
         self._pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self._untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
-        self._rollbacks = 0
-        self._skips_in_a_row, self._last_skipped = 0, -1
-        self._agreed_signal: Optional[int] = None
-        self._pending: Optional[Control] = None  # under torchrun: requests not yet agreed
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -153,7 +134,7 @@ class Trainer:
             return instantiate(self.cfg.optim, params=params)
         except Exception as e:
             raise ConfigError(f"optim: could not build {self.cfg.optim.get('_target_')}: "
-                              f"{_root_cause(e)}. Check the keys under optim.") from None
+                              f"{root_cause(e)}. Check the keys under optim.") from None
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer
                         ) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
@@ -168,7 +149,7 @@ class Trainer:
             return instantiate(self.cfg.sched, optimizer=optimizer)
         except Exception as e:
             raise ConfigError(f"sched: could not build {self.cfg.sched.get('_target_')}: "
-                              f"{_root_cause(e)}. Check the keys under sched.") from None
+                              f"{root_cause(e)}. Check the keys under sched.") from None
 
     def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """Return the scalar loss, or a dict with 'loss' plus other scalars to log."""
@@ -241,7 +222,7 @@ class Trainer:
             raise SaferunError("the model has no trainable parameters (all are frozen or have "
                                "requires_grad=False). Check trainer.frozen_modules.")
         self.optimizer = self.build_optimizer(self._params)
-        _check_optimizer_params(self.optimizer, model)
+        check_optimizer_params(self.optimizer, model)
         self.scheduler = self.build_scheduler(self.optimizer)
         self._schedule = Schedule(self.optimizer, self.scheduler, t.sched_metric,
                                   validates=self.val_loader is not None)
@@ -258,25 +239,16 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._ddp: Optional[distributed.GradientSync] = None
-        if self.ranks.world_size > 1:
-            self._ddp = distributed.GradientSync(self.model, self.device, t.find_unused_parameters)
+        self._strategy = (DataParallel(self, t.find_unused_parameters) if self.ranks.world_size > 1
+                          else SingleProcess())
         self._find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
     def _setup_guards(self) -> None:
-        t, g = self.cfg.trainer, self.cfg.guards
-        # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
-        self._grads_checked = t.precision != "fp16"
-        self._skip_nonfinite = g.nonfinite == "skip"  # fp16: a non-finite loss (a bad batch)
-        self._skip_spikes = g.spikes == "skip"
-        # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
-        self._snapshot = BufferSnapshot(self.model) if self._skip_nonfinite or self._skip_spikes else None
+        g = self.cfg.guards
+        self._guard = BadStepPolicy(self)
+        self._spikes = self._guard.spikes  # the spike detectors, saved with each rank's state
         self._unused_check_pending = g.unused_params
-        self._spikes = None
-        if g.spikes != "off":
-            self._spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup)
-                            for k in ("loss", "grad_norm")}
         self._declared = modes.DeclaredModes(self.model, self._frozen) if g.declared_modes else None
         self._check_first_batch = False
         if g.preflight:
@@ -301,7 +273,7 @@ class Trainer:
                 for micro_batches, epoch_end, where in self._batch_groups():
                     output = self.train_step(micro_batches)
                     self._running.add(output, where)
-                    control = self._rank_local(cbs.on_train_step_end(self.view, output))
+                    control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
                     if state.step % t.log_every_n_steps == 0:
                         control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
@@ -309,7 +281,7 @@ class Trainer:
                         control = _merge(control, self._validate_and_report())
                     if (control and control.save) or self._save_due():
                         self._save_checkpoint()
-                    if self._stop_agreed():
+                    if self._strategy.stop_agreed(self._stop_signals):
                         raise _StopRequested
                     if (control and control.stop) or state.step >= t.max_steps:
                         break
@@ -322,7 +294,7 @@ class Trainer:
             if self.ranks.is_main:
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
-            error = self._preempted(exc) or _explained(exc, state.step + 1) or exc
+            error = self._preempted(exc) or explained(exc, state.step + 1) or exc
             cbs.on_exception(self.view, error)
             if error is exc:
                 raise
@@ -331,19 +303,19 @@ class Trainer:
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
-        opt, scaler = self.optimizer, self._scaler
-        if self._snapshot is not None:
-            self._snapshot.take()  # under a skip policy: the buffers as before this step
+        opt, scaler, guard = self.optimizer, self._scaler, self._guard
+        if guard.snapshot is not None:
+            guard.snapshot.take()  # under a skip policy: the buffers as before this step
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
         scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
-        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
+        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:
             self._report_unused_parameters()
-        spike, loss_spike = self._spike(loss, grad_norm) if self._spikes else (None, None)  # device
-        if (self._skip_nonfinite or self._skip_spikes) and self._bad_now(loss, grad_norm, spike):
-            return self._skip_step(loss, grad_norm, samples)  # one host sync per step
+        spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)  # device
+        if guard.skips and guard.bad_now(loss, grad_norm, spike):
+            return guard.skip(loss, grad_norm, samples)  # one host sync per step
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -362,9 +334,9 @@ class Trainer:
         logs_sum: dict[str, torch.Tensor] = {}
         for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
             batch = move_to_device(batch, self.device, self._non_blocking)
-            with self._data_parallel(last=i == len(sizes) - 1):
+            with self._strategy.micro_batch(i == len(sizes) - 1):
                 with self._autocast():
-                    loss, logs = _loss_and_logs(self.training_step(batch), self.state.step + 1)
+                    loss, logs = loss_and_logs(self.training_step(batch), self.state.step + 1)
                 # Weight each micro-batch by its share of the samples, so that the accumulated
                 # gradient equals the gradient of the whole batch's mean loss.
                 if size != total:
@@ -429,21 +401,6 @@ class Trainer:
         return [to_host(o) for o in outputs]
 
     # ------------------------------------------------------------------ loop helpers
-
-    def _data_parallel(self, last: bool) -> ContextManager[None]:
-        """Under torchrun, average the gradients over ranks once per optimizer step, after
-        the last micro-batch's backward, whatever training_step calls (see GradientSync)."""
-        return _NO_CONTEXT if self._ddp is None else self._through_ddp(last)
-
-    @contextlib.contextmanager
-    def _through_ddp(self, last: bool) -> Iterator[None]:
-        assert self._ddp is not None
-        module, self.model = self.model, self._ddp.model  # the DDP wrapper, unless bypassed
-        try:
-            with self._ddp.micro_batch(last, self.state.step + 1):
-                yield
-        finally:
-            self.model = module
 
     def _evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -516,7 +473,7 @@ class Trainer:
         """The next step's micro-batches; [] at the epoch's end. Shards of a stream that
         splits itself may differ in length: the ranks agree, so that the epoch ends for all
         of them when one runs out (a rank left waiting in the gradient all-reduce would hang)."""
-        group = _take(batches, self.cfg.trainer.accumulate)
+        group = take(batches, self.cfg.trainer.accumulate)
         if self._uneven_data and not distributed.on_every_rank(bool(group)):
             return []
         return group
@@ -549,11 +506,11 @@ class Trainer:
 
         def eval_loss() -> torch.Tensor:
             with self._evaluating():
-                return _loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
+                return loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
 
         def train_loss() -> torch.Tensor:
             with self._autocast():
-                loss = _loss_and_logs(self.training_step(batch), 1)[0]
+                loss = loss_and_logs(self.training_step(batch), 1)[0]
             loss.backward()
             return loss
 
@@ -569,13 +526,13 @@ class Trainer:
         return epoch_end if every is None else self.state.step % every == 0
 
     def _validate_and_report(self) -> Optional[Control]:
-        if not self._window_finite():
+        if not self._guard.window_good():
             return None  # rolled back: the state this validation was for is gone
         metrics = self.validate()
         if not metrics:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
-        control = self._agreed(self._callbacks.on_validation_end(self.view, metrics))
+        control = self._strategy.agreed(self._callbacks.on_validation_end(self.view, metrics))
         best = self.cfg.trainer.save_best
         if best is not None and self._improves(metrics, best):
             self._save_checkpoint(best=metrics[best])
@@ -599,7 +556,7 @@ class Trainer:
                                # spike detectors: each rank sees its own loss
                                "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
                                "epoch_start": epoch_start}, torch.device("cpu"))
-        per_rank = distributed.gather(mine)
+        per_rank = self._strategy.gather(mine)
         return {
             "format": 1,
             "model": self.model.state_dict(),
@@ -705,7 +662,7 @@ class Trainer:
         root = checkpoint_root(self.state.run_dir)
         # A checkpoint is only saved if the steps since the last check were finite, so the
         # newest checkpoint is always a good state to resume or roll back to.
-        if not self._window_finite():
+        if not self._guard.window_good():
             return list_checkpoints(root)[-1]  # rolled back to it
         path = root / f"step-{self.state.step:08d}"
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
@@ -739,136 +696,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ bad-step guards
 
-    def _finite(self, metrics: Mapping[str, float]) -> bool:
-        """Are a log point's metrics free of non-finite values and of flagged spikes?"""
-        keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self._grads_checked else ())
-        if self.cfg.guards.nonfinite != "off" and not all(
-                math.isfinite(metrics[k]) for k in keys if k in metrics):
-            return False
-        return metrics.get("train/spikes", 0.0) == 0.0 or self.cfg.guards.spikes == "skip"
-
-    def _window_finite(self) -> bool:
-        """Check the steps since the last log point (one host sync); False after a rollback."""
-        g = self.cfg.guards
-        if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not self._running.losses:
-            return True
-        if self._running.first_bad(g.nonfinite != "off", self._grads_checked, self.ranks) is None:
-            return True
-        self._on_nonfinite()  # raises, or rolls back
-        return False
-
-    def _spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss or the gradient norm spiked, the loss spiked), on the device."""
-        assert self._spikes is not None
-        loss_spike = self._spikes["loss"].update(loss)
-        return loss_spike | self._spikes["grad_norm"].update(grad_norm), loss_spike
-
-    def _bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
-                 spike: Optional[torch.Tensor]) -> bool:
-        """For the skip policies: is this step bad? Reads one value from the device."""
-        bad = torch.zeros((), dtype=torch.bool, device=loss.device)
-        if self._skip_nonfinite:
-            # NaN and Inf survive the sum; under fp16 the GradScaler handles the gradients
-            bad |= ~torch.isfinite(loss + grad_norm if self._grads_checked else loss)
-        if self._skip_spikes and spike is not None:
-            bad |= spike
-        return bool(distributed.all_reduce(bad.int()))  # under torchrun: bad on any rank
-
-    def _on_nonfinite(self) -> None:
-        """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
-        running, g = self._running, self.cfg.guards
-        found = (running.first_bad(g.nonfinite != "off", self._grads_checked, self.ranks)
-                 if running.losses else None)
-        if found is None:  # the losses and gradients were finite: guards.check_params fired
-            raise NonFiniteError(
-                f"the parameters are not finite at step {self.state.step}: "
-                f"{first_nonfinite(self.model.named_parameters())}. Lower optim.lr or set "
-                f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
-        first, kind, rank = found
-        key = "guards.nonfinite" if kind == "non-finite" else "guards.spikes"
-        policy = g.nonfinite if kind == "non-finite" else g.spikes
-        bad_step = self.state.step - running.steps + 1 + first
-        # the values and samples of the rank where it started, on every rank (torchrun)
-        mine = ([*torch.stack([running.losses[first], running.grad_norms[first]]).tolist(),
-                 running.batches[first]] if rank == self.ranks.rank else None)
-        loss, norm, where = distributed.broadcast(mine, src=rank)
-        on_rank = f" on rank {rank}" if self.ranks.world_size > 1 else ""
-        indices = [i for micro in (where[1] if where else ()) for i in (micro or ())]
-        samples = (f"epoch {where[0]}, sample indices {_short(indices)}" if indices
-                   else "sample indices unknown (a custom DataLoader)")
-        what = "non-finite values" if kind == "non-finite" else (
-            f"a loss spike or gradient explosion (guards.spikes, threshold "
-            f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
-        report = f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm {norm}; {samples}."
-        if policy == "rollback":
-            self._roll_back(report, bad_step)
-            return
-        replayed = ("\n" + self._anomaly_replay(bad_step)
-                    if g.anomaly_replay and kind == "non-finite" else "")
-        raise NonFiniteError(
-            f"{report} The check runs at log points, validations and saves (no host sync per "
-            f"step), so that update and any after it were applied; the last checkpoint predates "
-            f"them. What to do: inspect those samples; lower optim.lr or set "
-            f"trainer.max_grad_norm; set guards.anomaly_replay=true to name the operation that "
-            f"produced a NaN; or set {key}=skip or {key}=rollback to train past such "
-            f"steps.{replayed}")
-
-    def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
-        """A skip policy: drop this update. Parameters, buffers, optimizer and scheduler stay as
-        before the step; the GradScaler, which saw the gradients, updates its scale as usual."""
-        assert self._snapshot is not None
-        self._snapshot.restore()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
-        self._schedule.after_step()  # the optimizer did not step: nor does the scheduler
-        step = self.state.step + 1
-        self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
-        self._last_skipped = step
-        self.state.step = step
-        self.state.samples_seen += samples
-        log.warning("step %d: non-finite loss or gradients, or a spike; the update was skipped "
-                    "(%d in a row).", step, self._skips_in_a_row)
-        if self._skips_in_a_row >= self.cfg.guards.max_consecutive:
-            raise NonFiniteError(
-                f"{self._skips_in_a_row} steps in a row ({step - self._skips_in_a_row + 1} to "
-                f"{step}) had non-finite loss or gradients (or spiked) and were skipped "
-                f"(guards.max_consecutive={self.cfg.guards.max_consecutive}). Training is not "
-                f"recovering: lower optim.lr, set trainer.max_grad_norm, or check the data.")
-        return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
-
-    def _roll_back(self, report: str, bad_step: int) -> None:
-        """guards.nonfinite=rollback: restore the newest checkpoint, keep going with new data."""
-        self._rollbacks += 1
-        found = load_latest(checkpoint_root(self.state.run_dir))
-        if found is None or self._rollbacks > self.cfg.guards.max_consecutive:
-            why = ("there is no checkpoint to roll back to" if found is None else
-                   f"{self._rollbacks} rollbacks without a clean log point in between "
-                   f"(guards.max_consecutive={self.cfg.guards.max_consecutive})")
-            raise NonFiniteError(f"{report} Cannot roll back: {why}. Lower optim.lr, set "
-                                 f"trainer.max_grad_norm, or check the data.")
-        path, state = found
-        epoch, position = self.state.epoch, self.state.batches_in_epoch
-        self.load_state_dict(state)
-        # Go on with the data after the bad step: replaying it would fail the same way.
-        self.state.epoch, self.state.batches_in_epoch = epoch, position
-        self._resume_rng = self._resume_epoch_start = None
-        self._running.reset()
-        log.warning("%s Rolled back to %s (step %d); training continues with the data after "
-                    "step %d.", report, path, self.state.step, bad_step)
-
-    def _anomaly_replay(self, bad_step: int) -> str:
-        """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
-        found = load_latest(checkpoint_root(self.state.run_dir))
-        if found is None or found[1]["loop"]["step"] >= bad_step:
-            return "Anomaly replay: no checkpoint before the bad step to replay from."
-        self.load_state_dict(found[1])
-        self._running.reset()
-        for micro_batches, _, _ in self._batch_groups():
-            if self.state.step + 1 == bad_step:
-                return str(replay(lambda: self._forward_backward(micro_batches)[0], self.model))
-            self.train_step(micro_batches)
-        return "Anomaly replay: the data ended before the bad step."
-
     def _report_unused_parameters(self) -> None:
         """Once, after the first backward: name trainable parameters that got no gradient."""
         self._unused_check_pending = False
@@ -879,7 +706,7 @@ class Trainer:
                 "training_step's loss does not depend on them; if that is intended, freeze them "
                 "(trainer.frozen_modules) so that weight decay does not move them, and note that "
                 "DistributedDataParallel needs find_unused_parameters=True for them.",
-                len(unused), _short(unused))
+                len(unused), short(unused))
 
     def _preempted(self, exc: BaseException) -> Optional[Preempted]:
         """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.
@@ -903,55 +730,17 @@ class Trainer:
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards
         extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}
-        metrics = self._running.read(extra, self._stop_votes(), self.ranks.world_size)
-        self._count_stop_votes(metrics)
-        if not self._finite(metrics):
-            self._on_nonfinite()  # raises, or rolls back (the window's metrics are then moot)
+        strategy, signals = self._strategy, self._stop_signals
+        metrics = self._running.read(extra, strategy.stop_votes(signals), self.ranks.world_size)
+        strategy.count_stop_votes(metrics, signals)
+        if not self._guard.log_point_good(metrics):
+            self._guard.on_bad()  # raises, or rolls back (the window's metrics are then moot)
             return None
         self._running.reset()
-        self._rollbacks = 0
+        self._guard.clean_log_point()
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
-        return self._agreed(self._callbacks.on_log(self.view, metrics))
-
-    def _rank_local(self, control: Optional[Control]) -> Optional[Control]:
-        """Under torchrun, a request made between log points (on_train_step_end) waits for
-        the next log point or validation, where the ranks agree on it; in one process it
-        acts at once."""
-        if self.ranks.world_size == 1:
-            return control
-        self._pending = _merge(self._pending, control)
-        return None
-
-    def _agreed(self, control: Optional[Control]) -> Optional[Control]:
-        """The callbacks' requests, agreed across ranks (any rank's request counts for all:
-        a logger, for one, lives on rank 0 only), so that every rank leaves the loop,
-        validates and saves at the same step. A single process: `control` as is."""
-        if self.ranks.world_size == 1:
-            return control
-        pending, self._pending = _merge(self._pending, control), None
-        return agree(pending, self.device)
-
-    def _stop_agreed(self) -> bool:
-        """One process: a stop signal arrived. Under torchrun: the ranks agreed on it at the
-        last log point, so that all of them save the same step and exit together."""
-        if self.ranks.world_size == 1:
-            return self._stop_signals.received is not None
-        return self._agreed_signal is not None
-
-    def _stop_votes(self) -> dict[str, torch.Tensor]:
-        """Under torchrun: this rank's stop signal, summed over ranks with the log metrics."""
-        if self.ranks.world_size == 1:
-            return {}
-        signum = self._stop_signals.received or 0
-        return {"_stop_votes": torch.full((), float(signum > 0), device=self.device),
-                "_stop_signals": torch.full((), float(signum), device=self.device)}
-
-    def _count_stop_votes(self, metrics: dict[str, float]) -> None:
-        votes, signals = metrics.pop("_stop_votes", 0.0), metrics.pop("_stop_signals", 0.0)
-        if votes:
-            self._agreed_signal = int(round(signals / votes))
-            self._stop_signals.received = self._agreed_signal  # also on ranks that got none
+        return self._strategy.agreed(self._callbacks.on_log(self.view, metrics))
 
     def _configured_callbacks(self) -> list[Callback]:
         """The `callbacks` nodes, then (on rank 0) the `logger` nodes and the console output."""
@@ -985,114 +774,9 @@ class Trainer:
         try:
             return instantiate(node)
         except Exception as e:
-            raise ConfigError(f"{key}: could not build {node.get('_target_')}: {_root_cause(e)}. "
+            raise ConfigError(f"{key}: could not build {node.get('_target_')}: {root_cause(e)}. "
                               f"Check the keys under {key}.") from None
-
-
-def _loss_and_logs(out: Any, step: int, need_grad: bool = True
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Split training_step's output into the loss and the extra scalars, checking both."""
-    logs: dict[str, torch.Tensor] = {}
-    if isinstance(out, Mapping):
-        if "loss" not in out:
-            raise SaferunError(f"training_step returned a dict without 'loss' at step {step} "
-                               f"(keys: {', '.join(map(str, out))}).")
-        logs = {k: v.detach() for k, v in scalar_dict(out, "training_step").items() if k != "loss"}
-        out = out["loss"]
-    if not isinstance(out, torch.Tensor) or out.ndim != 0:
-        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise SaferunError(f"training_step must return a scalar loss tensor; got {got} at step "
-                           f"{step}. Reduce it over the batch, e.g. loss.mean().")
-    if need_grad and not out.requires_grad:
-        raise SaferunError(
-            f"the loss at step {step} does not require grad, so backward() cannot train anything. "
-            f"Was it computed under torch.no_grad(), detached, or from frozen parameters only?")
-    return out, logs
-
-
-_NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch
 
 
 class _StopRequested(Exception):
     """Raised inside the loop when a stop signal arrived; fit() turns it into `Preempted`."""
-
-
-def _explained(exc: BaseException, step: int) -> Optional[SaferunError]:
-    """A bare torch error that saferun can explain, rewritten with the fix; else None."""
-    if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved" in str(exc):
-        return SaferunError(
-            f"step {step}: a tensor created during evaluation, which runs under "
-            f"torch.inference_mode(), was used in training (typically a cache or attribute set in "
-            f"forward or validation_step). Store a .clone() made outside inference mode, or set "
-            f"trainer.eval_grad_mode=no_grad."
-        )
-    if "Cannot re-initialize CUDA in forked subprocess" in str(exc):
-        return SaferunError(
-            f"step {step}: a DataLoader worker used CUDA (a .cuda() or device='cuda' in the "
-            f"dataset or collate_fn). Workers started with fork cannot use CUDA once the main "
-            f"process has. Return CPU tensors from the dataset: saferun moves each batch to the "
-            f"device, with pinned memory and non_blocking copies.")
-    return None
-
-
-def _clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
-    """Clip to `max_norm` and return the pre-clip total norm; without clipping, only measure.
-
-    Measuring never uses clip_grad_norm_(params, inf): with one inf gradient
-    that turns every gradient into NaN.
-    """
-    if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    frozen = {id(p): name for name, p in model.named_parameters() if not p.requires_grad}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in frozen:
-                raise SaferunError(
-                    f"the optimizer holds frozen parameter '{frozen[id(p)]}'; weight decay or "
-                    f"momentum would still move it. Build the optimizer from the params "
-                    f"argument of build_optimizer(params), which excludes frozen parameters.")
-
-
-class NonFiniteError(SaferunError):
-    """NaN or Inf in the loss, the gradients or the parameters."""
-
-
-def _short(items: Sequence[Any], limit: int = 16) -> str:
-    shown = ", ".join(map(str, items[:limit]))
-    return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
-
-
-def _take(iterator: Iterator[Any], n: int) -> list[Any]:
-    group = []
-    for batch in iterator:
-        group.append(batch)
-        if len(group) == n:
-            break
-    return group
-
-
-def _resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """auto: CUDA if available, else CPU. Under torchrun, cuda means this rank's own GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"trainer.device: {e}. Use auto, cpu, cuda or cuda:N.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device is cuda but no CUDA device is available; "
-                          "use trainer.device=cpu or auto.")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    return device
-
-
-def _root_cause(e: BaseException) -> str:
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return f"{type(e).__name__}: {e}"

@@ -9,7 +9,7 @@ from torch.utils.data import Dataset
 import saferun
 from saferun.checkpoint import load_latest
 from saferun.guards.syncs import HostSyncCounter
-from saferun.trainer import NonFiniteError
+from saferun.errors import NonFiniteError
 from guard_toys import Compose, Scale
 from toys import Net, ToyTrainer, make_classification, toy_config, weights
 

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.guards.syncs import HostSyncCounter
-from saferun.trainer import NonFiniteError
+from saferun.errors import NonFiniteError
 from toys import ToyTrainer, make_classification, toy_config, weights
 
 

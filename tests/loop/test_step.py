@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import saferun
-from saferun.trainer import _clip_or_measure
+from saferun.loop.steps import clip_or_measure as _clip_or_measure
 from toys import ToyTrainer, make_classification, toy_config, weights
 
 

@@ -1,0 +1,201 @@
+"""The bad-step policy: one object the loop asks "is this window good, and what now?".
+
+guards.nonfinite (raise / skip / rollback / off) and guards.spikes (raise / skip / rollback /
+off), with guards.max_consecutive and guards.anomaly_replay. Under a skip policy the step asks
+`bad_now` (one host sync per step) and drops the update with `skip`; otherwise the loop checks
+the window since the last check at log points (`log_point_good`), validations and saves
+(`window_good`), with no host sync per step, and a bad window raises or rolls back (`on_bad`).
+
+It holds a narrow reference to the Trainer: a rollback and an anomaly replay reload the newest
+checkpoint through `Trainer.load_state_dict` and re-run steps through the Trainer's own batch
+stream and `train_step`, and a skip leaves the optimizer, GradScaler and schedule as the step
+found them. Everything else it owns (the spike detectors, the buffer snapshot, the counters).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Mapping, Optional
+
+import torch
+
+from ..callbacks import StepOutput
+from ..checkpoint.store import checkpoint_root, load_latest
+from ..errors import NonFiniteError
+from ..loop.steps import short
+from ..parallel import distributed
+from .buffers import BufferSnapshot
+from .replay import first_nonfinite, replay
+from .spikes import SpikeDetector
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+log = logging.getLogger("saferun")
+
+
+class BadStepPolicy:
+    """Detects bad steps (non-finite values, spikes) and applies the configured policy."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        t, g = trainer.cfg.trainer, trainer.cfg.guards
+        self._trainer = trainer
+        self._g = g
+        # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
+        self.grads_checked = t.precision != "fp16"
+        self.skip_nonfinite = g.nonfinite == "skip"  # fp16: a non-finite loss (a bad batch)
+        self.skip_spikes = g.spikes == "skip"
+        self.skips = self.skip_nonfinite or self.skip_spikes
+        # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
+        self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
+        self.spikes: Optional[dict[str, SpikeDetector]] = None
+        if g.spikes != "off":
+            self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup)
+                           for k in ("loss", "grad_norm")}
+        self._rollbacks = 0
+        self._skips_in_a_row, self._last_skipped = 0, -1
+
+    # ------------------------------------------------------------------ per step (hot path)
+
+    def spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss or the gradient norm spiked, the loss spiked), on the device."""
+        assert self.spikes is not None
+        loss_spike = self.spikes["loss"].update(loss)
+        return loss_spike | self.spikes["grad_norm"].update(grad_norm), loss_spike
+
+    def bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+                spike: Optional[torch.Tensor]) -> bool:
+        """For the skip policies: is this step bad? Reads one value from the device."""
+        bad = torch.zeros((), dtype=torch.bool, device=loss.device)
+        if self.skip_nonfinite:
+            # NaN and Inf survive the sum; under fp16 the GradScaler handles the gradients
+            bad |= ~torch.isfinite(loss + grad_norm if self.grads_checked else loss)
+        if self.skip_spikes and spike is not None:
+            bad |= spike
+        return bool(distributed.all_reduce(bad.int()))  # under torchrun: bad on any rank
+
+    def skip(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
+        """A skip policy: drop this update. Parameters, buffers, optimizer and scheduler stay as
+        before the step; the GradScaler, which saw the gradients, updates its scale as usual."""
+        tr = self._trainer
+        assert self.snapshot is not None
+        self.snapshot.restore()
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr._scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
+        tr._schedule.after_step()  # the optimizer did not step: nor does the scheduler
+        step = tr.state.step + 1
+        self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
+        self._last_skipped = step
+        tr.state.step = step
+        tr.state.samples_seen += samples
+        log.warning("step %d: non-finite loss or gradients, or a spike; the update was skipped "
+                    "(%d in a row).", step, self._skips_in_a_row)
+        if self._skips_in_a_row >= self._g.max_consecutive:
+            raise NonFiniteError(
+                f"{self._skips_in_a_row} steps in a row ({step - self._skips_in_a_row + 1} to "
+                f"{step}) had non-finite loss or gradients (or spiked) and were skipped "
+                f"(guards.max_consecutive={self._g.max_consecutive}). Training is not "
+                f"recovering: lower optim.lr, set trainer.max_grad_norm, or check the data.")
+        return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
+
+    # ------------------------------------------------------------------ at checks
+
+    def log_point_good(self, metrics: Mapping[str, float]) -> bool:
+        """Are a log point's metrics free of non-finite values and of flagged spikes?"""
+        keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self.grads_checked else ())
+        if self._g.nonfinite != "off" and not all(
+                math.isfinite(metrics[k]) for k in keys if k in metrics):
+            return False
+        return metrics.get("train/spikes", 0.0) == 0.0 or self._g.spikes == "skip"
+
+    def clean_log_point(self) -> None:
+        """A good log point: rollbacks since the last one no longer count as consecutive."""
+        self._rollbacks = 0
+
+    def window_good(self) -> bool:
+        """Check the steps since the last log point (one host sync); False after a rollback."""
+        g, tr = self._g, self._trainer
+        if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not tr._running.losses:
+            return True
+        if tr._running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks) is None:
+            return True
+        self.on_bad()  # raises, or rolls back
+        return False
+
+    def on_bad(self) -> None:
+        """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
+        tr, g = self._trainer, self._g
+        running = tr._running
+        found = (running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks)
+                 if running.losses else None)
+        if found is None:  # the losses and gradients were finite: guards.check_params fired
+            raise NonFiniteError(
+                f"the parameters are not finite at step {tr.state.step}: "
+                f"{first_nonfinite(tr.model.named_parameters())}. Lower optim.lr or set "
+                f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
+        first, kind, rank = found
+        key = "guards.nonfinite" if kind == "non-finite" else "guards.spikes"
+        policy = g.nonfinite if kind == "non-finite" else g.spikes
+        bad_step = tr.state.step - running.steps + 1 + first
+        # the values and samples of the rank where it started, on every rank (torchrun)
+        mine = ([*torch.stack([running.losses[first], running.grad_norms[first]]).tolist(),
+                 running.batches[first]] if rank == tr.ranks.rank else None)
+        loss, norm, where = distributed.broadcast(mine, src=rank)
+        on_rank = f" on rank {rank}" if tr.ranks.world_size > 1 else ""
+        indices = [i for micro in (where[1] if where else ()) for i in (micro or ())]
+        samples = (f"epoch {where[0]}, sample indices {short(indices)}" if indices
+                   else "sample indices unknown (a custom DataLoader)")
+        what = "non-finite values" if kind == "non-finite" else (
+            f"a loss spike or gradient explosion (guards.spikes, threshold "
+            f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
+        report = f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm {norm}; {samples}."
+        if policy == "rollback":
+            self._roll_back(report, bad_step)
+            return
+        replayed = ("\n" + self._anomaly_replay(bad_step)
+                    if g.anomaly_replay and kind == "non-finite" else "")
+        raise NonFiniteError(
+            f"{report} The check runs at log points, validations and saves (no host sync per "
+            f"step), so that update and any after it were applied; the last checkpoint predates "
+            f"them. What to do: inspect those samples; lower optim.lr or set "
+            f"trainer.max_grad_norm; set guards.anomaly_replay=true to name the operation that "
+            f"produced a NaN; or set {key}=skip or {key}=rollback to train past such "
+            f"steps.{replayed}")
+
+    # ------------------------------------------------------------------ recovery
+
+    def _roll_back(self, report: str, bad_step: int) -> None:
+        """guards.nonfinite=rollback: restore the newest checkpoint, keep going with new data."""
+        tr = self._trainer
+        self._rollbacks += 1
+        found = load_latest(checkpoint_root(tr.state.run_dir))
+        if found is None or self._rollbacks > self._g.max_consecutive:
+            why = ("there is no checkpoint to roll back to" if found is None else
+                   f"{self._rollbacks} rollbacks without a clean log point in between "
+                   f"(guards.max_consecutive={self._g.max_consecutive})")
+            raise NonFiniteError(f"{report} Cannot roll back: {why}. Lower optim.lr, set "
+                                 f"trainer.max_grad_norm, or check the data.")
+        path, state = found
+        epoch, position = tr.state.epoch, tr.state.batches_in_epoch
+        tr.load_state_dict(state)
+        # Go on with the data after the bad step: replaying it would fail the same way.
+        tr.state.epoch, tr.state.batches_in_epoch = epoch, position
+        tr._resume_rng = tr._resume_epoch_start = None
+        tr._running.reset()
+        log.warning("%s Rolled back to %s (step %d); training continues with the data after "
+                    "step %d.", report, path, tr.state.step, bad_step)
+
+    def _anomaly_replay(self, bad_step: int) -> str:
+        """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
+        tr = self._trainer
+        found = load_latest(checkpoint_root(tr.state.run_dir))
+        if found is None or found[1]["loop"]["step"] >= bad_step:
+            return "Anomaly replay: no checkpoint before the bad step to replay from."
+        tr.load_state_dict(found[1])
+        tr._running.reset()
+        for micro_batches, _, _ in tr._batch_groups():
+            if tr.state.step + 1 == bad_step:
+                return str(replay(lambda: tr._forward_backward(micro_batches)[0], tr.model))
+            tr.train_step(micro_batches)
+        return "Anomaly replay: the data ended before the bad step."

@@ -1,0 +1,23 @@
+"""The loop's counters and latest metrics (its own module, so that `callbacks` does not import
+the trainer: no import cycle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoopState:
+    """The loop's counters and latest metrics; callbacks read it through `TrainerView`."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    samples_seen: int = 0
+    max_steps: int = 0
+    run_dir: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1

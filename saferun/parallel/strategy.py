@@ -1,0 +1,115 @@
+"""The parallel strategy: what the loop calls at named points so that it reads the same in one
+process and under torchrun.
+
+- `micro_batch(last)`: around each micro-batch's forward and backward (DDP: the wrapped model and
+  the gradient average after the last micro-batch's backward, see `GradientSync`).
+- `rank_local(control)`: a callback request made between log points (after each step).
+- `stop_votes(signals)` / `count_stop_votes(metrics, signals)`: at a log point, this rank's stop
+  signal rides on the metrics' one collective; the sum says whether any rank got one.
+- `agreed(control)`: at a log point or validation, the callbacks' requests agreed across ranks.
+- `stop_agreed(signals)`: after each step, whether every rank leaves the loop now.
+- `gather(obj)`: at a checkpoint, each rank's own state (RNG, pending metrics) onto rank 0.
+
+`SingleProcess` does the least at each point; `DataParallel` is DDP. A sharded strategy (FSDP)
+fits behind the same points, with `gather` returning its shards' state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
+
+import torch
+
+from ..callbacks import Control, _merge, agree
+from . import distributed
+
+if TYPE_CHECKING:
+    from ..preemption import StopSignals
+    from ..trainer import Trainer
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch
+
+
+class SingleProcess:
+    """One process: nothing wrapped, every request acts at once."""
+
+    def micro_batch(self, last: bool) -> ContextManager[None]:
+        return _NO_CONTEXT
+
+    def rank_local(self, control: Optional[Control]) -> Optional[Control]:
+        return control
+
+    def agreed(self, control: Optional[Control]) -> Optional[Control]:
+        return control
+
+    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
+        return {}
+
+    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
+        pass
+
+    def stop_agreed(self, signals: "StopSignals") -> bool:
+        """A stop signal arrived."""
+        return signals.received is not None
+
+    def gather(self, obj: Any) -> Optional[list[Any]]:
+        return distributed.gather(obj)
+
+
+class DataParallel(SingleProcess):
+    """Under torchrun, every rank holds the whole model; gradients are averaged once per
+    optimizer step, and every control-flow decision is agreed across ranks.
+
+    It holds the Trainer (a narrow reference) to put the DDP wrapper in `trainer.model` while
+    training_step runs, so that user code calling `self.model(...)` goes through DDP.
+    """
+
+    def __init__(self, trainer: "Trainer", find_unused: bool) -> None:
+        self._trainer = trainer
+        self._device = trainer.device
+        self._sync = distributed.GradientSync(trainer.model, trainer.device, find_unused)
+        self._pending: Optional[Control] = None  # requests not yet agreed
+        self._agreed_signal: Optional[int] = None
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """Average the gradients over ranks once per optimizer step, after the last
+        micro-batch's backward, whatever training_step calls (see GradientSync)."""
+        trainer = self._trainer
+        module, trainer.model = trainer.model, self._sync.model  # the DDP wrapper, unless bypassed
+        try:
+            with self._sync.micro_batch(last, trainer.state.step + 1):
+                yield
+        finally:
+            trainer.model = module
+
+    def rank_local(self, control: Optional[Control]) -> Optional[Control]:
+        """A request made between log points (on_train_step_end) waits for the next log point
+        or validation, where the ranks agree on it."""
+        self._pending = _merge(self._pending, control)
+        return None
+
+    def agreed(self, control: Optional[Control]) -> Optional[Control]:
+        """The callbacks' requests, agreed across ranks (any rank's request counts for all:
+        a logger, for one, lives on rank 0 only), so that every rank leaves the loop,
+        validates and saves at the same step."""
+        pending, self._pending = _merge(self._pending, control), None
+        return agree(pending, self._device)
+
+    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
+        """This rank's stop signal, summed over ranks with the log metrics."""
+        signum = signals.received or 0
+        return {"_stop_votes": torch.full((), float(signum > 0), device=self._device),
+                "_stop_signals": torch.full((), float(signum), device=self._device)}
+
+    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
+        votes, signum = metrics.pop("_stop_votes", 0.0), metrics.pop("_stop_signals", 0.0)
+        if votes:
+            self._agreed_signal = int(round(signum / votes))
+            signals.received = self._agreed_signal  # also on ranks that got none
+
+    def stop_agreed(self, signals: "StopSignals") -> bool:
+        """The ranks agreed on a stop signal at the last log point, so that all of them save
+        the same step and exit together."""
+        return self._agreed_signal is not None
