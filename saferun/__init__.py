@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .errors import ConfigError, SaferunError
     from .trainer import Trainer
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # Exports are imported on first use, so that `saferun run --help` or a config
 # error answers without first importing torch.

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import __version__, modes
+from . import modes
+from .version import __version__
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)

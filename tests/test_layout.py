@@ -62,3 +62,74 @@ def test_a_recipe_is_one_copyable_file(recipe):
             for name in names:
                 assert name in ("saferun", "saferun.modes") or not name.startswith("saferun"), name
                 assert not name.startswith("saferun.recipes"), name
+
+
+# ---------------------------------------------------------------- the architecture (issue 12)
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """saferun module -> the saferun modules it imports: every import statement, including
+    those under TYPE_CHECKING and inside functions; `from pkg import name` counts as an import
+    of the submodule pkg.name when that is a module, else of pkg."""
+    names = {module_name(p): p for p in MODULES}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in names else module
+                           for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in names and t != name)
+        graph[name] = edges
+    return graph
+
+
+def test_the_import_graph_sees_the_known_edges():
+    graph = import_graph()
+    assert "saferun.loop.state" in graph["saferun.callbacks"]  # under TYPE_CHECKING
+    assert "saferun.parallel.distributed" in graph["saferun.callbacks"]  # from .parallel import distributed
+    assert "saferun.guards.check" in graph["saferun.cli"] or any(
+        "saferun.guards.check" in graph[m] for m in graph if m.startswith("saferun.cli"))
+
+
+def test_no_import_cycle_among_saferun_modules():
+    graph = import_graph()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        for nxt in sorted(graph[node]):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_trainer_is_short():
+    assert len((PACKAGE / "trainer.py").read_text().splitlines()) < 450
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_is_long(path):
+    assert len(path.read_text().splitlines()) <= 350, path

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Protocol
 
 import torch
 
@@ -29,16 +29,34 @@ from .buffers import BufferSnapshot
 from .replay import first_nonfinite, replay
 from .spikes import SpikeDetector
 
-if TYPE_CHECKING:
-    from ..trainer import Trainer
-
 log = logging.getLogger("saferun")
+
+
+class LoopOwner(Protocol):
+    """The narrow part of the Trainer the policy uses (a Protocol: guards do not import the
+    trainer, so there is no import cycle)."""
+
+    cfg: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    state: Any  # LoopState
+    ranks: distributed.Ranks
+    _scaler: Any  # GradScaler
+    _schedule: Any  # Schedule
+    _running: Any  # RunningTrainMetrics
+    _resume_rng: Any
+    _resume_epoch_start: Any
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def train_step(self, micro_batches: Any) -> StepOutput: ...
+    def _forward_backward(self, micro_batches: Any) -> tuple[torch.Tensor, Any, int]: ...
+    def _batch_groups(self) -> Iterator[tuple[list[Any], bool, Any]]: ...
 
 
 class BadStepPolicy:
     """Detects bad steps (non-finite values, spikes) and applies the configured policy."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: LoopOwner) -> None:
         t, g = trainer.cfg.trainer, trainer.cfg.guards
         self._trainer = trainer
         self._g = g

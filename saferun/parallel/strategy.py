@@ -17,7 +17,7 @@ fits behind the same points, with `gather` returning its shards' state.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional, Protocol
 
 import torch
 
@@ -26,9 +26,16 @@ from . import distributed
 
 if TYPE_CHECKING:
     from ..preemption import StopSignals
-    from ..trainer import Trainer
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch
+
+
+class ModelOwner(Protocol):
+    """What DataParallel needs of the Trainer (a Protocol: no import of the trainer)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    state: Any  # LoopState: the step, for GradientSync's messages
 
 
 class SingleProcess:
@@ -65,7 +72,7 @@ class DataParallel(SingleProcess):
     training_step runs, so that user code calling `self.model(...)` goes through DDP.
     """
 
-    def __init__(self, trainer: "Trainer", find_unused: bool) -> None:
+    def __init__(self, trainer: ModelOwner, find_unused: bool) -> None:
         self._trainer = trainer
         self._device = trainer.device
         self._sync = distributed.GradientSync(trainer.model, trainer.device, find_unused)
