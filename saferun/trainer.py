@@ -38,17 +38,18 @@ from .errors import ConfigError, NonFiniteError, SaferunError  # noqa: F401  (No
 from .guards.badstep import BadStepPolicy
 from .guards.preflight import check_batch_on_cpu, check_loader
 from .guards.purity import changed as purity_changed
-from .guards.purity import diff, find_inference_tensors, fingerprint
+from .guards.purity import check_purity, fingerprint
 from .guards.sync_audit import SyncAudit
+from .guards.unused import report_unused_parameters
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
-from .loop.batches import take
-from .loop.compile import check_compiled, check_compiled_training, unwrap_compiled
+from .loop.batches import first_batch, take
+from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, get_rng_state, preserved_rng, seed_everything, set_rng_state
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
-                         resolve_device, root_cause, short)
+                         resolve_device, root_cause)
 from .parallel import distributed
 from .parallel.strategy import DataParallel, SingleProcess
 from .preemption import Preempted, StopSignals, signal_name
@@ -312,8 +313,8 @@ class Trainer:
             self._declared.check(self.state.step + 1)
         scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
         grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
-        if self._unused_check_pending:
-            self._report_unused_parameters()
+        if self._unused_check_pending:  # once, after the first backward
+            self._unused_check_pending = report_unused_parameters(self.model)
         spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)  # device
         if guard.skips and guard.bad_now(loss, grad_norm, spike):
             return guard.skip(loss, grad_norm, samples)  # one host sync per step
@@ -371,7 +372,8 @@ class Trainer:
                 means.add(scalar_dict(out, "validation_step"), self.batch_size(batch))
         probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}
         values, flags = means.read(probe, self.device)  # one read: the means and the purity flag
-        self._check_purity(before, flags.get("changed", 0.0))
+        check_purity(before, self.model, flags.get("changed", 0.0), self.cfg.trainer.eval_grad_mode,
+                     self.state.step)
         metrics = {f"val/{k}": v for k, v in self.finish_validation(values).items()}
         self.state.metrics.update(metrics)
         return metrics
@@ -394,7 +396,8 @@ class Trainer:
                 outputs.append(self.predict_step(move_to_device(batch, self.device,
                                                                 self._non_blocking)))
         if before is not None:
-            self._check_purity(before, float(purity_changed(before, fingerprint(self.model))))
+            check_purity(before, self.model, float(purity_changed(before, fingerprint(self.model))),
+                         self.cfg.trainer.eval_grad_mode, self.state.step)
         # Outside inference mode, cat/clone turn inference tensors into normal ones,
         # which the caller may later use in autograd.
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
@@ -409,20 +412,6 @@ class Trainer:
         stack.enter_context(modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode))
         stack.enter_context(self._autocast())
         return stack
-
-    def _check_purity(self, before: Any, changed: float) -> None:
-        """guards.eval_purity: raise naming what evaluation changed or left on the model."""
-        if before is None:
-            return
-        problems = diff(before, fingerprint(self.model)) if changed else []
-        if self.cfg.trainer.eval_grad_mode == "inference_mode":
-            problems += find_inference_tensors(self.model)  # metadata only: no sync
-        if problems:
-            raise SaferunError(
-                f"evaluation changed the model (guards.eval_purity), at step {self.state.step}:\n"
-                + "\n".join(f"  - {p}" for p in problems) + "\nEvaluation must leave parameters "
-                "and buffers as it found them; a module that changes state in eval mode makes "
-                "validation results and later training depend on how often you validate.")
 
     def _batch_groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
         """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
@@ -493,32 +482,12 @@ class Trainer:
             self._save_checkpoint()  # so there is always a good state to go back to
 
     def _check_compile(self) -> None:
-        """Compiled against eager on the first training batch: the loss in eval mode; the loss,
-        gradients and buffers in training mode. Leaves the model, its gradients, its modes,
-        every RNG and the loader's generators as it found them."""
-        loader, t = self.train_loader, self.cfg.trainer
-        assert loader is not None
-        found = epoch_state(loader)
-        try:
-            set_loader_epoch(loader, self.cfg.seed, 0, self.state.rank)
-            batch = move_to_device(next(iter(loader)), self.device, self._non_blocking)
-        finally:
-            restore_epoch_state(loader, found)
-
-        def eval_loss() -> torch.Tensor:
-            with self._evaluating():
-                return loss_and_logs(self.training_step(batch), 1, need_grad=False)[0]
-
-        def train_loss() -> torch.Tensor:
-            with self._autocast():
-                loss = loss_and_logs(self.training_step(batch), 1)[0]
-            loss.backward()
-            return loss
-
-        with preserved_rng():
-            check_compiled(eval_loss, t.compile_rtol, t.compile_atol)
-        with modes.training(self.model, self._frozen):
-            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)
+        """Compiled against eager on the first training batch (see `check_compiled_step`)."""
+        assert self.train_loader is not None
+        batch = first_batch(self.train_loader, self.cfg.seed, self.state.rank, self.device,
+                            self._non_blocking)
+        check_compiled_step(self.training_step, batch, self.model, self._frozen, self._evaluating,
+                            self._autocast, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
 
     def _validation_due(self, epoch_end: bool) -> bool:
         if self.val_loader is None:
@@ -696,18 +665,6 @@ class Trainer:
             else metrics[key] > self._best[0]
 
     # ------------------------------------------------------------------ bad-step guards
-
-    def _report_unused_parameters(self) -> None:
-        """Once, after the first backward: name trainable parameters that got no gradient."""
-        self._unused_check_pending = False
-        unused = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
-        if unused:
-            log.warning(
-                "%d trainable parameter(s) received no gradient in the first step: %s. "
-                "training_step's loss does not depend on them; if that is intended, freeze them "
-                "(trainer.frozen_modules) so that weight decay does not move them, and note that "
-                "DistributedDataParallel needs find_unused_parameters=True for them.",
-                len(unused), short(unused))
 
     def _preempted(self, exc: BaseException) -> Optional[Preempted]:
         """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.

@@ -21,6 +21,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..errors import SaferunError
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24  # elements per sum (even, so odd positions stay odd in every chunk)
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -189,3 +191,20 @@ def _inference_message(path: str, owner: str, kind: str) -> str:
         return f"{head} Build the model outside torch.inference_mode()."
     return (f"{head} Store a .clone() made outside inference mode (or recompute it in "
             f"training), or set trainer.eval_grad_mode=no_grad.")
+
+
+def check_purity(before: Optional[Fingerprint], model: nn.Module, changed: float,
+                 eval_grad_mode: str, step: int) -> None:
+    """guards.eval_purity: raise naming what evaluation changed or left on the model.
+    `changed`: the host value of `changed(before, fingerprint(model))` (read with the metrics)."""
+    if before is None:
+        return
+    problems = diff(before, fingerprint(model)) if changed else []
+    if eval_grad_mode == "inference_mode":
+        problems += find_inference_tensors(model)  # metadata only: no sync
+    if problems:
+        raise SaferunError(
+            f"evaluation changed the model (guards.eval_purity), at step {step}:\n"
+            + "\n".join(f"  - {p}" for p in problems) + "\nEvaluation must leave parameters "
+            "and buffers as it found them; a module that changes state in eval mode makes "
+            "validation results and later training depend on how often you validate.")

@@ -8,8 +8,10 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
+from .. import modes
 from ..errors import SaferunError
 from .seeding import get_rng_state, preserved_rng, set_rng_state
+from .steps import loss_and_logs
 
 
 class CompileMismatchError(SaferunError):
@@ -76,6 +78,28 @@ def check_compiled_training(step: Callable[[], torch.Tensor], model: nn.Module, 
             _compare("training", f"the gradient of '{name}'", e.float(), c.float(), rtol, atol)
     for (name, _), e, c in zip(buffers, eager_buffers, bufs):
         _compare("training", f"buffer '{name}' after the forward", e.float(), c.float(), rtol, atol)
+
+
+def check_compiled_step(training_step: Callable[[Any], Any], batch: Any, model: nn.Module,
+                        frozen: Any, evaluating: Callable[[], ContextManager[Any]],
+                        autocast: Callable[[], ContextManager[Any]], rtol: float, atol: float) -> None:
+    """Compiled against eager on `batch`: the loss in eval mode; the loss, gradients and buffers
+    in training mode. Leaves the model, its gradients, its modes and every RNG as it found them."""
+
+    def eval_loss() -> torch.Tensor:
+        with evaluating():
+            return loss_and_logs(training_step(batch), 1, need_grad=False)[0]
+
+    def train_loss() -> torch.Tensor:
+        with autocast():
+            loss = loss_and_logs(training_step(batch), 1)[0]
+        loss.backward()
+        return loss
+
+    with preserved_rng():
+        check_compiled(eval_loss, rtol, atol)
+    with modes.training(model, frozen):
+        check_compiled_training(train_loss, model, rtol, atol)
 
 
 def _eager_random_numbers() -> ContextManager[Any]:
