@@ -16,7 +16,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 
 from .parallel.distributed import ShardSampler
 from .errors import SaferunError
-from .guards.preflight import rng_kind, rng_objects
+from .guards.generators import rng_kind, rng_objects
 from .loop.seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
 
 
