@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import itertools
 import logging
 import os
 import platform
 import sys
 from pathlib import Path
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,22 +30,21 @@ from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView,
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                          load_latest, rotate, save_checkpoint, save_weights)
 from .config import Config, check_resume_config, load_config
-from .data import (IndexRecorder, ShardedStream, batch_size_of, check_dataset, check_stream,
-                   epoch_state, make_loader, move_to_device, restore_epoch_state,
-                   resume_limits, set_loader_epoch, to_host)
+from .data import (ShardedStream, batch_size_of, check_dataset, check_stream, make_loader,
+                   move_to_device, resume_limits, set_loader_epoch, to_host)
 from .errors import ConfigError, NonFiniteError, SaferunError  # noqa: F401  (NonFiniteError: saferun.trainer's name)
 from .guards.badstep import BadStepPolicy
-from .guards.preflight import check_batch_on_cpu, check_loader
+from .guards.preflight import check_loader
 from .guards.purity import changed as purity_changed
 from .guards.purity import check_purity, fingerprint
 from .guards.sync_audit import SyncAudit
 from .guards.unused import report_unused_parameters
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
-from .loop.batches import first_batch, take
+from .loop.batches import BatchStream, first_batch
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .loop.precision import autocast_factory, grad_scaler
-from .loop.seeding import derive_seed, get_rng_state, preserved_rng, seed_everything, set_rng_state
+from .loop.seeding import derive_seed, get_rng_state, preserved_rng, seed_everything
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
                          resolve_device, root_cause)
@@ -82,9 +80,6 @@ class Trainer:
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
         self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
-        self._resume_rng: Optional[dict[str, Any]] = None
-        self._epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
-        self._resume_epoch_start: Optional[dict[str, Any]] = None
         self._pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self._untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self._is_setup = False
@@ -216,9 +211,6 @@ class Trainer:
                         "checkpoint would not equal an uninterrupted one (resume is not exact). "
                         "%s.", "; ".join(limits))
         check_stream(self.train_loader, self.ranks.world_size)
-        stream = self.train_loader.dataset
-        self._uneven_data = (self.ranks.world_size > 1 and isinstance(stream, ShardedStream)
-                             and stream.presplit)
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise SaferunError("the model has no trainable parameters (all are frozen or have "
@@ -237,6 +229,10 @@ class Trainer:
         self._running = RunningTrainMetrics()
         self._stop_signals = StopSignals()
         self._setup_guards()
+        stream = self.train_loader.dataset
+        uneven = self.ranks.world_size > 1 and isinstance(stream, ShardedStream) and stream.presplit
+        self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state, uneven,
+                                    self._check_first_batch)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -272,7 +268,7 @@ class Trainer:
         try:
             with self._stop_signals:
                 validated = False
-                for micro_batches, epoch_end, where in self._batch_groups():
+                for micro_batches, epoch_end, where in self._batches.groups():
                     output = self.train_step(micro_batches)
                     self._running.add(output, where)
                     control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
@@ -413,61 +409,6 @@ class Trainer:
         stack.enter_context(self._autocast())
         return stack
 
-    def _batch_groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
-        """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
-
-        `where` is (epoch, [sample indices of each micro-batch]), or None when the
-        loader does not record indices (a user-built DataLoader).
-
-        After a resume, the RNG and sampler states of the interrupted epoch's start are
-        put back, the epoch replays its batches up to the saved position (loading only,
-        no compute; the same order, and workers draw the same augmentations again), then
-        the step's RNG states are restored: the run continues exactly as if it had not
-        stopped, with saferun's loaders and with loaders built by the user.
-        """
-        t, state = self.cfg.trainer, self.state
-        loader = self.train_loader
-        assert loader is not None
-        per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
-        recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
-        while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
-            set_loader_epoch(loader, self.cfg.seed, state.epoch, state.rank)
-            if self._resume_epoch_start is not None:  # a user-built loader draws from these
-                restore_epoch_state(loader, self._resume_epoch_start)
-                self._resume_epoch_start = None
-            self._epoch_start = epoch_state(loader)
-            batches = iter(loader)
-            for _ in itertools.islice(batches, state.batches_in_epoch):
-                if recorder is not None:
-                    recorder.take()
-            if self._resume_rng is not None:
-                set_rng_state(self._resume_rng)
-                self._resume_rng = None
-            while state.step < t.max_steps and (group := self._next_group(batches)):
-                if self._check_first_batch:
-                    check_batch_on_cpu(group[0])  # what the first worker batch holds
-                    self._check_first_batch = False
-                state.batches_in_epoch += len(group)
-                where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
-                yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
-            if state.step >= t.max_steps:
-                return
-            if state.batches_in_epoch == 0:
-                raise SaferunError(
-                    f"the training DataLoader yielded no batches in epoch {state.epoch}. With "
-                    f"drop_last=True it needs at least batch_size={t.batch_size} samples.")
-            state.epoch += 1
-            state.batches_in_epoch = 0
-
-    def _next_group(self, batches: Iterator[Any]) -> list[Any]:
-        """The next step's micro-batches; [] at the epoch's end. Shards of a stream that
-        splits itself may differ in length: the ranks agree, so that the epoch ends for all
-        of them when one runs out (a rank left waiting in the gradient all-reduce would hang)."""
-        group = take(batches, self.cfg.trainer.accumulate)
-        if self._uneven_data and not distributed.on_every_rank(bool(group)):
-            return []
-        return group
-
     def _start_training(self) -> None:
         """Train mode for everything except frozen modules; say so if the model was in eval."""
         if modes.set_train_modes(self.model, self._frozen):
@@ -518,10 +459,7 @@ class Trainer:
         """
         s = self.state
         assert self.train_loader is not None
-        # Before an epoch has started (or after the last one ended) the next one starts from now;
-        # right after a resume, before the loop restarted, from the loaded checkpoint's start.
-        epoch_start = ((self._resume_epoch_start or self._epoch_start) if s.batches_in_epoch
-                       else epoch_state(self.train_loader))
+        epoch_start = self._batches.position_state()
         mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
                                # spike detectors: each rank sees its own loss
                                "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
@@ -570,8 +508,7 @@ class Trainer:
         for key, detector in (self._spikes or {}).items():
             if key in spikes:
                 detector.load_state_dict(move_to_device(spikes[key], self.device))
-        self._resume_rng = mine["rng"]
-        self._resume_epoch_start = mine.get("epoch_start")  # absent from older checkpoints
+        self._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
 
     def _find_resume(self) -> None:
         """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterator, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
@@ -44,13 +44,11 @@ class LoopOwner(Protocol):
     _scaler: Any  # GradScaler
     _schedule: Any  # Schedule
     _running: Any  # RunningTrainMetrics
-    _resume_rng: Any
-    _resume_epoch_start: Any
+    _batches: Any  # BatchStream
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
     def train_step(self, micro_batches: Any) -> StepOutput: ...
     def _forward_backward(self, micro_batches: Any) -> tuple[torch.Tensor, Any, int]: ...
-    def _batch_groups(self) -> Iterator[tuple[list[Any], bool, Any]]: ...
 
 
 class BadStepPolicy:
@@ -199,7 +197,7 @@ class BadStepPolicy:
         tr.load_state_dict(state)
         # Go on with the data after the bad step: replaying it would fail the same way.
         tr.state.epoch, tr.state.batches_in_epoch = epoch, position
-        tr._resume_rng = tr._resume_epoch_start = None
+        tr._batches.resume(None, None)
         tr._running.reset()
         log.warning("%s Rolled back to %s (step %d); training continues with the data after "
                     "step %d.", report, path, tr.state.step, bad_step)
@@ -212,7 +210,7 @@ class BadStepPolicy:
             return "Anomaly replay: no checkpoint before the bad step to replay from."
         tr.load_state_dict(found[1])
         tr._running.reset()
-        for micro_batches, _, _ in tr._batch_groups():
+        for micro_batches, _, _ in tr._batches.groups():
             if tr.state.step + 1 == bad_step:
                 return str(replay(lambda: tr._forward_backward(micro_batches)[0], tr.model))
             tr.train_step(micro_batches)

@@ -152,7 +152,7 @@ def _host_syncs(make: Factory, cfg: Config) -> CheckResult:
     trainer.setup()
     steps = []
     with HostSyncCounter() as counter:
-        for micro_batches, _, _ in trainer._batch_groups():
+        for micro_batches, _, _ in trainer._batches.groups():
             counter.reset()
             trainer.train_step(micro_batches)
             steps.append(dict(counter.sites))

@@ -1,13 +1,106 @@
-"""The epoch / micro-batch stream of the training loop."""
+"""The training batches, step by step across epochs, resumable to the exact position."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import itertools
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
-from ..data import epoch_state, move_to_device, restore_epoch_state, set_loader_epoch
+from ..data import (IndexRecorder, epoch_state, move_to_device, restore_epoch_state,
+                    set_loader_epoch)
+from ..errors import SaferunError
+from ..guards.preflight import check_batch_on_cpu
+from ..parallel import distributed
+from .seeding import set_rng_state
+from .state import LoopState
+
+
+class BatchStream:
+    """Groups of `trainer.accumulate` micro-batches, one per optimizer step, across epochs.
+
+    Args:
+        loader: the training DataLoader (saferun's or the user's).
+        t: the `trainer` config node (max_steps, max_epochs, accumulate, batch_size).
+        seed: the run's seed (each epoch's shuffle derives from it).
+        state: the loop state; the stream advances its epoch and position.
+        uneven: the ranks' shards may differ in length (a stream that splits itself).
+        check_first_batch: check that the first worker batch holds only CPU tensors.
+    """
+
+    def __init__(self, loader: DataLoader, t: Any, seed: int, state: LoopState, uneven: bool,
+                 check_first_batch: bool) -> None:
+        self._loader, self._t, self._seed, self._state = loader, t, seed, state
+        self._uneven, self._check_first_batch = uneven, check_first_batch
+        self.epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
+        self.resume_epoch_start: Optional[dict[str, Any]] = None  # set by a resume
+        self.resume_rng: Optional[dict[str, Any]] = None  # the RNG states to restore
+
+    def groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
+        """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
+
+        `where` is (epoch, [sample indices of each micro-batch]), or None when the
+        loader does not record indices (a user-built DataLoader).
+
+        After a resume, the RNG and sampler states of the interrupted epoch's start are
+        put back, the epoch replays its batches up to the saved position (loading only,
+        no compute; the same order, and workers draw the same augmentations again), then
+        the step's RNG states are restored: the run continues exactly as if it had not
+        stopped, with saferun's loaders and with loaders built by the user.
+        """
+        t, state, loader = self._t, self._state, self._loader
+        per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
+        while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
+            set_loader_epoch(loader, self._seed, state.epoch, state.rank)
+            if self.resume_epoch_start is not None:  # a user-built loader draws from these
+                restore_epoch_state(loader, self.resume_epoch_start)
+                self.resume_epoch_start = None
+            self.epoch_start = epoch_state(loader)
+            batches = iter(loader)
+            for _ in itertools.islice(batches, state.batches_in_epoch):
+                if recorder is not None:
+                    recorder.take()
+            if self.resume_rng is not None:
+                set_rng_state(self.resume_rng)
+                self.resume_rng = None
+            while state.step < t.max_steps and (group := self._next_group(batches)):
+                if self._check_first_batch:
+                    check_batch_on_cpu(group[0])  # what the first worker batch holds
+                    self._check_first_batch = False
+                state.batches_in_epoch += len(group)
+                where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
+                yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
+            if state.step >= t.max_steps:
+                return
+            if state.batches_in_epoch == 0:
+                raise SaferunError(
+                    f"the training DataLoader yielded no batches in epoch {state.epoch}. With "
+                    f"drop_last=True it needs at least batch_size={t.batch_size} samples.")
+            state.epoch += 1
+            state.batches_in_epoch = 0
+
+    def _next_group(self, batches: Iterator[Any]) -> list[Any]:
+        """The next step's micro-batches; [] at the epoch's end. Shards of a stream that
+        splits itself may differ in length: the ranks agree, so that the epoch ends for all
+        of them when one runs out (a rank left waiting in the gradient all-reduce would hang)."""
+        group = take(batches, self._t.accumulate)
+        if self._uneven and not distributed.on_every_rank(bool(group)):
+            return []
+        return group
+
+    def position_state(self) -> Optional[dict[str, Any]]:
+        """What the current epoch is drawn from, for a checkpoint. Before an epoch has started
+        (or after the last one ended) the next one starts from now; right after a resume,
+        before the loop restarted, from the loaded checkpoint's start."""
+        if self._state.batches_in_epoch:
+            return self.resume_epoch_start or self.epoch_start
+        return epoch_state(self._loader)
+
+    def resume(self, rng: Optional[dict[str, Any]], epoch_start: Optional[dict[str, Any]]) -> None:
+        """Restore these at the next `groups()`: the epoch's start, then the step's RNG states."""
+        self.resume_rng, self.resume_epoch_start = rng, epoch_start
 
 
 def take(iterator: Iterator[Any], n: int) -> list[Any]:
