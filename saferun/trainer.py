@@ -16,7 +16,6 @@ import logging
 import os
 import platform
 import sys
-from pathlib import Path
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -27,9 +26,9 @@ from torch.utils.data import DataLoader, Dataset
 from . import modes
 from .version import __version__
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
-from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                         load_latest, rotate, save_checkpoint, save_weights)
-from .config import Config, check_resume_config, load_config
+from .checkpoint import CheckpointError
+from .checkpoint.checkpointer import Checkpointer
+from .config import Config, load_config
 from .data import (ShardedStream, batch_size_of, check_dataset, check_stream, make_loader,
                    move_to_device, resume_limits, set_loader_epoch, to_host)
 from .errors import ConfigError, NonFiniteError, SaferunError  # noqa: F401  (NonFiniteError: saferun.trainer's name)
@@ -79,9 +78,7 @@ class Trainer:
                                world_size=self.ranks.world_size)
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
-        self._best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
-        self._pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
-        self._untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
+        self._checkpointer = Checkpointer(self)
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -239,7 +236,7 @@ class Trainer:
             self.model.compile(backend=t.compile_backend)
         self._strategy = (DataParallel(self, t.find_unused_parameters) if self.ranks.world_size > 1
                           else SingleProcess())
-        self._find_resume()  # resume applies to every entry point: fit, validate, predict
+        self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
     def _setup_guards(self) -> None:
@@ -262,7 +259,7 @@ class Trainer:
         """Train for `trainer.max_steps` steps; return the final metrics."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
-        self._resume()
+        self._checkpointer.resume()
         self._start_training()
         cbs.on_fit_start(self.view)
         try:
@@ -277,8 +274,8 @@ class Trainer:
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
                     if validated:
                         control = _merge(control, self._validate_and_report())
-                    if (control and control.save) or self._save_due():
-                        self._save_checkpoint()
+                    if (control and control.save) or self._checkpointer.save_due():
+                        self._checkpointer.save()
                     if self._strategy.stop_agreed(self._stop_signals):
                         raise _StopRequested
                     if (control and control.stop) or state.step >= t.max_steps:
@@ -287,7 +284,7 @@ class Trainer:
                     self._log()
                 if not validated:
                     self._validate_and_report()
-                self._save_final()
+                self._checkpointer.save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main:
                 self.after_fit(dict(state.metrics))
@@ -349,7 +346,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Average `validation_step` over the validation set, in eval mode without autograd."""
         self.setup()
-        self._check_evaluated_weights("validate")
+        self._checkpointer.check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
         limit = self.cfg.trainer.limit_val_batches
@@ -381,7 +378,7 @@ class Trainer:
         (one entry per batch) with every tensor inside on the CPU, usable in autograd.
         """
         self.setup()
-        self._check_evaluated_weights("predict")
+        self._checkpointer.check_evaluated_weights("predict")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
             collate_fn=self.build_collate_fn())
@@ -417,10 +414,8 @@ class Trainer:
                      "saferun put it in train mode. Frozen modules kept in eval: %s.", frozen)
         if self.cfg.trainer.compile:
             self._check_compile()
-        g = self.cfg.guards
-        if (g.nonfinite == "rollback" or g.anomaly_replay) and \
-                not list_checkpoints(checkpoint_root(self.state.run_dir)):
-            self._save_checkpoint()  # so there is always a good state to go back to
+        if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:
+            self._checkpointer.ensure_one()  # so there is always a good state to go back to
 
     def _check_compile(self) -> None:
         """Compiled against eager on the first training batch (see `check_compiled_step`)."""
@@ -444,9 +439,7 @@ class Trainer:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
         control = self._strategy.agreed(self._callbacks.on_validation_end(self.view, metrics))
-        best = self.cfg.trainer.save_best
-        if best is not None and self._improves(metrics, best):
-            self._save_checkpoint(best=metrics[best])
+        self._checkpointer.save_if_best(metrics)
         return control
 
     # ------------------------------------------------------------------ checkpoints
@@ -473,7 +466,7 @@ class Trainer:
             "scaler": self._scaler.state_dict(),
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
-                     "best": list(self._best) if self._best else None},
+                     "best": list(self._checkpointer.best) if self._checkpointer.best else None},
             "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
             "callbacks": self._callbacks.state_dict(),
             "config": dataclasses.asdict(self.cfg),
@@ -484,8 +477,8 @@ class Trainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s result. RNG states apply when training resumes."""
         self.setup()
-        self._pending_resume, self._untrained_auto = None, False  # this state replaces it
-        self._load_model(state["model"])
+        self._checkpointer.replaced()  # this state replaces one found by setup
+        self._checkpointer.load_model(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -495,7 +488,7 @@ class Trainer:
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(self.state, key, loop[key])
         self.state.metrics.update(loop["metrics"])
-        self._best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
+        self._checkpointer.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
         if len(state["per_rank"]) != self.ranks.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
@@ -510,97 +503,6 @@ class Trainer:
                 detector.load_state_dict(move_to_device(spikes[key], self.device))
         self._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
 
-    def _find_resume(self) -> None:
-        """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
-        every entry point uses them; `fit` then restores the rest (`_resume`)."""
-        resume = self.cfg.resume
-        if resume is None:
-            return
-        where = Path(self.state.run_dir) if resume == "auto" else Path(resume)
-        if (where / "manifest.json").is_file():
-            found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
-        else:
-            root = where if where.name == "checkpoints" else checkpoint_root(where)
-            found = load_latest(root)
-        if found is None:
-            if resume != "auto":
-                raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
-            log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
-            self._untrained_auto = True
-            return
-        state = found[1]
-        # Evaluation needs only the same model; continuing training needs the whole config.
-        check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume,
-                            keys=("model", "task"), purpose="use the checkpoint's weights")
-        self._load_model(state["model"])
-        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
-            setattr(self.state, key, state["loop"][key])
-        self._pending_resume = found
-
-    def _resume(self) -> None:
-        """Continue training from the checkpoint found by setup, after checking the config."""
-        found, self._pending_resume = self._pending_resume, None
-        self._untrained_auto = False  # fit trains them
-        if found is None:
-            return
-        path, state = found
-        check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume)
-        self.load_state_dict(state)
-        log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
-                 self.state.step, self.state.epoch, self.state.batches_in_epoch)
-
-    def _check_evaluated_weights(self, entry: str) -> None:
-        if self._untrained_auto:
-            raise SaferunError(
-                f"{entry}(): resume=auto found no checkpoint in {self.state.run_dir}, so it would "
-                f"evaluate the untrained initial weights. Set resume to the run directory or "
-                f"checkpoint to evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the "
-                f"initial weights on purpose.")
-
-    def _load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
-        try:
-            self.model.load_state_dict(weights)
-        except RuntimeError as e:
-            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
-
-    def _save_checkpoint(self, best: Optional[float] = None) -> Path:
-        """Save the state; `best`: this is save_best's new best checkpoint, with that value."""
-        t = self.cfg.trainer
-        root = checkpoint_root(self.state.run_dir)
-        # A checkpoint is only saved if the steps since the last check were finite, so the
-        # newest checkpoint is always a good state to resume or roll back to.
-        if not self._guard.window_good():
-            return list_checkpoints(root)[-1]  # rolled back to it
-        path = root / f"step-{self.state.step:08d}"
-        if best is not None:  # before state_dict(): the checkpoint records itself as the best
-            self._best = (best, str(path))
-        state = self.state_dict()  # under torchrun, a collective: every rank calls it
-        if self.ranks.is_main:
-            save_checkpoint(root, self.state.step, state)
-            rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
-        distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
-        self._callbacks.on_checkpoint(self.view, str(path))
-        return path
-
-    def _save_final(self) -> None:
-        # Always: the final validation may have changed callback state since the last save.
-        self._save_checkpoint()
-        if self.ranks.is_main:
-            save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())
-
-    def _save_due(self) -> bool:
-        every = self.cfg.trainer.save_every_n_steps
-        return every is not None and self.state.step % every == 0
-
-    def _improves(self, metrics: Mapping[str, float], key: str) -> bool:
-        if key not in metrics:
-            raise ConfigError(f"trainer.save_best={key!r}, but validation reports only "
-                              f"{', '.join(metrics)}.")
-        if self._best is None:
-            return True
-        return metrics[key] < self._best[0] if self.cfg.trainer.save_best_mode == "min" \
-            else metrics[key] > self._best[0]
-
     # ------------------------------------------------------------------ bad-step guards
 
     def _preempted(self, exc: BaseException) -> Optional[Preempted]:
@@ -614,7 +516,7 @@ class Trainer:
                        and self.ranks.world_size == 1)  # under torchrun the ranks must agree
         if signum is None or not (isinstance(exc, _StopRequested) or worker_died):
             return None
-        path = self._save_checkpoint()
+        path = self._checkpointer.save()
         message = (f"saferun: stopped by {signal_name(signum)} at step {self.state.step}; "
                    f"checkpoint {path}. To continue, run again with the same run directory "
                    f"and resume=auto (command line: add hydra.run.dir={self.state.run_dir} "

@@ -1,0 +1,163 @@
+"""The Checkpointer: which checkpoint to resume from, resuming, and saving with rotation and
+save_best. The on-disk format (atomic write, manifest, verify, rotate) is `store`'s.
+
+It holds a narrow reference to the Trainer (the `Owner` protocol): the whole training state is
+`Trainer.state_dict()` / `load_state_dict()` (every rank takes part under torchrun), a save
+first asks the bad-step policy whether the steps since the last check were good, and the
+callbacks hear of each checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Optional, Protocol
+
+import torch
+
+from ..config import check_resume_config
+from ..errors import ConfigError, SaferunError
+from ..parallel import distributed
+from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
+                    load_latest, rotate, save_checkpoint, save_weights)
+
+log = logging.getLogger("saferun")
+
+
+class Owner(Protocol):
+    """What the Checkpointer uses of the Trainer."""
+
+    cfg: Any
+    state: Any  # LoopState
+    ranks: distributed.Ranks
+    model: torch.nn.Module
+    view: Any
+    _callbacks: Any  # CallbackList
+    _guard: Any  # BadStepPolicy
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Finds, resumes and saves the Trainer's checkpoints under <run_dir>/checkpoints."""
+
+    def __init__(self, owner: Owner) -> None:
+        self._owner = owner
+        self.best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
+        self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
+        self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
+
+    # ------------------------------------------------------------------ resume
+
+    def find_resume(self) -> None:
+        """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
+        every entry point uses them; `fit` then restores the rest (`resume`)."""
+        o = self._owner
+        resume = o.cfg.resume
+        if resume is None:
+            return
+        where = Path(o.state.run_dir) if resume == "auto" else Path(resume)
+        if (where / "manifest.json").is_file():
+            found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
+        else:
+            root = where if where.name == "checkpoints" else checkpoint_root(where)
+            found = load_latest(root)
+        if found is None:
+            if resume != "auto":
+                raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
+            log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
+            self.untrained_auto = True
+            return
+        state = found[1]
+        # Evaluation needs only the same model; continuing training needs the whole config.
+        check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
+                            keys=("model", "task"), purpose="use the checkpoint's weights")
+        self.load_model(state["model"])
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
+            setattr(o.state, key, state["loop"][key])
+        self.pending_resume = found
+
+    def resume(self) -> None:
+        """Continue training from the checkpoint found by setup, after checking the config."""
+        o = self._owner
+        found, self.pending_resume = self.pending_resume, None
+        self.untrained_auto = False  # fit trains them
+        if found is None:
+            return
+        path, state = found
+        check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume)
+        o.load_state_dict(state)
+        log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
+                 o.state.step, o.state.epoch, o.state.batches_in_epoch)
+
+    def replaced(self) -> None:
+        """`load_state_dict` was called: its state replaces any found by setup."""
+        self.pending_resume, self.untrained_auto = None, False
+
+    def check_evaluated_weights(self, entry: str) -> None:
+        if self.untrained_auto:
+            raise SaferunError(
+                f"{entry}(): resume=auto found no checkpoint in {self._owner.state.run_dir}, so it "
+                f"would evaluate the untrained initial weights. Set resume to the run directory or "
+                f"checkpoint to evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the "
+                f"initial weights on purpose.")
+
+    def load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
+        try:
+            self._owner.model.load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, best: Optional[float] = None) -> Path:
+        """Save the state; `best`: this is save_best's new best checkpoint, with that value."""
+        o = self._owner
+        t = o.cfg.trainer
+        root = checkpoint_root(o.state.run_dir)
+        # A checkpoint is only saved if the steps since the last check were finite, so the
+        # newest checkpoint is always a good state to resume or roll back to.
+        if not o._guard.window_good():
+            return list_checkpoints(root)[-1]  # rolled back to it
+        path = root / f"step-{o.state.step:08d}"
+        if best is not None:  # before state_dict(): the checkpoint records itself as the best
+            self.best = (best, str(path))
+        state = o.state_dict()  # under torchrun, a collective: every rank calls it
+        if o.ranks.is_main:
+            save_checkpoint(root, o.state.step, state)
+            rotate(root, t.keep_last, keep=[Path(self.best[1])] if self.best else ())
+        distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
+        o._callbacks.on_checkpoint(o.view, str(path))
+        return path
+
+    def save_final(self) -> None:
+        # Always: the final validation may have changed callback state since the last save.
+        self.save()
+        if self._owner.ranks.is_main:
+            save_weights(Path(self._owner.state.run_dir) / "model.pt", self._owner.model.state_dict())
+
+    def save_due(self) -> bool:
+        every = self._owner.cfg.trainer.save_every_n_steps
+        return every is not None and self._owner.state.step % every == 0
+
+    def ensure_one(self) -> None:
+        """Save now if the run has no checkpoint yet (rollback and anomaly replay need one)."""
+        if not list_checkpoints(checkpoint_root(self._owner.state.run_dir)):
+            self.save()
+
+    def save_if_best(self, metrics: Mapping[str, float]) -> None:
+        """trainer.save_best: save when validation improved the watched metric."""
+        key = self._owner.cfg.trainer.save_best
+        if key is not None and self._improves(metrics, key):
+            self.save(best=metrics[key])
+
+    def _improves(self, metrics: Mapping[str, float], key: str) -> bool:
+        if key not in metrics:
+            raise ConfigError(f"trainer.save_best={key!r}, but validation reports only "
+                              f"{', '.join(metrics)}.")
+        if self.best is None:
+            return True
+        return metrics[key] < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
+            else metrics[key] > self.best[0]
