@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import __version__, distributed, modes
+from . import __version__, distributed, modes, rundir
 from .buffers import BufferSnapshot
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge, agree
 from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
@@ -45,7 +45,7 @@ from .preemption import Preempted, StopSignals, signal_name
 from .preflight import check_batch_on_cpu, check_loader
 from .purity import changed as purity_changed
 from .purity import diff, find_inference_tensors, fingerprint
-from .schedules import Schedule
+from .schedules import Schedule, configured_hyperparameters, use_configured_hyperparameters
 from .spikes import SpikeDetector
 from .sync_audit import SyncAudit
 from .replay import first_nonfinite, replay
@@ -291,10 +291,10 @@ class Trainer:
         """Train for `trainer.max_steps` steps; return the final metrics."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
-        self._resume()
-        self._start_training()
-        cbs.on_fit_start(self.view)
+        self._begin_run()
         try:
+            self._start_training()
+            cbs.on_fit_start(self.view)
             with self._stop_signals:
                 validated = False
                 for micro_batches, epoch_end, where in self._batch_groups():
@@ -326,6 +326,8 @@ class Trainer:
             if error is exc:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
+        finally:
+            self._run_dir_lock.release()
         return dict(state.metrics)
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
@@ -594,7 +596,10 @@ class Trainer:
         # right after a resume, before the loop restarted, from the loaded checkpoint's start.
         epoch_start = ((self._resume_epoch_start or self._epoch_start) if s.batches_in_epoch
                        else epoch_state(self.train_loader))
-        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
+        # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
+        # run's, not the ones this process was seeded with.
+        rng = self._resume_rng if self._resume_rng is not None else get_rng_state()
+        mine = move_to_device({"rng": rng, "running": self._running.state_dict(),
                                # spike detectors: each rank sees its own loss
                                "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
                                "epoch_start": epoch_start}, torch.device("cpu"))
@@ -645,6 +650,18 @@ class Trainer:
         self._resume_rng = mine["rng"]
         self._resume_epoch_start = mine.get("epoch_start")  # absent from older checkpoints
 
+    def _begin_run(self) -> None:
+        """Check and lock the run directory (one writer at a time), resume, and only then,
+        with the run accepted, record its config in <run_dir>/config.yaml."""
+        self._run_dir_lock = rundir.claim(self.state.run_dir, self.ranks.is_main)
+        try:
+            self._resume()
+            if self.ranks.is_main:
+                rundir.write_config(self.state.run_dir, dataclasses.asdict(self.cfg))
+        except BaseException:
+            self._run_dir_lock.release()
+            raise
+
     def _find_resume(self) -> None:
         """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
         every entry point uses them; `fit` then restores the rest (`_resume`)."""
@@ -679,10 +696,19 @@ class Trainer:
         if found is None:
             return
         path, state = found
-        check_resume_config(state["config"], dataclasses.asdict(self.cfg), self.cfg.force_resume)
+        config = dataclasses.asdict(self.cfg)
+        check_resume_config(state["config"], config, self.cfg.force_resume)
+        forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
+        configured = configured_hyperparameters(self.optimizer, self.scheduler) if forced else None
         self.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  self.state.step, self.state.epoch, self.state.batches_in_epoch)
+        if configured is not None:  # force_resume with a new optim/sched: what was asked applies
+            steps = (state["scheduler"] or {}).get("last_epoch", self.state.step)
+            use_configured_hyperparameters(self.optimizer, self.scheduler, configured, steps)
+            log.warning("force_resume: %s changed; the optimizer now uses the configured values "
+                        "(learning rate %s at step %d), its moments are the checkpoint's.",
+                        ", ".join(forced), self.optimizer.param_groups[0]["lr"], self.state.step)
 
     def _check_evaluated_weights(self, entry: str) -> None:
         if self._untrained_auto:
@@ -712,7 +738,7 @@ class Trainer:
         state = self.state_dict()  # under torchrun, a collective: every rank calls it
         if self.ranks.is_main:
             save_checkpoint(root, self.state.step, state)
-            rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else ())
+            rotate(root, t.keep_last, keep=[Path(self._best[1])] if self._best else (), current=path)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         self._callbacks.on_checkpoint(self.view, str(path))
         return path
@@ -838,9 +864,12 @@ class Trainer:
     def _roll_back(self, report: str, bad_step: int) -> None:
         """guards.nonfinite=rollback: restore the newest checkpoint, keep going with new data."""
         self._rollbacks += 1
-        found = load_latest(checkpoint_root(self.state.run_dir))
+        try:
+            found, damaged = load_latest(checkpoint_root(self.state.run_dir)), ""
+        except CheckpointError as e:
+            found, damaged = None, f" ({e})"
         if found is None or self._rollbacks > self.cfg.guards.max_consecutive:
-            why = ("there is no checkpoint to roll back to" if found is None else
+            why = (f"there is no checkpoint to roll back to{damaged}" if found is None else
                    f"{self._rollbacks} rollbacks without a clean log point in between "
                    f"(guards.max_consecutive={self.cfg.guards.max_consecutive})")
             raise NonFiniteError(f"{report} Cannot roll back: {why}. Lower optim.lr, set "
@@ -857,7 +886,10 @@ class Trainer:
 
     def _anomaly_replay(self, bad_step: int) -> str:
         """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
-        found = load_latest(checkpoint_root(self.state.run_dir))
+        try:
+            found = load_latest(checkpoint_root(self.state.run_dir))
+        except CheckpointError as e:
+            return f"Anomaly replay: {e}"
         if found is None or found[1]["loop"]["step"] >= bad_step:
             return "Anomaly replay: no checkpoint before the bad step to replay from."
         self.load_state_dict(found[1])
