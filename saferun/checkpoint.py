@@ -137,27 +137,32 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{manifest_path} is unreadable ({e}).") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    entry = files.get("state.pt") if isinstance(files, dict) else None
-    named = _STEP_DIR.match(path.name)
-    problem = (
-        "it is not an object with exactly the keys format, step, files"
-        if not isinstance(manifest, dict) or set(manifest) != {"format", "step", "files"} else
-        f"format is {manifest['format']!r}, not {FORMAT_VERSION}"
-        if not _is_int(manifest["format"]) or manifest["format"] != FORMAT_VERSION else
-        f"step {manifest['step']!r} does not match the directory name {path.name}"
-        if not _is_int(manifest["step"]) or (named and int(named.group(1)) != manifest["step"]) else
-        "files is not an object with exactly the key state.pt"
-        if not isinstance(files, dict) or set(files) != {"state.pt"} else
-        "files.state.pt is not an object with exactly the keys bytes, sha256"
-        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} else
-        "files.state.pt.bytes is not a size" if not _is_int(entry["bytes"]) else
-        "files.state.pt.sha256 is not a SHA-256 in hex"
-        if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]) else None)
+    problem = _manifest_problem(manifest, path.name)
     if problem is not None:
         raise CheckpointError(f"{manifest_path} is damaged: {problem}.")
-    assert isinstance(entry, dict)
-    return entry
+    return manifest["files"]["state.pt"]
+
+
+def _manifest_problem(manifest: Any, dir_name: str) -> Optional[str]:
+    """What in `manifest` differs from the shape save_checkpoint writes, or None."""
+    if not isinstance(manifest, dict) or set(manifest) != {"format", "step", "files"}:
+        return "it is not an object with exactly the keys format, step, files"
+    if not _is_int(manifest["format"]) or manifest["format"] != FORMAT_VERSION:
+        return f"format is {manifest['format']!r}, not {FORMAT_VERSION}"
+    named = _STEP_DIR.match(dir_name)
+    if not _is_int(manifest["step"]) or (named and int(named.group(1)) != manifest["step"]):
+        return f"step {manifest['step']!r} does not match the directory name {dir_name}"
+    files = manifest["files"]
+    if not isinstance(files, dict) or set(files) != {"state.pt"}:
+        return "files is not an object with exactly the key state.pt"
+    entry = files["state.pt"]
+    if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
+        return "files.state.pt is not an object with exactly the keys bytes, sha256"
+    if not _is_int(entry["bytes"]):
+        return "files.state.pt.bytes is not a size"
+    if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
+        return "files.state.pt.sha256 is not a SHA-256 in hex"
+    return None
 
 
 def _is_int(value: Any) -> bool:
