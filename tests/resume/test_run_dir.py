@@ -203,3 +203,16 @@ def test_force_resume_trains_with_the_new_optimizer_settings(tmp_path, schedule)
     assert not torch.equal(resumed.model.head.weight, straight.model.head.weight)
     config = (tmp_path / "a" / "config.yaml").read_text()
     assert "lr: 0.02" in config and "weight_decay: 0.001" in config
+
+
+def test_force_resume_refuses_a_new_lr_under_a_plateau_schedule(tmp_path):
+    def cfg(lr, resume=None):
+        c = toy_config(tmp_path, max_steps=4, val_every_n_steps=2, sched_metric="val/loss")
+        c.update(optim={"_target_": "torch.optim.SGD", "lr": lr}, resume=resume, force_resume=True,
+                 sched={"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "patience": 0})
+        return c
+
+    ToyTrainer(cfg(0.05)).fit()
+    with pytest.raises(saferun.ConfigError, match="ReduceLROnPlateau schedule: its rate depends"):
+        ToyTrainer(cfg(0.02, resume="auto")).fit()
+    assert "lr: 0.05" in (tmp_path / "run" / "config.yaml").read_text()
