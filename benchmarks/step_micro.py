@@ -1,0 +1,321 @@
+"""saferun's `Trainer.train_step` against the hand-written step, alternated in one process.
+
+    python benchmarks/step_micro.py                      # MLP, 3000 pairs
+    python benchmarks/step_micro.py --workload cnn --pairs 1000 --json out.json
+
+A whole-process benchmark (`run.py`) swings by tens of percent on a shared machine, so it
+cannot show a 2 % change. This one can: both steps live in one process, on two copies of the
+same model (same initial weights), each with its own AdamW, fed the same pre-built batches
+held in memory (no DataLoader). The two steps take turns, one pair at a time, and the order
+inside a pair alternates (saferun first, then hand first), so machine drift and any
+"second in the pair" effect fall on both alike. Each step is timed with
+`time.perf_counter_ns`; the figure of merit is the median of the paired differences
+(saferun minus hand) with a bootstrap 95 % interval, and the ratio of the median step times.
+
+saferun runs with the benchmark job's config (`loop_saferun.config`: every default guard on).
+The hand step is `loop_hand.py`'s step without its running sums (which are logging, like
+saferun's `fit` bookkeeping outside `train_step`): move the batch, forward, cross-entropy,
+backward, `clip_grad_norm_(1.0)`, AdamW step, `zero_grad(set_to_none=True)`, loss kept on the
+device. Afterwards the script checks that both models (parameters and buffers) and both
+optimizer states are bitwise equal: the two did the same arithmetic.
+
+`--control` puts a second hand step (on saferun's model and optimizer) in saferun's place: an
+A/A run that shows what the method reports when there is no difference.
+
+It also counts, per step, the Python function calls and C calls (`sys.setprofile`), the
+torch operators dispatched (a `TorchDispatchMode`) and the host syncs (saferun's own
+`HostSyncCounter`). Those runs are separate from the timed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import Job, build_datasets, build_model
+from loop_saferun import BenchTrainer, config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+Step = Callable[[Any], Any]
+
+
+def hand_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+              max_grad_norm: float) -> Step:
+    """loop_hand.py's step, line for line, without the running sums (CPU: fp32, no autocast)."""
+    autocast = contextlib.nullcontext
+
+    def step(micro_batches: Sequence[Any]) -> torch.Tensor:
+        x, y = micro_batches[0]  # one batch per step, as saferun's train_step gets it
+        x, y = x.to(device, non_blocking=False), y.to(device, non_blocking=False)
+        with autocast():
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def build(workload: str, run_dir: str, n_batches: int) -> tuple[BenchTrainer, Step, nn.Module,
+                                                                 torch.optim.Optimizer, list]:
+    """saferun's trainer (set up, not fitted), the hand step on a copy of its model, batches."""
+    job = Job(workload=workload, device="cpu", steps=10**9, log_every=50, val_every=500,
+              warmup=0, run_dir=run_dir)
+    trainer = BenchTrainer(config(job))
+    trainer.workload = workload
+    trainer.setup()  # seeds, builds the model, data and AdamW; no step taken
+    model = build_model(workload)
+    model.load_state_dict(trainer.model.state_dict())  # the same initial weights and buffers
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    train_set, _ = build_datasets(workload)
+    x, y = train_set.tensors
+    b = job.batch_size
+    n = min(n_batches, len(x) // b)
+    # Independent contiguous tensors, like a DataLoader's collated batches; one list per step.
+    groups = [[(x[i * b:(i + 1) * b].clone(), y[i * b:(i + 1) * b].clone())] for i in range(n)]
+    step = hand_step(model, opt, trainer.device, job.max_grad_norm)
+    return trainer, step, model, opt, groups
+
+
+def alternate(saferun: Step, hand: Step, groups: list, pairs: int) -> dict[str, np.ndarray]:
+    """Run `pairs` pairs, saferun first in even pairs and hand first in odd ones.
+
+    Returns each step's wall time (`perf_counter_ns`) and this thread's CPU time
+    (`thread_time_ns`, which leaves out the time the thread waited for a core), in ns.
+    """
+    times = {k: np.empty(pairs, dtype=np.int64)
+             for k in ("saferun_wall", "saferun_cpu", "hand_wall", "hand_cpu")}
+    a = (saferun, times["saferun_wall"], times["saferun_cpu"])
+    b = (hand, times["hand_wall"], times["hand_cpu"])
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
+    n = len(groups)
+    for i in range(pairs):
+        group = groups[i % n]
+        for step, wall_ns, cpu_ns in ((b, a) if i & 1 else (a, b)):
+            w0, c0 = wall(), cpu()
+            step(group)
+            c1, w1 = cpu(), wall()
+            wall_ns[i], cpu_ns[i] = w1 - w0, c1 - c0
+    return times
+
+
+def summarize(ts: np.ndarray, th: np.ndarray, resamples: int = 2000, blocks: int = 5
+              ) -> dict[str, Any]:
+    """Paired differences and ratios with bootstrap 95 % intervals (times in us).
+
+    The estimates are order-balanced: the median over the pairs where saferun ran first and
+    the median over those where it ran second, averaged, so that an effect of running first
+    or second in a pair cancels exactly (a crossover design). The per-pair ratio is the
+    headline: when other processes slow the machine down, both steps of a pair slow down
+    alike, which moves their difference but not their ratio.
+    """
+    s, h = ts / 1e3, th / 1e3
+    d, r = s - h, s / h
+    halves = (slice(0, None, 2), slice(1, None, 2))  # saferun first, saferun second
+
+    def balanced(x: np.ndarray, axis: int = -1) -> Any:
+        return (np.median(x[..., 0::2], axis=axis) + np.median(x[..., 1::2], axis=axis)) / 2
+
+    rng = np.random.default_rng(0)
+    boot: dict[str, list[np.ndarray]] = {"d": [], "r": [], "m": []}
+    for _ in range(0, resamples, 100):  # in chunks: 100 x pairs indices at a time
+        # Resample within each order, keeping even positions even and odd ones odd.
+        idx = np.empty((100, len(d)), dtype=np.int64)
+        for half in halves:
+            pool = np.arange(len(d))[half]
+            idx[:, half] = rng.choice(pool, size=(100, len(pool)))
+        boot["d"].append(balanced(d[idx]))
+        boot["r"].append(balanced(r[idx]))
+        boot["m"].append(np.median(s[idx], axis=1) / np.median(h[idx], axis=1))
+
+    def ci(key: str) -> list[float]:
+        values = np.concatenate(boot[key])
+        return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+    return {
+        "pairs": len(d),
+        "hand_median_us": float(np.median(h)),
+        "saferun_median_us": float(np.median(s)),
+        "pair_ratio": float(balanced(r)),
+        "pair_ratio_ci95": ci("r"),
+        "diff_us": float(balanced(d)),
+        "diff_ci95_us": ci("d"),
+        "diff_iqr_us": [float(np.percentile(d, 25)), float(np.percentile(d, 75))],
+        "ratio_of_medians": float(np.median(s) / np.median(h)),
+        "ratio_of_medians_ci95": ci("m"),
+        # Checks on the design: order within a pair, and drift across the run.
+        "diff_median_saferun_first_us": float(np.median(d[halves[0]])),
+        "diff_median_saferun_second_us": float(np.median(d[halves[1]])),
+        "diff_median_by_block_us": [float(np.median(part)) for part in np.array_split(d, blocks)],
+    }
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counts(step: Step, groups: list, n: int) -> dict[str, float]:
+    """Per step: Python calls, C calls, torch ops dispatched, host syncs (untimed runs)."""
+    from saferun.syncs import HostSyncCounter  # the counter saferun's own tests use
+
+    events: collections.Counter[str] = collections.Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        events[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        for i in range(n):
+            step(groups[i % len(groups)])
+    finally:
+        sys.setprofile(None)
+    ops = _OpCounter()
+    with ops:
+        for i in range(n):
+            step(groups[i % len(groups)])
+    with HostSyncCounter() as syncs:
+        for i in range(n):
+            step(groups[i % len(groups)])
+    return {"python_calls": events["call"] / n, "c_calls": events["c_call"] / n,
+            "torch_ops": ops.count / n, "host_syncs": syncs.count / n}
+
+
+def check_same_state(trainer: BenchTrainer, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Raise unless both models and both optimizers are bitwise equal; return tensors compared."""
+    a, b = trainer.model.state_dict(), model.state_dict()
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    compared = 0
+    for k in a:
+        if not torch.equal(a[k], b[k]):
+            raise SystemExit(f"not the same arithmetic: model tensor {k} differs "
+                             f"(max abs diff {(a[k].double() - b[k].double()).abs().max()}).")
+        compared += 1
+    sa, sb = trainer.optimizer.state_dict()["state"], opt.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            if not torch.equal(sa[i][k], sb[i][k]):
+                raise SystemExit(f"not the same arithmetic: optimizer state {i}.{k} differs.")
+            compared += 1
+    return compared
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("mlp", "cnn"), default="mlp")
+    p.add_argument("--pairs", type=int, default=3000, help="timed pairs (default 3000)")
+    p.add_argument("--warmup", type=int, default=200, help="untimed pairs first (default 200)")
+    p.add_argument("--count-steps", type=int, default=50,
+                   help="steps of each variant for the call, op and sync counts (default 50)")
+    p.add_argument("--batches", type=int, default=64, help="distinct batches cycled through")
+    p.add_argument("--control", action="store_true",
+                   help="A/A check of the method: time the hand step on saferun's model and "
+                        "optimizer in saferun's place (expect a ratio of 1)")
+    p.add_argument("--json", help="also write the figures here as JSON")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="saferun-micro-") as tmp:
+        trainer, hand, model, opt, groups = build(args.workload, tmp, args.batches)
+        saferun = trainer.train_step
+        if args.control:
+            saferun = hand_step(trainer.model, trainer.optimizer, trainer.device,
+                                trainer.cfg.trainer.max_grad_norm)
+        alternate(saferun, hand, groups, args.warmup)
+        gc.collect()
+        started = time.perf_counter()
+        times = alternate(saferun, hand, groups, args.pairs)
+        seconds = time.perf_counter() - started
+        per_step = {"saferun": counts(saferun, groups, args.count_steps),
+                    "hand": counts(hand, groups, args.count_steps)}
+        compared = check_same_state(trainer, model, opt)
+    result = {
+        "workload": args.workload, "control": args.control, "warmup_pairs": args.warmup, "timed_seconds": seconds,
+        "wall": summarize(times["saferun_wall"], times["hand_wall"]),
+        "cpu": summarize(times["saferun_cpu"], times["hand_cpu"]), "per_step": per_step, "bitwise_equal_tensors": compared,
+        "steps_each": args.warmup + args.pairs + 3 * args.count_steps,
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "commit": git_commit(),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+    }
+    print(render(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def render(r: dict[str, Any]) -> str:
+    a = "hand (control)" if r["control"] else "saferun"
+    lines = [
+        f"{r['workload']}: {r['wall']['pairs']} alternating pairs after {r['warmup_pairs']} "
+        f"warm-up pairs ({r['timed_seconds']:.1f} s; torch {r['torch']}, {r['threads']} thread, "
+        f"commit {r['commit']}; load {r['loadavg_before'][0]:.2f} -> {r['loadavg_after'][0]:.2f})"]
+    for clock in ("wall", "cpu"):
+        lines += render_clock(r[clock], a, "wall time" if clock == "wall" else "thread CPU time")
+    s, h = r["per_step"]["saferun"], r["per_step"]["hand"]
+    lines.append(f"  per step        {a:>10} {'hand':>10} {'extra':>8}")
+    for key in ("python_calls", "c_calls", "torch_ops", "host_syncs"):
+        lines.append(f"  {key:<15} {s[key]:>10.1f} {h[key]:>10.1f} {s[key] - h[key]:>+8.1f}")
+    lines.append(f"  same arithmetic: {r['bitwise_equal_tensors']} tensors (parameters, buffers, "
+                 f"AdamW state) bitwise equal after {r['steps_each']} steps each")
+    return "\n".join(lines)
+
+
+def render_clock(r: dict[str, Any], a: str, clock: str) -> list[str]:
+    def interval(key: str, fmt: str) -> str:
+        lo, hi = r[key]
+        return f"[{lo:{fmt}}, {hi:{fmt}}]"
+
+    return [
+        f"  {clock}: median step hand {r['hand_median_us']:.1f} us, {a} "
+        f"{r['saferun_median_us']:.1f} us",
+        f"    {a} / hand, median per-pair ratio: {r['pair_ratio']:.4f}x, "
+        f"95% CI {interval('pair_ratio_ci95', '.4f')}",
+        f"    {a} - hand, median paired difference: {r['diff_us']:+.1f} us per step, "
+        f"95% CI {interval('diff_ci95_us', '+.1f')}, IQR of differences "
+        f"{interval('diff_iqr_us', '+.1f')}",
+        f"    ratio of medians: {r['ratio_of_medians']:.4f}x, "
+        f"95% CI {interval('ratio_of_medians_ci95', '.4f')}",
+        f"    median difference with {a} first: {r['diff_median_saferun_first_us']:+.1f} us, "
+        f"second: {r['diff_median_saferun_second_us']:+.1f} us; by fifth of the run: "
+        + ", ".join(f"{v:+.1f}" for v in r["diff_median_by_block_us"]) + " us",
+    ]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", "../saferun"],
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (out.stdout.strip() or "unknown") + (" +changes" if dirty else "")
+
+
+if __name__ == "__main__":
+    main()
