@@ -73,12 +73,15 @@ def hand_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device
     return step
 
 
-def build(workload: str, run_dir: str, n_batches: int) -> tuple[BenchTrainer, Step, nn.Module,
-                                                                 torch.optim.Optimizer, list]:
-    """saferun's trainer (set up, not fitted), the hand step on a copy of its model, batches."""
+def build(workload: str, run_dir: str, n_batches: int, guards: dict[str, Any] | None = None
+          ) -> tuple[BenchTrainer, Step, nn.Module, torch.optim.Optimizer, list]:
+    """saferun's trainer (set up, not fitted), the hand step on a copy of its model, batches.
+
+    `guards` overrides keys of the guards config (default: none, every default guard on).
+    """
     job = Job(workload=workload, device="cpu", steps=10**9, log_every=50, val_every=500,
               warmup=0, run_dir=run_dir)
-    trainer = BenchTrainer(config(job))
+    trainer = BenchTrainer({**config(job), "guards": guards or {}})
     trainer.workload = workload
     trainer.setup()  # seeds, builds the model, data and AdamW; no step taken
     model = build_model(workload)
