@@ -7,10 +7,14 @@ A whole-process benchmark (`run.py`) swings by tens of percent on a shared machi
 cannot show a 2 % change. This one can: both steps live in one process, on two copies of the
 same model (same initial weights), each with its own AdamW, fed the same pre-built batches
 held in memory (no DataLoader). The two steps take turns, one pair at a time, and the order
-inside a pair alternates (saferun first, then hand first), so machine drift and any
-"second in the pair" effect fall on both alike. Each step is timed with
-`time.perf_counter_ns`; the figure of merit is the median of the paired differences
-(saferun minus hand) with a bootstrap 95 % interval, and the ratio of the median step times.
+inside a pair alternates (saferun first, then hand first), so machine drift and any "second
+in the pair" effect fall on both alike (`--block K` lets each run K steps in a row instead,
+closer to a real loop, where a step follows a step of its own kind). Each step is timed with
+`time.perf_counter_ns` (wall) and `time.thread_time_ns` (this thread's CPU time, which leaves
+out the time spent waiting for a core on a busy machine). The headline is the median of the
+per-pair ratios saferun / hand, then the median paired difference in microseconds, each
+order-balanced and with a bootstrap 95 % interval; the ratio of the two median step times is
+shown too (it is the least robust of the three: see docs/benchmarks.md).
 
 saferun runs with the benchmark job's config (`loop_saferun.config`: every default guard on).
 The hand step is `loop_hand.py`'s step without its running sums (which are logging, like
@@ -98,11 +102,14 @@ def build(workload: str, run_dir: str, n_batches: int, guards: dict[str, Any] | 
     return trainer, step, model, opt, groups
 
 
-def alternate(saferun: Step, hand: Step, groups: list, pairs: int) -> dict[str, np.ndarray]:
-    """Run `pairs` pairs, saferun first in even pairs and hand first in odd ones.
+def alternate(saferun: Step, hand: Step, groups: list, pairs: int, block: int = 1
+              ) -> dict[str, np.ndarray]:
+    """Run `pairs` pairs of steps; pair i is both steps on batch i.
 
-    Returns each step's wall time (`perf_counter_ns`) and this thread's CPU time
-    (`thread_time_ns`, which leaves out the time the thread waited for a core), in ns.
+    The steps take turns in blocks of `block` steps (1: ABAB...), saferun first in even blocks
+    and hand first in odd ones. Returns each step's wall time (`perf_counter_ns`) and this
+    thread's CPU time (`thread_time_ns`, which leaves out the time the thread waited for a
+    core) in ns, and `saferun_first`, which pairs had saferun's block first.
     """
     times = {k: np.empty(pairs, dtype=np.int64)
              for k in ("saferun_wall", "saferun_cpu", "hand_wall", "hand_cpu")}
@@ -110,44 +117,45 @@ def alternate(saferun: Step, hand: Step, groups: list, pairs: int) -> dict[str, 
     b = (hand, times["hand_wall"], times["hand_cpu"])
     wall, cpu = time.perf_counter_ns, time.thread_time_ns
     n = len(groups)
-    for i in range(pairs):
-        group = groups[i % n]
-        for step, wall_ns, cpu_ns in ((b, a) if i & 1 else (a, b)):
-            w0, c0 = wall(), cpu()
-            step(group)
-            c1, w1 = cpu(), wall()
-            wall_ns[i], cpu_ns[i] = w1 - w0, c1 - c0
+    for start in range(0, pairs, block):
+        pair_range = range(start, min(start + block, pairs))
+        for step, wall_ns, cpu_ns in ((b, a) if (start // block) & 1 else (a, b)):
+            for i in pair_range:
+                group = groups[i % n]
+                w0, c0 = wall(), cpu()
+                step(group)
+                c1, w1 = cpu(), wall()
+                wall_ns[i], cpu_ns[i] = w1 - w0, c1 - c0
+    times["saferun_first"] = (np.arange(pairs) // block) % 2 == 0
     return times
 
 
-def summarize(ts: np.ndarray, th: np.ndarray, resamples: int = 2000, blocks: int = 5
-              ) -> dict[str, Any]:
+def summarize(ts: np.ndarray, th: np.ndarray, saferun_first: np.ndarray, resamples: int = 2000,
+              blocks: int = 5) -> dict[str, Any]:
     """Paired differences and ratios with bootstrap 95 % intervals (times in us).
 
     The estimates are order-balanced: the median over the pairs where saferun ran first and
     the median over those where it ran second, averaged, so that an effect of running first
-    or second in a pair cancels exactly (a crossover design). The per-pair ratio is the
-    headline: when other processes slow the machine down, both steps of a pair slow down
-    alike, which moves their difference but not their ratio.
+    or second cancels exactly (a crossover design). The per-pair ratio is the headline: when
+    other processes slow the machine down, both steps of a pair slow down alike, which moves
+    their difference but not their ratio.
     """
     s, h = ts / 1e3, th / 1e3
     d, r = s - h, s / h
-    halves = (slice(0, None, 2), slice(1, None, 2))  # saferun first, saferun second
+    halves = (np.flatnonzero(saferun_first), np.flatnonzero(~saferun_first))
 
-    def balanced(x: np.ndarray, axis: int = -1) -> Any:
-        return (np.median(x[..., 0::2], axis=axis) + np.median(x[..., 1::2], axis=axis)) / 2
+    def balanced(x: np.ndarray) -> float:
+        return float(np.median(x[halves[0]]) + np.median(x[halves[1]])) / 2
 
     rng = np.random.default_rng(0)
     boot: dict[str, list[np.ndarray]] = {"d": [], "r": [], "m": []}
-    for _ in range(0, resamples, 100):  # in chunks: 100 x pairs indices at a time
-        # Resample within each order, keeping even positions even and odd ones odd.
-        idx = np.empty((100, len(d)), dtype=np.int64)
-        for half in halves:
-            pool = np.arange(len(d))[half]
-            idx[:, half] = rng.choice(pool, size=(100, len(pool)))
-        boot["d"].append(balanced(d[idx]))
-        boot["r"].append(balanced(r[idx]))
-        boot["m"].append(np.median(s[idx], axis=1) / np.median(h[idx], axis=1))
+    for _ in range(0, resamples, 100):  # in chunks: 100 resamples of all pairs at a time
+        # Resample within each order, so that every resample keeps the balance.
+        idx = tuple(rng.choice(half, size=(100, len(half))) for half in halves)
+        both = np.concatenate(idx, axis=1)
+        boot["d"].append((np.median(d[idx[0]], axis=1) + np.median(d[idx[1]], axis=1)) / 2)
+        boot["r"].append((np.median(r[idx[0]], axis=1) + np.median(r[idx[1]], axis=1)) / 2)
+        boot["m"].append(np.median(s[both], axis=1) / np.median(h[both], axis=1))
 
     def ci(key: str) -> list[float]:
         values = np.concatenate(boot[key])
@@ -157,9 +165,9 @@ def summarize(ts: np.ndarray, th: np.ndarray, resamples: int = 2000, blocks: int
         "pairs": len(d),
         "hand_median_us": float(np.median(h)),
         "saferun_median_us": float(np.median(s)),
-        "pair_ratio": float(balanced(r)),
+        "pair_ratio": balanced(r),
         "pair_ratio_ci95": ci("r"),
-        "diff_us": float(balanced(d)),
+        "diff_us": balanced(d),
         "diff_ci95_us": ci("d"),
         "diff_iqr_us": [float(np.percentile(d, 25)), float(np.percentile(d, 75))],
         "ratio_of_medians": float(np.median(s) / np.median(h)),
@@ -235,6 +243,8 @@ def main() -> None:
     p.add_argument("--count-steps", type=int, default=50,
                    help="steps of each variant for the call, op and sync counts (default 50)")
     p.add_argument("--batches", type=int, default=64, help="distinct batches cycled through")
+    p.add_argument("--block", type=int, default=1,
+                   help="steps of one variant before the other takes over (default 1: ABAB)")
     p.add_argument("--control", action="store_true",
                    help="A/A check of the method: time the hand step on saferun's model and "
                         "optimizer in saferun's place (expect a ratio of 1)")
@@ -252,15 +262,17 @@ def main() -> None:
         alternate(saferun, hand, groups, args.warmup)
         gc.collect()
         started = time.perf_counter()
-        times = alternate(saferun, hand, groups, args.pairs)
+        times = alternate(saferun, hand, groups, args.pairs, args.block)
         seconds = time.perf_counter() - started
         per_step = {"saferun": counts(saferun, groups, args.count_steps),
                     "hand": counts(hand, groups, args.count_steps)}
         compared = check_same_state(trainer, model, opt)
     result = {
-        "workload": args.workload, "control": args.control, "warmup_pairs": args.warmup, "timed_seconds": seconds,
-        "wall": summarize(times["saferun_wall"], times["hand_wall"]),
-        "cpu": summarize(times["saferun_cpu"], times["hand_cpu"]), "per_step": per_step, "bitwise_equal_tensors": compared,
+        "workload": args.workload, "control": args.control, "block": args.block,
+        "warmup_pairs": args.warmup, "timed_seconds": seconds,
+        "wall": summarize(times["saferun_wall"], times["hand_wall"], times["saferun_first"]),
+        "cpu": summarize(times["saferun_cpu"], times["hand_cpu"], times["saferun_first"]),
+        "per_step": per_step, "bitwise_equal_tensors": compared,
         "steps_each": args.warmup + args.pairs + 3 * args.count_steps,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "commit": git_commit(),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
@@ -274,9 +286,10 @@ def main() -> None:
 def render(r: dict[str, Any]) -> str:
     a = "hand (control)" if r["control"] else "saferun"
     lines = [
-        f"{r['workload']}: {r['wall']['pairs']} alternating pairs after {r['warmup_pairs']} "
-        f"warm-up pairs ({r['timed_seconds']:.1f} s; torch {r['torch']}, {r['threads']} thread, "
-        f"commit {r['commit']}; load {r['loadavg_before'][0]:.2f} -> {r['loadavg_after'][0]:.2f})"]
+        f"{r['workload']}: {r['wall']['pairs']} pairs, alternating in blocks of {r['block']}, "
+        f"after {r['warmup_pairs']} warm-up pairs ({r['timed_seconds']:.1f} s; torch "
+        f"{r['torch']}, {r['threads']} thread, commit {r['commit']}; load average "
+        f"{r['loadavg_before'][0]:.2f} -> {r['loadavg_after'][0]:.2f})"]
     for clock in ("wall", "cpu"):
         lines += render_clock(r[clock], a, "wall time" if clock == "wall" else "thread CPU time")
     s, h = r["per_step"]["saferun"], r["per_step"]["hand"]
