@@ -4,27 +4,31 @@
     python benchmarks/step_micro.py --workload cnn --pairs 1000 --json out.json
 
 A whole-process benchmark (`run.py`) swings by tens of percent on a shared machine, so it
-cannot show a 2 % change. This one can: both steps live in one process, on two copies of the
-same model (same initial weights), each with its own AdamW, fed the same pre-built batches
-held in memory (no DataLoader). The two steps take turns, one pair at a time, and the order
-inside a pair alternates (saferun first, then hand first), so machine drift and any "second
-in the pair" effect fall on both alike (`--block K` lets each run K steps in a row instead,
-closer to a real loop, where a step follows a step of its own kind). Each step is timed with
+cannot show a 2 % change. This one can: both steps live in one process and train the same
+model with the same AdamW (saferun's, built by the Trainer), on pre-built batches held in
+memory (no DataLoader), so that the only difference between them is the code that runs. The
+two steps take turns, one pair at a time, both on the same batch, and the order inside a pair
+alternates (saferun first, then hand first), so machine drift and any "second in the pair"
+effect fall on both alike (`--block K` lets each run K steps in a row instead, closer to a
+real loop, where a step follows a step of its own kind). Each step is timed with
 `time.perf_counter_ns` (wall) and `time.thread_time_ns` (this thread's CPU time, which leaves
 out the time spent waiting for a core on a busy machine). The headline is the median of the
 per-pair ratios saferun / hand, then the median paired difference in microseconds, each
 order-balanced and with a bootstrap 95 % interval; the ratio of the two median step times is
-shown too (it is the least robust of the three: see docs/benchmarks.md).
+shown too (the least robust of the three: see docs/benchmarks.md).
 
 saferun runs with the benchmark job's config (`loop_saferun.config`: every default guard on).
 The hand step is `loop_hand.py`'s step without its running sums (which are logging, like
 saferun's `fit` bookkeeping outside `train_step`): move the batch, forward, cross-entropy,
 backward, `clip_grad_norm_(1.0)`, AdamW step, `zero_grad(set_to_none=True)`, loss kept on the
-device. Afterwards the script checks that both models (parameters and buffers) and both
-optimizer states are bitwise equal: the two did the same arithmetic.
+device. That they compute the same thing is checked during the warm-up: there the hand step
+trains a copy of the model (same initial weights) with its own AdamW, and afterwards both
+models (parameters and buffers) and both optimizer states must be bitwise equal. (Timing two
+copies instead of one shared model would add a difference of memory placement between them,
+which can be worth a percent.)
 
-`--control` puts a second hand step (on saferun's model and optimizer) in saferun's place: an
-A/A run that shows what the method reports when there is no difference.
+`--control` puts a second hand step in saferun's place: an A/A run that shows what the method
+reports when there is no difference.
 
 It also counts, per step, the Python function calls and C calls (`sys.setprofile`), the
 torch operators dispatched (a `TorchDispatchMode`) and the host syncs (saferun's own
@@ -79,7 +83,8 @@ def hand_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device
 
 def build(workload: str, run_dir: str, n_batches: int, guards: dict[str, Any] | None = None
           ) -> tuple[BenchTrainer, Step, nn.Module, torch.optim.Optimizer, list]:
-    """saferun's trainer (set up, not fitted), the hand step on a copy of its model, batches.
+    """saferun's trainer (set up, not fitted), the hand step on a copy of its model (same
+    weights, own AdamW), that copy, its optimizer, and the batches.
 
     `guards` overrides keys of the guards config (default: none, every default guard on).
     """
@@ -239,15 +244,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=("mlp", "cnn"), default="mlp")
     p.add_argument("--pairs", type=int, default=3000, help="timed pairs (default 3000)")
-    p.add_argument("--warmup", type=int, default=200, help="untimed pairs first (default 200)")
+    p.add_argument("--warmup", type=int, default=200,
+                   help="untimed pairs first, on two copies checked for equality (default 200)")
     p.add_argument("--count-steps", type=int, default=50,
                    help="steps of each variant for the call, op and sync counts (default 50)")
     p.add_argument("--batches", type=int, default=64, help="distinct batches cycled through")
     p.add_argument("--block", type=int, default=1,
                    help="steps of one variant before the other takes over (default 1: ABAB)")
     p.add_argument("--control", action="store_true",
-                   help="A/A check of the method: time the hand step on saferun's model and "
-                        "optimizer in saferun's place (expect a ratio of 1)")
+                   help="A/A check of the method: a second hand step in saferun's place "
+                        "(expect a ratio of 1)")
     p.add_argument("--json", help="also write the figures here as JSON")
     args = p.parse_args()
 
@@ -255,25 +261,31 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="saferun-micro-") as tmp:
         trainer, hand, model, opt, groups = build(args.workload, tmp, args.batches)
-        saferun = trainer.train_step
-        if args.control:
-            saferun = hand_step(trainer.model, trainer.optimizer, trainer.device,
-                                trainer.cfg.trainer.max_grad_norm)
-        alternate(saferun, hand, groups, args.warmup)
+        max_norm = trainer.cfg.trainer.max_grad_norm
+
+        def saferun_model_hand_step() -> Step:
+            return hand_step(trainer.model, trainer.optimizer, trainer.device, max_norm)
+
+        # Warm-up on two copies, then the check that both steps did the same arithmetic.
+        first = saferun_model_hand_step() if args.control else trainer.train_step
+        alternate(first, hand, groups, args.warmup)
+        compared = check_same_state(trainer, model, opt)
+        # Timed: one model and optimizer for both steps.
+        hand = saferun_model_hand_step()
+        saferun = saferun_model_hand_step() if args.control else trainer.train_step
         gc.collect()
         started = time.perf_counter()
         times = alternate(saferun, hand, groups, args.pairs, args.block)
         seconds = time.perf_counter() - started
         per_step = {"saferun": counts(saferun, groups, args.count_steps),
                     "hand": counts(hand, groups, args.count_steps)}
-        compared = check_same_state(trainer, model, opt)
     result = {
         "workload": args.workload, "control": args.control, "block": args.block,
         "warmup_pairs": args.warmup, "timed_seconds": seconds,
         "wall": summarize(times["saferun_wall"], times["hand_wall"], times["saferun_first"]),
         "cpu": summarize(times["saferun_cpu"], times["hand_cpu"], times["saferun_first"]),
         "per_step": per_step, "bitwise_equal_tensors": compared,
-        "steps_each": args.warmup + args.pairs + 3 * args.count_steps,
+        "checked_steps": args.warmup,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "commit": git_commit(),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
@@ -297,7 +309,8 @@ def render(r: dict[str, Any]) -> str:
     for key in ("python_calls", "c_calls", "torch_ops", "host_syncs"):
         lines.append(f"  {key:<15} {s[key]:>10.1f} {h[key]:>10.1f} {s[key] - h[key]:>+8.1f}")
     lines.append(f"  same arithmetic: {r['bitwise_equal_tensors']} tensors (parameters, buffers, "
-                 f"AdamW state) bitwise equal after {r['steps_each']} steps each")
+                 f"AdamW state) bitwise equal after {r['checked_steps']} warm-up steps of each "
+                 f"on two copies")
     return "\n".join(lines)
 
 

@@ -3,26 +3,25 @@
     python benchmarks/step_parts.py                 # MLP, 2000 rounds of every arm
     python benchmarks/step_parts.py --workload cnn --rounds 500
 
-A diagnostic next to `step_micro.py`, with the same models, batches and clocks. Each "arm" is
-its own copy of the model and optimizer (same initial weights) driven by one variant of the
-step; a round runs every arm once on the same batch, in a fresh random order each round, and
-each arm's thread CPU time is compared with saferun's full step in the same round (median of
-the per-round ratios, with a bootstrap 95 % interval). The order matters: a step runs faster
-right after a step that ran the same Python code, so a fixed or rotated order would favour the
-arms that happen to follow a similar one. Arms:
+A diagnostic next to `step_micro.py`, with the same trainer, batches and clock. Each "arm" is
+one variant of the step; all of them train the same model with the same optimizer (saferun's),
+so that they differ only in the code that runs, not in where their tensors live. A round runs
+every arm once on the same batch, in a fresh random order each round, and each arm's thread CPU
+time is compared with saferun's full step in the same round (median of the per-round ratios,
+with a bootstrap 95 % interval). The order matters: a step runs faster right after a step that
+ran the same Python code (warm caches), so a fixed or rotated order would favour the arms that
+happen to follow a similar one. Arms:
 
 - `hand`: the hand-written step of step_micro.py;
-- `saferun, a second copy (control)`: what the design reports for no difference;
-- `hand, parameter list`: the same, clipping a list built once instead of walking
+- `saferun again (control)`: saferun's full step a second time: what the design reports for
+  no difference;
+- `hand, parameter list`: the hand step clipping a list built once instead of walking
   `model.parameters()` every step as the hand loop does;
-- `saferun`: `Trainer.train_step` with the benchmark job's config, every default guard on;
-- `saferun - X`: the same, with X removed. `guards.declared_modes=false` is a config switch;
-  the other parts are replaced by trivial stand-ins while that arm's step runs (never while
-  another arm runs), which reaches into saferun's internals as of this commit:
-  `saferun.trainer.move_to_device`, `saferun.trainer.StepOutput`, `Trainer._scaler`. When
-  those move, update this file.
-
-Every arm must end with the same weights and optimizer state as the others (checked).
+- `saferun - X`: `Trainer.train_step` with X replaced by a trivial stand-in while that arm's
+  step runs (never while another arm runs). The removed parts do no tensor arithmetic, so every
+  arm dispatches the same torch ops. This reaches into saferun's internals as of this commit:
+  `Trainer._declared`, `Trainer._scaler`, `saferun.trainer.move_to_device` and
+  `saferun.trainer.StepOutput`; when those move, update this file.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import saferun.trainer as trainer_module
-from loop_saferun import BenchTrainer
-from step_micro import build, check_same_state
+from step_micro import build, hand_step
 
 
 class _PassThroughScaler:
@@ -100,47 +98,35 @@ def hand_with_list(model: nn.Module, opt: torch.optim.Optimizer, device: torch.d
 class Arm:
     name: str
     step: Callable[[Any], Any]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
     context: Callable[[], ContextManager[None]] = contextlib.nullcontext  # around its step only
 
 
-def arms(workload: str, tmp: str, n_batches: int) -> tuple[BenchTrainer, list[Arm], list]:
-    """saferun's trainer (the reference), every arm (it first), and the batches."""
-    ref, hand, model, opt, groups = build(workload, tmp, n_batches)
-    out = [Arm("saferun", ref.train_step, ref.model, ref.optimizer),
-           Arm("hand", hand, model, opt)]
-    t = build(workload, tmp, 1)[0]
-    out.append(Arm("saferun, a second copy (control)", t.train_step, t.model, t.optimizer))
-    _, _, model, opt, _ = build(workload, tmp, 1)
-    out.append(Arm("hand, parameter list", hand_with_list(model, opt, ref.device, 1.0), model, opt))
-
-    def trainer(**guards: Any) -> BenchTrainer:
-        return build(workload, tmp, 1, guards)[0]
-
-    t = trainer(declared_modes=False)
-    out.append(Arm("saferun - declared-modes check", t.train_step, t.model, t.optimizer))
-    t = trainer()
-    out.append(Arm("saferun - move_to_device", t.train_step, t.model, t.optimizer,
-                   lambda: _patched(trainer_module, "move_to_device", _no_move)))
-    t = trainer()
-    out.append(Arm("saferun - StepOutput", t.train_step, t.model, t.optimizer,
-                   lambda: _patched(trainer_module, "StepOutput", _no_output)))
-    t = trainer()
-    t._scaler = _PassThroughScaler()  # type: ignore[assignment]
-    out.append(Arm("saferun - GradScaler calls (plain object)", t.train_step, t.model,
-                   t.optimizer))
+def arms(workload: str, tmp: str, n_batches: int) -> tuple[list[Arm], list]:
+    """Every arm (saferun's full step first), all on one trainer, model and optimizer."""
+    t, _, _, _, groups = build(workload, tmp, n_batches)
+    max_norm = t.cfg.trainer.max_grad_norm
+    out = [Arm("saferun", t.train_step),
+           Arm("hand", hand_step(t.model, t.optimizer, t.device, max_norm)),
+           Arm("saferun again (control)", t.train_step),
+           Arm("hand, parameter list", hand_with_list(t.model, t.optimizer, t.device, max_norm)),
+           Arm("saferun - declared-modes check", t.train_step,
+               lambda: _patched(t, "_declared", None)),
+           Arm("saferun - move_to_device", t.train_step,
+               lambda: _patched(trainer_module, "move_to_device", _no_move)),
+           Arm("saferun - StepOutput", t.train_step,
+               lambda: _patched(trainer_module, "StepOutput", _no_output)),
+           Arm("saferun - GradScaler calls (plain object)", t.train_step,
+               lambda: _patched(t, "_scaler", _PassThroughScaler()))]
 
     @contextlib.contextmanager
-    def both() -> Iterator[None]:
-        with _patched(trainer_module, "move_to_device", _no_move), \
-                _patched(trainer_module, "StepOutput", _no_output):
+    def all_four() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for arm in out[4:8]:
+                stack.enter_context(arm.context())
             yield
 
-    t = trainer(declared_modes=False)
-    t._scaler = _PassThroughScaler()  # type: ignore[assignment]
-    out.append(Arm("saferun - all four above", t.train_step, t.model, t.optimizer, both))
-    return ref, out, groups
+    out.append(Arm("saferun - all four above", t.train_step, all_four))
+    return out, groups
 
 
 def rounds(arm_list: list[Arm], groups: list, n: int, seed: int = 0) -> np.ndarray:
@@ -172,11 +158,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="saferun-parts-") as tmp:
-        ref, arm_list, groups = arms(args.workload, tmp, 64)
+        arm_list, groups = arms(args.workload, tmp, 64)
         rounds(arm_list, groups, args.warmup, seed=1)
         times = rounds(arm_list, groups, args.rounds) / 1e3
-        for arm in arm_list[1:]:  # every arm did the same arithmetic as saferun's full step
-            check_same_state(ref, arm.model, arm.optimizer)
     rng = np.random.default_rng(0)
     print(f"{args.workload}: {args.rounds} rounds of {len(arm_list)} arms, thread CPU time; "
           f"median step: saferun {np.median(times[:, 0]):.1f} us, "
