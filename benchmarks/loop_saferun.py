@@ -49,8 +49,9 @@ class BenchTrainer(saferun.Trainer):
         return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
 
 
-def train(job: Job, clock: StepClock) -> dict[str, float]:
-    cfg = {
+def config(job: Job) -> dict[str, Any]:
+    """The job as saferun config: only what defines it; guards and the rest are the defaults."""
+    return {
         "trainer": {"max_steps": job.steps, "batch_size": job.batch_size,
                     "log_every_n_steps": job.log_every, "val_every_n_steps": job.val_every,
                     "max_grad_norm": job.max_grad_norm, "save_every_n_steps": job.save_every,
@@ -59,7 +60,10 @@ def train(job: Job, clock: StepClock) -> dict[str, float]:
         "optim": {"_target_": "torch.optim.AdamW", "lr": job.lr},
         "seed": job.seed,
     }
-    trainer = BenchTrainer(cfg, callbacks=[Tick(clock)])
+
+
+def train(job: Job, clock: StepClock) -> dict[str, float]:
+    trainer = BenchTrainer(config(job), callbacks=[Tick(clock)])
     trainer.workload = job.workload
     metrics = trainer.fit()
     return {"val/loss": metrics["val/loss"], "val/acc": metrics["val/acc"]}

@@ -54,6 +54,7 @@ def run(args: list[str]) -> None:
     from .parallel.distributed import ranks_from_env
 
     _register_with_hydra()
+    _check_run_dir_arg(args)
     for config_dir in _config_dirs(args)[0]:
         # A copied recipe (saferun new) keeps its Python file next to its configs.
         sys.path.insert(0, os.path.abspath(config_dir))
@@ -67,6 +68,18 @@ def run(args: list[str]) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _check_run_dir_arg(args: list[str]) -> None:
+    """A `hydra.run.dir=` that cannot be a run directory: say so before Hydra fails on it."""
+    from .checkpoint.rundir import check_writable
+
+    for arg in args:
+        if arg.startswith("hydra.run.dir=") and "${" not in arg:
+            problem = check_writable(Path(arg.split("=", 1)[1]))
+            if problem is not None:
+                print(f"saferun: error: {problem}", file=sys.stderr)
+                raise SystemExit(1)
 
 
 def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
@@ -121,8 +134,7 @@ def _train(cfg: Any) -> Optional[float]:
                                "(recipes do; see `saferun list`).")
         task = dict(config.task)
         task_class = get_class(task.pop("_target_"))
-        if main:
-            OmegaConf.save(OmegaConf.create(plain), os.path.join(run_dir, "config.yaml"))
+        if main:  # config.yaml: written by fit() once the run directory and resume are accepted
             print(f"saferun: run directory {run_dir}", flush=True)
         trainer = task_class(config, **task)
         metrics = trainer.fit()

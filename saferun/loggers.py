@@ -17,21 +17,34 @@ log = logging.getLogger("saferun")
 
 
 class TensorBoardLogger(Callback):
-    """Writes every logged metric, validation metric and the resolved config as TensorBoard events."""
+    """Writes every logged metric, validation metric and the resolved config as TensorBoard events.
+
+    After a resume, what the interrupted run wrote at or after the checkpoint's step is
+    hidden (the writer's purge_step), and the scalars the checkpoint's step had when it was
+    saved are written again (they are in this callback's checkpointed state): every step
+    then holds what an uninterrupted run would show, once.
+    """
 
     def __init__(self, log_dir: Optional[str] = None) -> None:
         self.log_dir = log_dir
         self._writer: Any = None
+        self._resumed = False
+        self._last_step = -1  # the latest step written, and the scalars written at it
+        self._last_scalars: dict[str, float] = {}
 
     def on_fit_start(self, view: TrainerView) -> None:
         """Open the writer in `log_dir` (default: <run_dir>/tensorboard) and record the config."""
         from torch.utils.tensorboard import SummaryWriter
         import yaml
 
-        # flush_secs: events reach the disk within 10 s (and at the end) without a flush per
-        # log point, which would cost the loop a file write every log_every_n_steps steps.
+        resumed = self._resumed or view.step > 0
+        # flush_secs: events reach the disk within 10 s (and at each checkpoint and the end)
+        # without a flush per log point, which would cost the loop a file write every
+        # log_every_n_steps steps.
         self._writer = SummaryWriter(self.log_dir or os.path.join(view.run_dir, "tensorboard"),
-                                     flush_secs=10)
+                                     flush_secs=10, purge_step=view.step if resumed else None)
+        if resumed and self._last_step == view.step:
+            self._write(view.step, dict(self._last_scalars))
         text = yaml.safe_dump(dict(view.config), sort_keys=False)
         # Markdown code block so TensorBoard keeps the indentation.
         self._writer.add_text("config", "    " + text.replace("\n", "\n    "), view.step)
@@ -42,15 +55,30 @@ class TensorBoardLogger(Callback):
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._write(view.step, metrics)
 
+    def on_checkpoint(self, view: TrainerView, path: str) -> None:
+        if self._writer is not None:
+            self._writer.flush()  # a resume from this checkpoint finds every earlier event
+
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self.close()
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         self.close()
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._last_step, "scalars": dict(self._last_scalars)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._resumed = True
+        self._last_step = int(state.get("step", -1))
+        self._last_scalars = dict(state.get("scalars", {}))
+
     def _write(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._writer is None:
             return
+        if step != self._last_step:
+            self._last_step, self._last_scalars = step, {}
+        self._last_scalars.update(metrics)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -100,3 +102,45 @@ class Schedule:
             key = "train/lr" if i == 0 else f"train/lr/{group.get('name') or f'group{i}'}"
             out[key if key not in out else f"train/lr/group{i}"] = float(lr)
         return out
+
+
+Hyperparameters = tuple[list[dict[str, Any]], Optional[dict[str, Any]]]
+
+
+def configured_hyperparameters(optimizer: torch.optim.Optimizer,
+                               scheduler: Optional[LRScheduler]) -> Hyperparameters:
+    """The freshly built optimizer's param-group settings and scheduler state (copies), for a
+    forced resume that changes them (see `use_configured_hyperparameters`)."""
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise ConfigError(
+            "force_resume with a changed optim or sched cannot apply them to a ReduceLROnPlateau "
+            "schedule: its rate depends on the validation history, which a new config cannot "
+            "replay. Keep the checkpoint's optim and sched values, or start a new run.")
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    return groups, copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+
+
+def use_configured_hyperparameters(optimizer: torch.optim.Optimizer,
+                                   scheduler: Optional[LRScheduler],
+                                   configured: Hyperparameters, steps: int) -> None:
+    """After loading a checkpoint: the configured settings with the checkpoint's moments.
+
+    Loading an optimizer's state also restores its learning rate and other settings, and a
+    scheduler's state its base learning rates. For a forced resume with a new optim or sched
+    config, put back the configured ones, and advance the configured schedule by `steps`
+    (replaying it, so that any schedule works): the learning rate is then the one a run
+    configured this way from the start would have at this step.
+    """
+    groups, schedule = configured
+    for group, fresh in zip(optimizer.param_groups, groups):
+        params = group["params"]
+        group.clear()
+        group.update(copy.deepcopy(fresh), params=params)
+    if scheduler is None or schedule is None:
+        return
+    scheduler.load_state_dict(copy.deepcopy(schedule))
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            scheduler.step()

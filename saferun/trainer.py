@@ -259,10 +259,10 @@ class Trainer:
         """Train for `trainer.max_steps` steps; return the final metrics."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
-        self._checkpointer.resume()
-        self._start_training()
-        cbs.on_fit_start(self.view)
+        self._checkpointer.begin_run()
         try:
+            self._start_training()
+            cbs.on_fit_start(self.view)
             with self._stop_signals:
                 validated = False
                 for micro_batches, epoch_end, where in self._batches.groups():
@@ -294,6 +294,8 @@ class Trainer:
             if error is exc:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
+        finally:
+            self._checkpointer.end_run()
         return dict(state.metrics)
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
@@ -453,7 +455,10 @@ class Trainer:
         s = self.state
         assert self.train_loader is not None
         epoch_start = self._batches.position_state()
-        mine = move_to_device({"rng": get_rng_state(), "running": self._running.state_dict(),
+        # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
+        # run's, not the ones this process was seeded with.
+        rng = self._batches.resume_rng if self._batches.resume_rng is not None else get_rng_state()
+        mine = move_to_device({"rng": rng, "running": self._running.state_dict(),
                                # spike detectors: each rank sees its own loss
                                "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
                                "epoch_start": epoch_start}, torch.device("cpu"))

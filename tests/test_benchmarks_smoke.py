@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,3 +28,52 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
         assert r["host"]["plain_step_syncs"] == 0, r["host_sites"]
     # Same seed, data order and schedule: both did the same work.
     assert runs[0]["metrics"] == runs[1]["metrics"]
+
+
+def test_step_micro_benchmark_runs_and_reports(tmp_path, monkeypatch, capsys):
+    # A few pairs, in this process (a subprocess would spend seconds importing torch again):
+    # the in-process comparison runs, both steps did the same arithmetic (the script exits
+    # otherwise) and every figure is reported.
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import step_micro
+
+    out = tmp_path / "micro.json"
+    monkeypatch.setattr(sys, "argv", ["step_micro.py", "--pairs", "6", "--warmup", "2",
+                                      "--count-steps", "2", "--batches", "4", "--json", str(out)])
+    step_micro.main()
+    printed = capsys.readouterr().out
+    for text in ("per-pair ratio", "median paired difference", "ratio of medians",
+                 "python_calls", "torch_ops", "host_syncs", "bitwise equal"):
+        assert text in printed, printed
+
+    r = json.loads(out.read_text())
+    assert r["workload"] == "mlp" and not r["control"]
+    for clock in ("wall", "cpu"):
+        assert r[clock]["pairs"] == 6
+        for key in ("pair_ratio", "pair_ratio_ci95", "diff_us", "diff_ci95_us", "diff_iqr_us",
+                    "ratio_of_medians", "hand_median_us", "saferun_median_us"):
+            assert key in r[clock], key
+    # Counts, not timings: the same model, loss and optimizer dispatch the same torch ops,
+    # and neither step reads a value from the device.
+    saferun, hand = r["per_step"]["saferun"], r["per_step"]["hand"]
+    assert saferun["torch_ops"] == hand["torch_ops"] > 0
+    assert saferun["host_syncs"] == hand["host_syncs"] == 0
+    assert saferun["python_calls"] > 0 and hand["python_calls"] > 0
+    # The MLP's 6 parameters, plus AdamW's step, exp_avg and exp_avg_sq for each.
+    assert r["bitwise_equal_tensors"] == 6 + 3 * 6
+
+
+def test_step_micro_refuses_steps_that_did_different_arithmetic(tmp_path, monkeypatch):
+    # The comparison is only fair if both steps compute the same thing: the state check must
+    # see a single extra step on one side.
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import step_micro
+
+    trainer, hand, model, opt, groups = step_micro.build("mlp", str(tmp_path), 2)
+    assert step_micro.check_same_state(trainer, model, opt) == 6  # no optimizer state yet
+    trainer.train_step(groups[0])
+    hand(groups[0])
+    assert step_micro.check_same_state(trainer, model, opt) == 6 + 3 * 6
+    trainer.train_step(groups[1])
+    with pytest.raises(SystemExit, match="not the same arithmetic"):
+        step_micro.check_same_state(trainer, model, opt)

@@ -42,3 +42,40 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     shown.fit()
     err = capsys.readouterr().err
     assert "8/8" in err and "loss=" in err
+
+
+class CrashesInStep7(ToyTrainer):
+    crash = True
+
+    def training_step(self, batch):
+        if self.crash and self.state.step + 1 == 7:
+            raise RuntimeError("planted crash")
+        return super().training_step(batch)
+
+
+def scalar_curves(run_dir):
+    acc = read_events(run_dir)
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
+            if not tag.startswith("perf/")}  # throughput: wall-clock, differs between runs
+
+
+def test_after_a_resume_each_step_is_shown_once_with_the_uninterrupted_values(tmp_path):
+    def cfg(name, resume=None):
+        c = toy_config(tmp_path, max_steps=8, log_every_n_steps=2, val_every_n_steps=4,
+                       save_every_n_steps=4, tensorboard=True)
+        c["trainer"]["run_dir"] = str(tmp_path / name)
+        c["resume"] = resume
+        return c
+
+    # logged at 2 and 4, validated at 4, saved at 4 (after both), logged at 6, crashed in 7
+    with pytest.raises(RuntimeError, match="planted crash"):
+        CrashesInStep7(cfg("a")).fit()
+    resumed = CrashesInStep7(cfg("a", resume="auto"))
+    resumed.crash = False
+    resumed.fit()
+    ToyTrainer(cfg("b")).fit()
+    curves = scalar_curves(tmp_path / "a")
+    assert curves == scalar_curves(tmp_path / "b")  # step 6 once; step 4 as saved
+    assert [s for s, _ in curves["train/loss"]] == [2, 4, 6, 8]
+    texts = read_events(tmp_path / "a").Tensors("config/text_summary")
+    assert [e.step for e in texts] == [0, 4]  # each run's config, at the step it started

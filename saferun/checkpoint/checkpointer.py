@@ -19,6 +19,8 @@ import torch
 from ..config import check_resume_config
 from ..errors import ConfigError, SaferunError
 from ..parallel import distributed
+from ..schedules import configured_hyperparameters, use_configured_hyperparameters
+from . import rundir
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights)
 
@@ -32,6 +34,8 @@ class Owner(Protocol):
     state: Any  # LoopState
     ranks: distributed.Ranks
     model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
     view: Any
     _callbacks: Any  # CallbackList
     _guard: Any  # BadStepPolicy
@@ -79,6 +83,23 @@ class Checkpointer:
             setattr(o.state, key, state["loop"][key])
         self.pending_resume = found
 
+    def begin_run(self) -> None:
+        """Check and lock the run directory (one writer at a time), resume, and only then,
+        with the run accepted, record its config in <run_dir>/config.yaml."""
+        o = self._owner
+        self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
+        try:
+            self.resume()
+            if o.ranks.is_main:
+                rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
+        except BaseException:
+            self._run_dir_lock.release()
+            raise
+
+    def end_run(self) -> None:
+        """fit() ended, normally or not: release the run directory."""
+        self._run_dir_lock.release()
+
     def resume(self) -> None:
         """Continue training from the checkpoint found by setup, after checking the config."""
         o = self._owner
@@ -87,10 +108,19 @@ class Checkpointer:
         if found is None:
             return
         path, state = found
-        check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume)
+        config = dataclasses.asdict(o.cfg)
+        check_resume_config(state["config"], config, o.cfg.force_resume)
+        forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
+        configured = configured_hyperparameters(o.optimizer, o.scheduler) if forced else None
         o.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
+        if configured is not None:  # force_resume with a new optim/sched: what was asked applies
+            steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
+            use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)
+            log.warning("force_resume: %s changed; the optimizer now uses the configured values "
+                        "(learning rate %s at step %d), its moments are the checkpoint's.",
+                        ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
 
     def replaced(self) -> None:
         """`load_state_dict` was called: its state replaces any found by setup."""
@@ -127,7 +157,7 @@ class Checkpointer:
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
         if o.ranks.is_main:
             save_checkpoint(root, o.state.step, state)
-            rotate(root, t.keep_last, keep=[Path(self.best[1])] if self.best else ())
+            rotate(root, t.keep_last, keep=[Path(self.best[1])] if self.best else (), current=path)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         o._callbacks.on_checkpoint(o.view, str(path))
         return path

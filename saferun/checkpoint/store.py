@@ -7,6 +7,11 @@ last, then the directory is renamed into place and its parent fsynced. So a
 directory named `step-*` with a manifest whose hashes match is complete; a
 process killed mid-save leaves only a `.tmp-*` directory, which is ignored.
 
+Saving a step that already has a checkpoint (the final save at a save step, a
+stop right after one) renames the old copy to `step-N.replaced-XXXX` before the
+new one takes its name, and deletes it only after: a crash between the two
+renames leaves the old copy, which is still listed and loaded, never nothing.
+
 Loading uses `torch.load(weights_only=True)`: tensors and plain containers
 only, so a crafted file cannot run code. saferun keeps every saved value to
 that (the config is stored as plain data, NumPy RNG state as a tensor).
@@ -14,12 +19,15 @@ that (the config is stored as plain data, NumPy RNG state as a tensor).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import re
+import resource
 import secrets
 import shutil
 from pathlib import Path
@@ -32,7 +40,9 @@ from ..errors import SaferunError
 log = logging.getLogger("saferun")
 
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# step-NNNNNNNN, or step-NNNNNNNN.replaced-XXXX: the previous copy of a step being saved again.
+_STEP_DIR = re.compile(r"^step-(\d{8,})(\.replaced-[0-9a-f]+)?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(SaferunError):
@@ -44,28 +54,34 @@ def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
-    """Write `state` atomically as checkpoint `step` under `root`; return its directory."""
+    """Write `state` atomically as checkpoint `step` under `root`; return its directory.
+
+    Raises `CheckpointError` naming the checkpoint and the cause when it cannot be written
+    (a full disk, a file size limit, a permission change); the checkpoints already there stay.
+    """
     check_plain(state)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    old = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         files = {"state.pt": _write_tensor_file(tmp / "state.pt", state)}
         manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
         _write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
         _fsync_dir(tmp)
-        old = None
-        if final.exists():  # a re-save of the same step replaces it; older ones stay meanwhile
-            old = root / f".tmp-old-{secrets.token_hex(4)}"
+        if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
+            old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise CheckpointError(_write_failure(final, e)) from None
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -76,26 +92,28 @@ def save_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
         _write_tensor_file(tmp, state_dict)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(_write_failure(path, e)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Verify `path`'s manifest and hashes, then load its state with weights_only=True."""
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
+    if not (path / "manifest.json").is_file():
         raise CheckpointError(f"{path} has no manifest.json: it is not a complete saferun "
                               f"checkpoint (a save was interrupted?).")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        expected = manifest["files"]["state.pt"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{manifest_path} is unreadable ({e}).") from None
+    expected = _read_manifest(path)
     state_path = path / "state.pt"
-    actual = _sha256(state_path) if state_path.is_file() else None
-    if actual != expected["sha256"]:
+    try:
+        size = state_path.stat().st_size
+        actual = _sha256(state_path)
+    except OSError as e:
+        raise CheckpointError(f"{state_path} is unreadable ({e.strerror or e}).") from None
+    if (size, actual) != (expected["bytes"], expected["sha256"]):
         raise CheckpointError(f"{state_path} does not match its manifest (truncated or "
-                              f"corrupted: sha256 {actual} != {expected['sha256']}).")
+                              f"corrupted: {size} bytes, sha256 {actual}; the manifest says "
+                              f"{expected['bytes']} bytes, sha256 {expected['sha256']}).")
     try:
         return torch.load(state_path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -106,6 +124,49 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
             f"containers, which could run code when unpickled ({reason}). saferun never "
             f"writes such files; do not load it unless you made it yourself."
         ) from None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest's entry for state.pt, once every field has the shape saferun writes.
+
+    A damaged manifest (a flipped bit in a key or a value) must make the checkpoint
+    count as damaged, never crash the resume with a KeyError or TypeError.
+    """
+    manifest_path = path / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{manifest_path} is unreadable ({e}).") from None
+    problem = _manifest_problem(manifest, path.name)
+    if problem is not None:
+        raise CheckpointError(f"{manifest_path} is damaged: {problem}.")
+    return manifest["files"]["state.pt"]
+
+
+def _manifest_problem(manifest: Any, dir_name: str) -> Optional[str]:
+    """What in `manifest` differs from the shape save_checkpoint writes, or None."""
+    if not isinstance(manifest, dict) or set(manifest) != {"format", "step", "files"}:
+        return "it is not an object with exactly the keys format, step, files"
+    if not _is_int(manifest["format"]) or manifest["format"] != FORMAT_VERSION:
+        return f"format is {manifest['format']!r}, not {FORMAT_VERSION}"
+    named = _STEP_DIR.match(dir_name)
+    if not _is_int(manifest["step"]) or (named and int(named.group(1)) != manifest["step"]):
+        return f"step {manifest['step']!r} does not match the directory name {dir_name}"
+    files = manifest["files"]
+    if not isinstance(files, dict) or set(files) != {"state.pt"}:
+        return "files is not an object with exactly the key state.pt"
+    entry = files["state.pt"]
+    if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
+        return "files.state.pt is not an object with exactly the keys bytes, sha256"
+    if not _is_int(entry["bytes"]):
+        return "files.state.pt.bytes is not a size"
+    if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
+        return "files.state.pt.sha256 is not a SHA-256 in hex"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.Size)
@@ -134,35 +195,94 @@ def check_plain(obj: Any, path: str = "state") -> None:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete-looking checkpoint directories under `root`, oldest first."""
+    """Complete-looking checkpoint directories under `root`, oldest first.
+
+    A `step-N.replaced-*` copy (left by a crash while step N was saved again) sorts just
+    before `step-N`, so it is used only when `step-N` is missing or damaged.
+    """
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
+    found = [(int(m.group(1)), m.group(2) is None, p) for p in root.iterdir()
              if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    return [p for _, _, p in sorted(found)]
 
 
 def load_latest(root: Path, map_location: Any = "cpu") -> Optional[tuple[Path, dict[str, Any]]]:
     """The newest checkpoint under `root` that verifies, with its state; None if there is none.
 
-    A newer checkpoint that fails verification is skipped with a warning naming it.
+    A newer checkpoint that fails verification is skipped with a warning naming it. When
+    there are checkpoints but none verifies, `CheckpointError` lists them: starting over
+    instead would silently throw the run away.
     """
+    damaged = []
     for path in reversed(list_checkpoints(root)):
         try:
             return path, load_checkpoint(path, map_location)
         except CheckpointError as e:
             log.warning("Skipping checkpoint %s: %s Falling back to an older one.", path, e)
+            damaged.append(f"  - {path.name}: {e}")
+    if damaged:
+        raise CheckpointError(
+            f"every checkpoint in {root} is damaged, so nothing was loaded:\n"
+            + "\n".join(damaged) + f"\nTo resume from a good copy elsewhere, set resume=PATH. To "
+            f"start over on purpose, move them away first (mv {root} {root}.damaged) or use "
+            f"another run directory.")
     return None
 
 
-def rotate(root: Path, keep_last: int, keep: Iterable[Path] = ()) -> None:
-    """Delete all but the newest `keep_last` checkpoints (and those in `keep`), and stale temps."""
+def rotate(root: Path, keep_last: int, keep: Iterable[Path] = (),
+           current: Optional[Path] = None) -> None:
+    """Delete all but the newest `keep_last` checkpoints (and those in `keep`), and stale temps.
+
+    With `current` (the checkpoint just saved), checkpoints of later steps are left alone
+    and not counted: they can only be damaged ones a resume fell back past, and counting
+    them would delete the good new ones.
+    """
     kept = {p.resolve() for p in keep}
-    for path in list_checkpoints(root)[:-keep_last]:
+    limit = _step_of(current) if current is not None else math.inf
+    found = [p for p in list_checkpoints(root) if _step_of(p) <= limit]
+    whole = {_step_of(p) for p in found if ".replaced-" not in p.name}
+    # a replaced copy is redundant once its step was saved again in full
+    redundant = [p for p in found if ".replaced-" in p.name and _step_of(p) in whole]
+    listed = [p for p in found if p not in redundant]
+    for path in redundant + listed[:-keep_last]:
         if path.resolve() not in kept:
             shutil.rmtree(path, ignore_errors=True)
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    assert m is not None, path
+    return int(m.group(1))
+
+
+def _write_failure(path: Path, error: BaseException) -> str:
+    """Which file could not be written and why, in words, instead of torch's internal message."""
+    cause = error
+    while not isinstance(cause, OSError) and cause.__context__ is not None:
+        cause = cause.__context__  # torch.save's RuntimeError hides the file's OSError
+    if not isinstance(cause, OSError):
+        return f"could not write {path}: {error}"
+    why = os.strerror(cause.errno) if cause.errno else str(cause)
+    if cause.errno == errno.ENOSPC:
+        why += f" ({_free(path)} free)"
+    elif cause.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why += (f": the file size limit of this process (ulimit -f, RLIMIT_FSIZE) is "
+                f"{limit} bytes" if limit != resource.RLIM_INFINITY else "")
+    return (f"could not write {path}: {why}. The checkpoints written before are intact and the "
+            f"incomplete files were removed. A checkpoint is written in full before older ones "
+            f"are deleted, so trainer.keep_last=K needs room for K+1 checkpoints; make room, or "
+            f"set trainer.run_dir on a larger disk, then continue with resume=auto.")
+
+
+def _free(path: Path) -> str:
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return f"{shutil.disk_usage(parent).free / 2**20:.1f} MiB"
+    return "unknown"
 
 
 def _write_tensor_file(path: Path, obj: Any) -> dict[str, Any]:

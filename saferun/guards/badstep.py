@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Protocol
 import torch
 
 from ..callbacks import StepOutput
-from ..checkpoint.store import checkpoint_root, load_latest
+from ..checkpoint.store import CheckpointError, checkpoint_root, load_latest
 from ..errors import NonFiniteError
 from ..loop.steps import short
 from ..parallel import distributed
@@ -185,9 +185,12 @@ class BadStepPolicy:
         """guards.nonfinite=rollback: restore the newest checkpoint, keep going with new data."""
         tr = self._trainer
         self._rollbacks += 1
-        found = load_latest(checkpoint_root(tr.state.run_dir))
+        try:
+            found, damaged = load_latest(checkpoint_root(tr.state.run_dir)), ""
+        except CheckpointError as e:
+            found, damaged = None, f" ({e})"
         if found is None or self._rollbacks > self._g.max_consecutive:
-            why = ("there is no checkpoint to roll back to" if found is None else
+            why = (f"there is no checkpoint to roll back to{damaged}" if found is None else
                    f"{self._rollbacks} rollbacks without a clean log point in between "
                    f"(guards.max_consecutive={self._g.max_consecutive})")
             raise NonFiniteError(f"{report} Cannot roll back: {why}. Lower optim.lr, set "
@@ -205,7 +208,10 @@ class BadStepPolicy:
     def _anomaly_replay(self, bad_step: int) -> str:
         """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
         tr = self._trainer
-        found = load_latest(checkpoint_root(tr.state.run_dir))
+        try:
+            found = load_latest(checkpoint_root(tr.state.run_dir))
+        except CheckpointError as e:
+            return f"Anomaly replay: {e}"
         if found is None or found[1]["loop"]["step"] >= bad_step:
             return "Anomaly replay: no checkpoint before the bad step to replay from."
         tr.load_state_dict(found[1])

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 from saferun.checkpoint import (CheckpointError, check_plain, list_checkpoints, load_checkpoint,
                                 load_latest, save_checkpoint)
 from saferun.stopping import EarlyStopping
-from toys import ToyTrainer, toy_config, weights
+from toys import TOYS_PATH, SelfSignalling, ToyTrainer, toy_config, weights
 
 
 def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
@@ -61,7 +62,8 @@ def test_a_checkpoint_without_manifest_is_incomplete(tmp_path):
     (path / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no manifest.json"):
         load_checkpoint(path)
-    assert load_latest(tmp_path) is None
+    with pytest.raises(CheckpointError, match="every checkpoint .* is damaged"):
+        load_latest(tmp_path)  # a step-* directory is only ever complete: it is damaged
 
 
 class Payload:
@@ -82,7 +84,8 @@ def test_a_crafted_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
     from saferun.checkpoint.store import _sha256
 
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["state.pt"]["sha256"] = _sha256(path / "state.pt")
+    manifest["files"]["state.pt"] = {"bytes": (path / "state.pt").stat().st_size,
+                                     "sha256": _sha256(path / "state.pt")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="refused to load.*Unsupported global"):
         load_checkpoint(path)
@@ -188,3 +191,160 @@ def test_resuming_a_finished_run_trains_no_further(tmp_path):
     t = ToyTrainer(cfg)
     t.fit()
     assert t.state.step == 4
+
+
+def assert_same_state(a, b, path="state"):
+    """Nested dicts/lists of tensors and plain values, compared exactly (but timings)."""
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            if str(k).startswith("perf/"):
+                continue  # throughput: wall-clock, differs between any two runs
+            assert_same_state(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def test_every_single_bit_flip_of_a_manifest_loads_the_same_state_or_falls_back(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2, keep_last=2)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    older, newest = list_checkpoints(root)
+    good = {p: load_checkpoint(p) for p in (older, newest)}
+    manifest = (newest / "manifest.json").read_bytes()
+    damaged = 0
+    for bit in range(len(manifest) * 8):
+        flipped = bytearray(manifest)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        (newest / "manifest.json").write_bytes(bytes(flipped))
+        try:
+            assert_same_state(load_checkpoint(newest), good[newest])
+        except CheckpointError:  # any other exception fails the test
+            damaged += 1
+            if damaged % 50 == 1:  # and a resume falls back to the older one (a sample: 0.3 s each)
+                path, state = load_latest(root)
+                assert path == older
+                assert_same_state(state, good[older])
+    assert damaged > 0
+
+
+@pytest.mark.parametrize("manifest", [
+    {"format": 1, "step": 2, "files": {"state.pt": {"bytes": 1, "sha25": "0" * 64}}},
+    {"format": 1, "step": 2, "files": {"state.pt": ["not", "an", "object"]}},
+    {"format": 1, "step": 2, "files": []},
+    [1, 2, 3],
+    {"format": 1, "step": 3, "files": {"state.pt": {"bytes": 1, "sha256": "0" * 64}}},
+])
+def test_a_manifest_of_an_unexpected_shape_counts_as_damaged(tmp_path, manifest):
+    save_checkpoint(tmp_path, 1, {"x": torch.ones(2)})
+    path = save_checkpoint(tmp_path, 2, {"x": torch.zeros(2)})
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest.json is damaged"):
+        load_checkpoint(path)
+    assert load_latest(tmp_path)[0].name == "step-00000001"
+
+
+class CountingSteps(ToyTrainer):
+    steps_run = 0
+
+    def training_step(self, batch):
+        type(self).steps_run += 1
+        return super().training_step(batch)
+
+
+def test_resume_auto_refuses_when_every_checkpoint_is_damaged(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2, keep_last=2)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    for path in list_checkpoints(root):
+        data = (path / "state.pt").read_bytes()
+        (path / "state.pt").write_bytes(data[: len(data) // 2])
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    cfg = toy_config(tmp_path, max_steps=8, save_every_n_steps=2)
+    cfg["resume"] = "auto"
+    CountingSteps.steps_run = 0
+    with pytest.raises(CheckpointError) as e:
+        CountingSteps(cfg).fit()
+    message = str(e.value)
+    assert "every checkpoint" in message and "damaged" in message
+    assert "step-00000002: " in message and "step-00000004: " in message
+    assert f"mv {root} {root}.damaged" in message and "resume=PATH" in message
+    assert CountingSteps.steps_run == 0  # nothing trained, nothing written
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+
+def test_falling_back_past_a_damaged_checkpoint_keeps_the_new_ones(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=10, save_every_n_steps=5, keep_last=2)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step-00000010" / "state.pt").write_bytes(b"damaged")
+    cfg = toy_config(tmp_path, max_steps=7, save_every_n_steps=5, keep_last=1)
+    cfg["resume"] = "auto"
+    t = ToyTrainer(cfg)
+    t.fit()  # resumes from step 5 and saves step 7 at the end
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000007", "step-00000010"]
+    again = ToyTrainer(cfg)
+    again.fit()  # step 10 is still damaged; step 7 is the newest good one
+    assert again.state.step == 7 and CountingSteps.steps_run == 0
+
+
+# A process that SIGKILLs itself between the two renames of the re-save of step 4
+# (run's end: max_steps is a multiple of save_every_n_steps), then trains as toys.main does.
+CRASH_IN_RESAVE = f"""
+import os, signal, sys
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, {os.path.dirname(TOYS_PATH)!r})
+real, calls = os.replace, []
+def replace(src, dst, *args, **kwargs):
+    if os.path.basename(dst) == "step-00000004":
+        calls.append(dst)
+        if len(calls) == 2:  # the second rename into step-00000004: the new copy's
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst, *args, **kwargs)
+os.replace = replace
+import toys
+toys.main()
+"""
+
+
+class CountingSelfSignalling(SelfSignalling):
+    steps_run = 0
+
+    def training_step(self, batch):
+        type(self).steps_run += 1
+        return super().training_step(batch)
+
+
+def test_a_crash_between_the_renames_of_a_step_saved_again_loses_nothing(tmp_path):
+    def cfg(run_dir, resume=None):
+        # the final log point and validation change the state after the in-loop save at 4
+        c = toy_config(tmp_path, max_steps=4, save_every_n_steps=2, keep_last=1,
+                       log_every_n_steps=3, val_every_n_steps=3)
+        c["trainer"]["run_dir"] = str(run_dir)
+        c["callbacks"] = {"stop": {"_target_": "saferun.stopping.EarlyStopping", "patience": 9}}
+        c["resume"] = resume
+        return c
+
+    crashed = subprocess.run([sys.executable, "-c", CRASH_IN_RESAVE, json.dumps(cfg(tmp_path / "a"))],
+                             capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    root = tmp_path / "a" / "checkpoints"
+    assert [p.name.split(".")[0] for p in list_checkpoints(root)] == ["step-00000004"]
+    CountingSelfSignalling.steps_run = 0
+    resumed = CountingSelfSignalling(cfg(tmp_path / "a", resume="auto"))
+    resumed.fit()
+    assert CountingSelfSignalling.steps_run == 0  # resumed at step 4, not retrained from 0
+    straight = SelfSignalling(cfg(tmp_path / "b"))
+    straight.fit()
+    a, b = (load_checkpoint(r / "checkpoints" / "step-00000004") for r in (tmp_path / "a", tmp_path / "b"))
+    for state in (a, b):
+        del state["config"]["trainer"]["run_dir"], state["config"]["resume"], state["provenance"]
+    assert_same_state(a, b)  # the whole state, RNG and callbacks included
+    assert_same_state(torch.load(tmp_path / "a" / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "b" / "model.pt", weights_only=True))
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import saferun
 from saferun.checkpoint import list_checkpoints, load_checkpoint
@@ -39,15 +40,31 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+def tensorboard_events(run_dir):
+    """({scalar tag: [(step, value)]}, {every tag: [steps]}) from the run's event files."""
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    steps = {tag: [step for step, _ in points] for tag, points in scalars.items()}
+    steps.update({tag: [e.step for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]})
+    return scalars, steps
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def straight_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     proc = train(config(run_dir))
     assert proc.returncode == 0, proc.stderr
-    return final_weights(run_dir)
+    return run_dir
 
 
-def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path, uninterrupted):
+@pytest.fixture(scope="module")
+def uninterrupted(straight_run):
+    return final_weights(straight_run)
+
+
+def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path, uninterrupted,
+                                                                       straight_run):
     run_dir = tmp_path / "run"
     killed = train(config(run_dir), 13, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
@@ -59,6 +76,15 @@ def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path,
     assert resumed.returncode == 0, resumed.stderr
     assert "Resumed from" in resumed.stdout and "step 10, epoch 1, batch 2" in resumed.stdout
     assert_bitwise_equal(final_weights(run_dir), uninterrupted)
+    # TensorBoard: the killed run's events after step 10 are gone, every tag holds each step
+    # once (two event files), and the curves are the uninterrupted run's (but throughput)
+    assert len(list((run_dir / "tensorboard").iterdir())) == 2
+    scalars, steps = tensorboard_events(run_dir)
+    assert all(len(set(s)) == len(s) for s in steps.values()), steps
+    straight = tensorboard_events(straight_run)[0]
+    assert {t: v for t, v in scalars.items() if not t.startswith("perf/")} == \
+        {t: v for t, v in straight.items() if not t.startswith("perf/")}
+    assert scalars["train/loss"][-1][0] == 20 and scalars["val/acc"][1][0] == 12
 
 
 @pytest.mark.parametrize("signum, where, then_resume", [

@@ -126,3 +126,51 @@ def test_unknown_command_and_bare_command(tmp_path):
     assert "commands:" in saferun(cwd=tmp_path).stdout
     proc = saferun("trian", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "unknown command 'trian'" in proc.stderr
+
+
+def test_a_run_dir_that_cannot_be_one_is_refused_before_hydra_writes_into_it(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    proc = saferun("run", *FAST, "hydra.run.dir=taken", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "saferun: error: the run directory taken exists and is not a directory" in proc.stderr
+
+
+def test_refused_resumes_leave_the_run_as_it_was(tmp_path):
+    from saferun.checkpoint import list_checkpoints
+
+    run = ["run", *FAST, "hydra.run.dir=stable", "trainer.save_every_n_steps=2", "trainer.keep_last=2"]
+    run_dir = tmp_path / "stable"
+    saferun(*run, "trainer.max_steps=4", cwd=tmp_path)
+    written = (run_dir / "config.yaml").read_text()
+    refused = saferun(*run, "trainer.max_steps=6", "resume=auto", "seed=7", cwd=tmp_path, check=False)
+    assert refused.returncode == 1 and "seed: 0 -> 7" in refused.stderr
+    assert (run_dir / "config.yaml").read_text() == written  # the refused values are nowhere
+    # (a forced resume's values are in config.yaml and used: tests/resume/test_run_dir.py)
+    for path in list_checkpoints(run_dir / "checkpoints"):  # every checkpoint damaged
+        (path / "state.pt").write_bytes((path / "state.pt").read_bytes()[:1000])
+    files = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
+    proc = saferun(*run, "trainer.max_steps=6", "resume=auto", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "every checkpoint in" in proc.stderr and "step-00000002: " in proc.stderr
+    assert "step-00000004: " in proc.stderr and "To start over on purpose" in proc.stderr
+    assert {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()} == files
+    assert (run_dir / "config.yaml").read_text() == written
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 4
+
+
+def test_a_save_that_cannot_be_written_says_which_and_why(tmp_path):
+    import resource
+
+    def small_files():  # a checkpoint here is about 290 kB; the other files are smaller
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+
+    proc = subprocess.run([sys.executable, "-m", "saferun", "run", *FAST, "hydra.run.dir=full",
+                           "trainer.save_every_n_steps=2"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "saferun: error: could not write " in proc.stderr
+    assert "checkpoints/step-00000002: File too large" in proc.stderr
+    assert "RLIMIT_FSIZE) is 150000 bytes" in proc.stderr
+    assert "keep_last=K needs room for K+1 checkpoints" in proc.stderr
+    assert "enforce fail" not in proc.stderr
+    assert not list((tmp_path / "full" / "checkpoints").iterdir())  # no partial files left

@@ -185,3 +185,18 @@ def test_the_command_line_under_torchrun_uses_one_run_directory(tmp_path):
                                                    "tensorboard", "checkpoints"}
     assert json.loads((runs[0] / "summary.json").read_text())["step"] == 10
     assert proc.stdout.count("saferun: done at step 10") == 1  # rank 0 speaks for the job
+
+
+def test_a_run_directory_in_use_stops_every_rank_with_the_reason(tmp_path):
+    from saferun.checkpoint import rundir
+
+    run_dir = tmp_path / "run"
+    held = rundir.claim(str(run_dir))  # this process writes there; rank 0 must not
+    try:
+        proc = torchrun(plain_config(run_dir, batch_size=16), {"plain": True})
+    finally:
+        held.release()
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count(f"run directory {run_dir} is in use by another run (pid {os.getpid()} ") >= 2
+    assert not (run_dir / "checkpoints").exists()
