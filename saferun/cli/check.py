@@ -1,0 +1,28 @@
+"""`saferun check`: a short diagnostic session with every guard on (see `saferun.guards.check`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .compose import _config_dirs, compose_config
+
+
+def check(args: list[str]) -> None:
+    """`saferun check [overrides]`: compose the config as `run` would, run the diagnostics."""
+    from ..guards.check import exit_status, format_report, make_factory, run_checks
+    from ..errors import SaferunError
+
+    # The report is the output: saferun's INFO lines from the short runs would bury it.
+    quiet = logging.StreamHandler(sys.stderr)
+    quiet.setLevel(logging.WARNING)
+    logging.getLogger("saferun").addHandler(quiet)
+    dirs, overrides = _config_dirs(args)
+    try:
+        config = compose_config(overrides, dirs)
+        results = run_checks(make_factory(config.task), config)
+    except SaferunError as e:
+        print(f"saferun check: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(format_report(results))
+    raise SystemExit(exit_status(results))

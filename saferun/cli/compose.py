@@ -1,0 +1,96 @@
+"""Composing the config as `saferun run` does: Hydra's config store and search path, the run id,
+and the sweep summary callback. With `cli/run.py`, the only place that sees Hydra's DictConfig."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+
+def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = ()) -> Any:
+    """The `saferun.Config` that `saferun run OVERRIDES` would train with (no run directory)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from ..config import load_config
+
+    _register_with_hydra()
+    overrides = list(overrides)
+    for config_dir in config_dirs:
+        sys.path.insert(0, os.path.abspath(config_dir))
+    if config_dirs:
+        paths = ",".join(f"file://{os.path.abspath(d)}" for d in config_dirs)
+        overrides.append(f"hydra.searchpath=[{paths}]")
+    with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return load_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+def _register_with_hydra() -> None:
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from ..config import Config
+
+    ConfigStore.instance().store(name="saferun_schema", node=Config)
+    if not OmegaConf.has_resolver("saferun_run_id"):
+        OmegaConf.register_new_resolver("saferun_run_id", run_id, use_cache=True)
+
+
+_RUN_ID: Optional[str] = None
+
+
+def run_id() -> str:
+    """The run's id: $SAFERUN_RUN_ID if set (so all ranks of a torchrun job agree), else
+    a timestamp with a random suffix, fixed for the life of this process."""
+    global _RUN_ID
+    if _RUN_ID is None:
+        _RUN_ID = os.environ.get("SAFERUN_RUN_ID") or (
+            datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(2))
+    return _RUN_ID
+
+
+def _config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's `-cd DIR` / `--config-dir DIR` / `--config-dir=DIR` arguments: (dirs, the rest)."""
+    dirs, rest = [], []
+    args_iter = iter(args)
+    for arg in args_iter:
+        if arg in ("-cd", "--config-dir"):
+            dirs.append(next(args_iter, ""))
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return [d for d in dirs if d], rest
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra-core is a dependency
+    _HydraCallback = object  # type: ignore[assignment,misc]
+
+
+class SweepSummary(_HydraCallback):
+    """After a multirun: one line per job with its overrides and final metrics."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        summaries = [json.loads(p.read_text()) for p in sweep_dir.glob("*/summary.json")]
+        if not summaries:
+            return
+        summaries.sort(key=lambda s: int(Path(s["run_dir"]).name) if Path(s["run_dir"]).name.isdigit() else 0)
+        keys = sorted({k for s in summaries for k in s["metrics"] if k.startswith(("val/", "train/loss"))})
+        rows = [["job", "overrides", *keys]]
+        for s in summaries:
+            rows.append([Path(s["run_dir"]).name, " ".join(s["overrides"]) or "(none)",
+                         *(f"{s['metrics'][k]:.4g}" if k in s["metrics"] else "-" for k in keys)])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        table = "\n".join(lines)
+        (sweep_dir / "summary.txt").write_text(table + "\n")
+        print(f"\nsaferun: sweep summary ({sweep_dir / 'summary.txt'})\n{table}", flush=True)

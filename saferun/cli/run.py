@@ -1,0 +1,126 @@
+"""`saferun run`: compose the config with Hydra and train (one process, a sweep, or one rank
+of a torchrun job)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from . import compose
+from .compose import _config_dirs, _register_with_hydra, run_id
+
+
+def run(args: list[str]) -> None:
+    """`saferun run [hydra args]`: compose the config with Hydra and train."""
+    import hydra
+
+    from ..parallel.distributed import ranks_from_env
+
+    _register_with_hydra()
+    _check_run_dir_arg(args)
+    for config_dir in _config_dirs(args)[0]:
+        # A copied recipe (saferun new) keeps its Python file next to its configs.
+        sys.path.insert(0, os.path.abspath(config_dir))
+    sys.path.insert(0, os.getcwd())
+    task = _train
+    if ranks_from_env().world_size > 1:
+        args, task = _join_torchrun_job(args)
+    sys.argv = ["saferun"] + args
+    hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
+    if ranks_from_env().world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _check_run_dir_arg(args: list[str]) -> None:
+    """A `hydra.run.dir=` that cannot be a run directory: say so before Hydra fails on it."""
+    from ..checkpoint.rundir import check_writable
+
+    for arg in args:
+        if arg.startswith("hydra.run.dir=") and "${" not in arg:
+            problem = check_writable(Path(arg.split("=", 1)[1]))
+            if problem is not None:
+                print(f"saferun: error: {problem}", file=sys.stderr)
+                raise SystemExit(1)
+
+
+def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
+    """Under torchrun: start the process group before Hydra, so that rank 0 picks the run
+    id (hence one run directory) for every rank; only rank 0 keeps Hydra's files and logs."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ..config import TrainerConfig
+    from ..parallel.distributed import broadcast
+
+    if "-m" in args or "--multirun" in args:
+        print("saferun: error: a sweep (-m) cannot run under torchrun; launch one torchrun job "
+              "per configuration.", file=sys.stderr)
+        raise SystemExit(2)
+    # Bounded from the start; the Trainer then applies the config's trainer.collective_timeout.
+    timeout = datetime.timedelta(seconds=TrainerConfig.collective_timeout)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=timeout)
+    compose._RUN_ID = os.environ["SAFERUN_RUN_ID"] = broadcast(run_id())
+    if dist.get_rank() != 0:
+        args = args + ["hydra.output_subdir=null", "hydra/job_logging=disabled",
+                       "hydra/hydra_logging=disabled"]
+    # record: torchrun then reports the failing rank's traceback as the job's root cause.
+    return args, record(_train)
+
+
+def _train(cfg: Any) -> Optional[float]:
+    """One Hydra job: validate the config, build the recipe's Trainer, fit, write the summary."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from ..config import load_config
+    from ..errors import SaferunError
+
+    from ..parallel.distributed import broadcast, ranks_from_env
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    main = ranks_from_env().is_main
+    started = time.time()
+    try:
+        # Resolved once, on rank 0, for every rank (interpolations such as ${now:} could differ).
+        plain = broadcast(OmegaConf.to_container(cfg, resolve=True))
+        plain["trainer"]["run_dir"] = run_dir
+        config = load_config(plain)
+        if config.task is None:
+            raise SaferunError("no task: set task._target_ to a saferun.Trainer subclass "
+                               "(recipes do; see `saferun list`).")
+        task = dict(config.task)
+        task_class = get_class(task.pop("_target_"))
+        if main:  # config.yaml: written by fit() once the run directory and resume are accepted
+            print(f"saferun: run directory {run_dir}", flush=True)
+        trainer = task_class(config, **task)
+        metrics = trainer.fit()
+    except SaferunError as e:
+        print(f"saferun: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if not main:
+        return None
+    summary = {
+        "name": config.name,
+        "run_dir": run_dir,
+        "overrides": list(hydra_cfg.overrides.task),
+        "step": trainer.state.step,
+        "seconds": round(time.time() - started, 2),
+        "metrics": metrics,
+    }
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "train/loss")))
+    print(f"saferun: done at step {trainer.state.step}: {shown}", flush=True)
+    print(f"saferun: run directory {run_dir}", flush=True)
+    return None
