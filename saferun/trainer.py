@@ -14,7 +14,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import platform
 import sys
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
@@ -24,29 +23,27 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import modes
-from .version import __version__
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
-from .checkpoint import CheckpointError
 from .checkpoint.checkpointer import Checkpointer
 from .config import Config, load_config
 from .data import (ShardedStream, batch_size_of, check_dataset, check_stream, make_loader,
                    move_to_device, resume_limits, set_loader_epoch, to_host)
-from .errors import ConfigError, NonFiniteError, SaferunError  # noqa: F401  (NonFiniteError: saferun.trainer's name)
+from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
-from .guards.preflight import check_loader
+from .guards.preflight import preflight
 from .guards.purity import changed as purity_changed
 from .guards.purity import check_purity, fingerprint
-from .guards.sync_audit import SyncAudit
 from .guards.unused import report_unused_parameters
-from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
+from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
+from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .loop.precision import autocast_factory, grad_scaler
-from .loop.seeding import derive_seed, get_rng_state, preserved_rng, seed_everything
+from .loop.seeding import derive_seed, preserved_rng, seed_everything
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
-                         resolve_device, root_cause)
+                         resolve_device)
 from .parallel import distributed
 from .parallel.strategy import DataParallel, SingleProcess
 from .preemption import Preempted, StopSignals, signal_name
@@ -85,11 +82,13 @@ class Trainer:
 
     def build_model(self) -> nn.Module:
         """Return the model. Default: instantiate the `model` config node."""
-        return self._instantiate("model", self._node("model", "build_model"))
+        return instantiate_node("model", required_node(self.cfg, "model", type(self).__name__,
+                                                       "build_model"))
 
     def build_datasets(self) -> tuple[Dataset, Optional[Dataset]]:
         """Return (train dataset, validation dataset or None). Default: the `data` node."""
-        datasets = self._instantiate("data", self._node("data", "build_datasets"))
+        datasets = instantiate_node("data", required_node(self.cfg, "data", type(self).__name__,
+                                                           "build_datasets"))
         if isinstance(datasets, Dataset):
             return datasets, None
         train, val = datasets
@@ -99,8 +98,9 @@ class Trainer:
                           ) -> tuple[DataLoader, Optional[DataLoader]]:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
         t = self.cfg.trainer
+        pin = self.device.type == "cuda" if t.pin_memory is None else t.pin_memory
         common = dict(num_workers=t.num_workers, seed=self.cfg.seed, rank=self.state.rank,
-                      world_size=self.state.world_size, pin_memory=self._pin_memory(),
+                      world_size=self.state.world_size, pin_memory=pin,
                       multiprocessing_context=t.multiprocessing_context,
                       collate_fn=self.build_collate_fn())
         train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
@@ -118,17 +118,11 @@ class Trainer:
         module-level class): the preflight names what does not."""
         if self.cfg.collate_fn is None:
             return None
-        return self._instantiate("collate_fn", self.cfg.collate_fn)
+        return instantiate_node("collate_fn", self.cfg.collate_fn)
 
     def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """Return the optimizer over the trainable `params`. Default: the `optim` node."""
-        from hydra.utils import instantiate
-
-        try:
-            return instantiate(self.cfg.optim, params=params)
-        except Exception as e:
-            raise ConfigError(f"optim: could not build {self.cfg.optim.get('_target_')}: "
-                              f"{root_cause(e)}. Check the keys under optim.") from None
+        return instantiate_node("optim", self.cfg.optim, params=params)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer
                         ) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
@@ -137,13 +131,7 @@ class Trainer:
         trainer.sched_metric names."""
         if self.cfg.sched is None:
             return None
-        from hydra.utils import instantiate
-
-        try:
-            return instantiate(self.cfg.sched, optimizer=optimizer)
-        except Exception as e:
-            raise ConfigError(f"sched: could not build {self.cfg.sched.get('_target_')}: "
-                              f"{root_cause(e)}. Check the keys under sched.") from None
+        return instantiate_node("sched", self.cfg.sched, optimizer=optimizer)
 
     def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """Return the scalar loss, or a dict with 'loss' plus other scalars to log."""
@@ -222,7 +210,8 @@ class Trainer:
         self._non_blocking = self.device.type == "cuda"
         self.state.run_dir = t.run_dir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-        self._callbacks = CallbackList(self._user_callbacks + self._configured_callbacks())
+        self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
+            self.cfg, self.ranks.is_main, self.device.type))
         self._running = RunningTrainMetrics()
         self._stop_signals = StopSignals()
         self._setup_guards()
@@ -247,12 +236,7 @@ class Trainer:
         self._declared = modes.DeclaredModes(self.model, self._frozen) if g.declared_modes else None
         self._check_first_batch = False
         if g.preflight:
-            for loader in (self.train_loader, self.val_loader):
-                if loader is not None:
-                    report = check_loader(loader)
-                    for warning in report.warnings:
-                        log.warning("DataLoader preflight: %s", warning)
-                    report.raise_errors()
+            preflight(self.train_loader, self.val_loader)
             self._check_first_batch = self.train_loader is not None and self.train_loader.num_workers > 0
 
     def fit(self) -> dict[str, float]:
@@ -452,63 +436,15 @@ class Trainer:
         Under torchrun every rank must call it (it gathers each rank's RNG states and
         pending metrics onto rank 0); on the other ranks `per_rank` is None.
         """
-        s = self.state
         assert self.train_loader is not None
-        epoch_start = self._batches.position_state()
-        # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
-        # run's, not the ones this process was seeded with.
-        rng = self._batches.resume_rng if self._batches.resume_rng is not None else get_rng_state()
-        mine = move_to_device({"rng": rng, "running": self._running.state_dict(),
-                               # spike detectors: each rank sees its own loss
-                               "spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},
-                               "epoch_start": epoch_start}, torch.device("cpu"))
-        per_rank = self._strategy.gather(mine)
-        return {
-            "format": 1,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self._scaler.state_dict(),
-            "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
-                     "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
-                     "best": list(self._checkpointer.best) if self._checkpointer.best else None},
-            "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
-            "callbacks": self._callbacks.state_dict(),
-            "config": dataclasses.asdict(self.cfg),
-            "provenance": {"saferun": __version__, "torch": str(torch.__version__),
-                           "python": platform.python_version()},
-        }
+        return self._checkpointer.assemble()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s result. RNG states apply when training resumes."""
         self.setup()
-        self._checkpointer.replaced()  # this state replaces one found by setup
-        self._checkpointer.load_model(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:
-            self._scaler.load_state_dict(state["scaler"])
-        loop = state["loop"]
-        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
-            setattr(self.state, key, loop[key])
-        self.state.metrics.update(loop["metrics"])
-        self._checkpointer.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
-        if len(state["per_rank"]) != self.ranks.world_size:
-            raise CheckpointError(
-                f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
-                f"has {self.ranks.world_size}: each rank's RNG states and data shard would differ. "
-                f"Resume with the same number of processes.")
-        mine = state["per_rank"][self.ranks.rank]
-        self._running.load_state_dict(move_to_device(mine["running"], self.device))
-        self._callbacks.load_state_dict(state["callbacks"])
-        spikes = mine.get("spikes", state.get("guards", {}))  # "guards": saferun 0.1's, rank 0's
-        for key, detector in (self._spikes or {}).items():
-            if key in spikes:
-                detector.load_state_dict(move_to_device(spikes[key], self.device))
-        self._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
+        self._checkpointer.restore(state)
 
-    # ------------------------------------------------------------------ bad-step guards
+    # ------------------------------------------------------------------ stop, log
 
     def _preempted(self, exc: BaseException) -> Optional[Preempted]:
         """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.
@@ -543,41 +479,6 @@ class Trainer:
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
         return self._strategy.agreed(self._callbacks.on_log(self.view, metrics))
-
-    def _configured_callbacks(self) -> list[Callback]:
-        """The `callbacks` nodes, then (on rank 0) the `logger` nodes and the console output."""
-        callbacks: list[Callback] = []
-        for key in ("callbacks", "logger") if self.ranks.is_main else ("callbacks",):
-            for name, node in (getattr(self.cfg, key) or {}).items():
-                if node is not None:
-                    callbacks.append(self._instantiate(f"{key}.{name}", node))
-        if self.ranks.is_main:
-            callbacks.append(ProgressBar() if want_progress_bar(self.cfg.trainer.progress_bar)
-                             else LogLines())
-        if self.cfg.guards.sync_audit:
-            callbacks.append(SyncAudit(self.device.type))  # last: it sees every callback's syncs
-        return callbacks
-
-    def _pin_memory(self) -> bool:
-        setting = self.cfg.trainer.pin_memory
-        return self.device.type == "cuda" if setting is None else setting
-
-    def _node(self, key: str, hook: str) -> Mapping[str, Any]:
-        node = getattr(self.cfg, key)
-        if node is None:
-            raise SaferunError(f"{type(self).__name__}.{hook}() is not overridden and the config "
-                               f"has no '{key}' node. Override {hook}() or set {key}._target_.")
-        return node
-
-    @staticmethod
-    def _instantiate(key: str, node: Mapping[str, Any]) -> Any:
-        from hydra.utils import instantiate
-
-        try:
-            return instantiate(node)
-        except Exception as e:
-            raise ConfigError(f"{key}: could not build {node.get('_target_')}: {root_cause(e)}. "
-                              f"Check the keys under {key}.") from None
 
 
 class _StopRequested(Exception):

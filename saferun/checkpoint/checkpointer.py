@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
 from ..config import check_resume_config
+from ..data import move_to_device
 from ..errors import ConfigError, SaferunError
+from ..loop.seeding import get_rng_state
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
+from ..version import __version__
 from . import rundir
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights)
@@ -40,6 +44,13 @@ class Owner(Protocol):
     _callbacks: Any  # CallbackList
     _guard: Any  # BadStepPolicy
 
+    device: torch.device
+    _scaler: Any  # GradScaler
+    _running: Any  # RunningTrainMetrics
+    _spikes: Any  # the spike detectors, or None
+    _strategy: Any  # the parallel strategy: gathers each rank's state
+    _batches: Any  # BatchStream: the data position and the RNG states to restore
+
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
@@ -52,6 +63,66 @@ class Checkpointer:
         self.best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
+
+    # ------------------------------------------------------------------ state
+
+    def assemble(self) -> dict[str, Any]:
+        """The Trainer's whole state (`Trainer.state_dict`); a collective under torchrun."""
+        o = self._owner
+        s = o.state
+        epoch_start = o._batches.position_state()
+        # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
+        # run's, not the ones this process was seeded with.
+        rng = o._batches.resume_rng if o._batches.resume_rng is not None else get_rng_state()
+        mine = move_to_device({"rng": rng, "running": o._running.state_dict(),
+                               # spike detectors: each rank sees its own loss
+                               "spikes": {k: d.state_dict() for k, d in (o._spikes or {}).items()},
+                               "epoch_start": epoch_start}, torch.device("cpu"))
+        per_rank = o._strategy.gather(mine)
+        return {
+            "format": 1,
+            "model": o.model.state_dict(),
+            "optimizer": o.optimizer.state_dict(),
+            "scheduler": o.scheduler.state_dict() if o.scheduler is not None else None,
+            "scaler": o._scaler.state_dict(),
+            "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
+                     "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
+                     "best": list(self.best) if self.best else None},
+            "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
+            "callbacks": o._callbacks.state_dict(),
+            "config": dataclasses.asdict(o.cfg),
+            "provenance": {"saferun": __version__, "torch": str(torch.__version__),
+                           "python": platform.python_version()},
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
+        o = self._owner
+        self.replaced()  # this state replaces one found by setup
+        self.load_model(state["model"])
+        o.optimizer.load_state_dict(state["optimizer"])
+        if o.scheduler is not None and state["scheduler"] is not None:
+            o.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            o._scaler.load_state_dict(state["scaler"])
+        loop = state["loop"]
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
+            setattr(o.state, key, loop[key])
+        o.state.metrics.update(loop["metrics"])
+        self.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
+        if len(state["per_rank"]) != o.ranks.world_size:
+            raise CheckpointError(
+                f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
+                f"has {o.ranks.world_size}: each rank's RNG states and data shard would differ. "
+                f"Resume with the same number of processes.")
+        mine = state["per_rank"][o.ranks.rank]
+        o._running.load_state_dict(move_to_device(mine["running"], o.device))
+        o._callbacks.load_state_dict(state["callbacks"])
+        spikes = mine.get("spikes", state.get("guards", {}))  # "guards": saferun 0.1's, rank 0's
+        for key, detector in (o._spikes or {}).items():
+            if key in spikes:
+                detector.load_state_dict(move_to_device(spikes[key], o.device))
+        o._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
 
     # ------------------------------------------------------------------ resume
 

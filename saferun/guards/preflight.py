@@ -18,6 +18,7 @@ spawn and forkserver workers while they unpickle it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -30,7 +31,10 @@ from .generators import Finding, find_rng_objects, rng_kind, rng_objects, scan_r
 from .pickling import find_unpicklable
 
 __all__ = ["SENT_TO_WORKERS", "Finding", "Report", "check_batch_on_cpu", "check_loader",
-           "find_rng_objects", "find_unpicklable", "rng_kind", "rng_objects", "start_method"]
+           "find_rng_objects", "find_unpicklable", "preflight", "rng_kind", "rng_objects",
+           "start_method"]
+
+log = logging.getLogger("saferun")
 
 # What DataLoader passes to each worker process (torch/utils/data/dataloader.py).
 SENT_TO_WORKERS = ("dataset", "collate_fn", "worker_init_fn")
@@ -49,6 +53,16 @@ class Report:
         if self.errors:
             raise SaferunError("DataLoader preflight failed:\n" +
                                "\n".join(f"  - {e}" for e in self.errors))
+
+
+def preflight(*loaders: Optional[DataLoader]) -> None:
+    """guards.preflight: check each loader; log the warnings, raise the errors."""
+    for loader in loaders:
+        if loader is not None:
+            report = check_loader(loader)
+            for warning in report.warnings:
+                log.warning("DataLoader preflight: %s", warning)
+            report.raise_errors()
 
 
 def start_method(loader: DataLoader) -> str:
