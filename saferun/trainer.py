@@ -26,8 +26,8 @@ from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer
 from .config import Config, load_config
-from .data import (ShardedStream, batch_size_of, check_dataset, check_stream, make_loader,
-                   move_to_device, resume_limits, set_loader_epoch, to_host)
+from .data import (ShardedStream, check_dataset, check_stream, make_loader, resume_limits,
+                   set_loader_epoch)
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.preflight import preflight
@@ -41,6 +41,7 @@ from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, preserved_rng, seed_everything
+from .loop.transfer import batch_size_of, move_to_device, to_host
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
                          resolve_device)

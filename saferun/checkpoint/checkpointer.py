@@ -17,14 +17,14 @@ from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
-from ..config import check_resume_config
-from ..data import move_to_device
 from ..errors import ConfigError, SaferunError
 from ..loop.seeding import get_rng_state
+from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
 from . import rundir
+from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights)
 

@@ -8,13 +8,13 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from ..data import (IndexRecorder, epoch_state, move_to_device, restore_epoch_state,
-                    set_loader_epoch)
+from ..data import IndexRecorder, epoch_state, restore_epoch_state, set_loader_epoch
 from ..errors import SaferunError
 from ..guards.preflight import check_batch_on_cpu
 from ..parallel import distributed
 from .seeding import set_rng_state
 from .state import LoopState
+from .transfer import move_to_device
 
 
 class BatchStream:

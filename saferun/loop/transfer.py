@@ -1,0 +1,120 @@
+"""Batches to the device and outputs to the host: every tensor in a nested batch (tuples, lists,
+dicts, dataclasses), with errors that name the tensor's place in the batch."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from ..errors import SaferunError
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a nested batch (tuples, lists, dicts, dataclasses) to `device`.
+
+    Objects with their own `.to(device)` are moved with it; other leaves (ints,
+    strings, None) pass through. Containers keep their type: a dict subclass its
+    extra state (a defaultdict's factory), a dataclass its other attributes (it is
+    copied and its fields replaced, without running `__init__`/`__post_init__` again).
+    A NumPy array or a tensor that fails to move raises `SaferunError` naming its
+    place in the batch.
+    """
+    if type(batch) in (list, tuple) and all(type(t) is torch.Tensor for t in batch):
+        try:  # the common (inputs, targets) batch, without building a path per element
+            return type(batch)(t.to(device, non_blocking=non_blocking) for t in batch)
+        except (RuntimeError, TypeError):
+            pass  # the walk below names the tensor that failed
+
+    def tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+        try:
+            return t.to(device, non_blocking=non_blocking)
+        except (RuntimeError, TypeError) as e:
+            raise SaferunError(
+                f"cannot move {path} (tensor of dtype {t.dtype}, shape {tuple(t.shape)}) "
+                f"to {device}: {e}. Return a supported dtype from the dataset or collate_fn."
+            ) from None
+
+    def other(obj: Any, path: str) -> Any:
+        if type(obj).__module__ == "numpy":
+            raise SaferunError(
+                f"{path} is a {type(obj).__module__}.{type(obj).__name__}, which cannot be moved "
+                f"to {device}. Return torch tensors from the dataset (torch.from_numpy) or the "
+                f"collate_fn.")
+        to = getattr(obj, "to", None)
+        return to(device, non_blocking=non_blocking) if callable(to) else obj
+
+    return _map_tensors(batch, tensor, other, "batch")
+
+
+def to_host(outputs: Any) -> Any:
+    """`outputs` with every tensor on the CPU as a normal tensor (inference tensors are
+    cloned, so that the caller can use them in autograd); other leaves pass through."""
+
+    def tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+        t = t.detach().cpu()
+        return t.clone() if t.is_inference() else t
+
+    def other(obj: Any, path: str) -> Any:
+        to = getattr(obj, "to", None)
+        if callable(to) and type(obj).__module__ != "numpy":
+            return to(torch.device("cpu"))
+        return obj
+
+    return _map_tensors(outputs, tensor, other, "output")
+
+
+def _map_tensors(obj: Any, tensor: Callable[[torch.Tensor, str], Any],
+                 other: Callable[[Any, str], Any], path: str) -> Any:
+    """`obj` rebuilt with `tensor(t, path)` for each tensor and `other(x, path)` for each leaf
+    that is neither a tensor, a plain value nor a container."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj, path)
+    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return obj
+    if isinstance(obj, dict):
+        if type(obj) is dict:
+            return {k: _map_tensors(v, tensor, other, f"{path}[{k!r}]") for k, v in obj.items()}
+        out = copy.copy(obj)  # keeps a subclass's own state (defaultdict's default_factory)
+        for k, v in obj.items():
+            out[k] = _map_tensors(v, tensor, other, f"{path}[{k!r}]")
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(v, tensor, other, f"{path}.{f}")
+                           for f, v in zip(obj._fields, obj)))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, tensor, other, f"{path}[{i}]") for i, v in enumerate(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # Not dataclasses.replace: it would run __init__ and __post_init__ again and reset
+        # the init=False fields. A shallow copy with each field replaced keeps everything.
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(out, f.name, _map_tensors(getattr(obj, f.name), tensor, other,
+                                                             f"{path}.{f.name}"))
+        return out
+    return other(obj, path)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The size of the first dimension of the first tensor found in `batch` (0 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else 1
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = batch_size_of(item)
+            if n:
+                return n
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            n = batch_size_of(item)
+            if n:
+                return n
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            n = batch_size_of(getattr(batch, f.name))
+            if n:
+                return n
+    return 0
