@@ -53,3 +53,7 @@ class StopSignals:
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+class StopRequested(Exception):
+    """Raised inside the loop when a stop signal arrived; fit() turns it into `Preempted`."""

@@ -9,7 +9,6 @@ override point; callbacks observe it (see `saferun.callbacks`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -31,23 +30,22 @@ from .data import (ShardedStream, check_dataset, check_stream, make_loader, resu
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.preflight import preflight
-from .guards.purity import changed as purity_changed
-from .guards.purity import check_purity, fingerprint
 from .guards.unused import report_unused_parameters
 from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
+from .loop.evaluation import Evaluator
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
-from .loop.metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
+from .loop.metrics import RunningTrainMetrics
 from .loop.precision import autocast_factory, grad_scaler
-from .loop.seeding import derive_seed, preserved_rng, seed_everything
-from .loop.transfer import batch_size_of, move_to_device, to_host
+from .loop.seeding import derive_seed, seed_everything
+from .loop.transfer import batch_size_of, move_to_device
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
                          resolve_device)
 from .parallel import distributed
 from .parallel.strategy import DataParallel, SingleProcess
-from .preemption import Preempted, StopSignals, signal_name
+from .preemption import Preempted, StopRequested, StopSignals, signal_name
 from .schedules import Schedule
 
 log = logging.getLogger("saferun")
@@ -209,6 +207,8 @@ class Trainer:
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
+        self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
+                                    t.eval_grad_mode, self.cfg.guards.eval_purity)
         self.state.run_dir = t.run_dir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
@@ -262,7 +262,7 @@ class Trainer:
                     if (control and control.save) or self._checkpointer.save_due():
                         self._checkpointer.save()
                     if self._strategy.stop_agreed(self._stop_signals):
-                        raise _StopRequested
+                        raise StopRequested
                     if (control and control.stop) or state.step >= t.max_steps:
                         break
                 if self._running.steps:
@@ -336,24 +336,11 @@ class Trainer:
         self._checkpointer.check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
-        limit = self.cfg.trainer.limit_val_batches
-        means = WeightedMeans()
         set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
-        before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
-        # preserved_rng: randomness in validation must not shift training's random streams,
-        # or the training results would depend on how often you validate.
-        with self._evaluating(), preserved_rng():
-            for i, batch in enumerate(self.val_loader):
-                if limit is not None and i >= limit:
-                    break
-                if self.ranks.world_size == 1 and self._stop_signals.received is not None:
-                    raise _StopRequested  # preemption must not wait for a long evaluation
-                out = self.validation_step(move_to_device(batch, self.device, self._non_blocking))
-                means.add(scalar_dict(out, "validation_step"), self.batch_size(batch))
-        probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}
-        values, flags = means.read(probe, self.device)  # one read: the means and the purity flag
-        check_purity(before, self.model, flags.get("changed", 0.0), self.cfg.trainer.eval_grad_mode,
-                     self.state.step)
+        values = self._evaluator.validate(
+            self.val_loader, self.validation_step, self.batch_size, self.cfg.trainer.limit_val_batches,
+            lambda: self.ranks.world_size == 1 and self._stop_signals.received is not None,
+            self.state.step)
         metrics = {f"val/{k}": v for k, v in self.finish_validation(values).items()}
         self.state.metrics.update(metrics)
         return metrics
@@ -369,29 +356,9 @@ class Trainer:
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
             collate_fn=self.build_collate_fn())
-        outputs = []
-        before = fingerprint(self.model) if self.cfg.guards.eval_purity else None
-        with self._evaluating():
-            for batch in loader:
-                outputs.append(self.predict_step(move_to_device(batch, self.device,
-                                                                self._non_blocking)))
-        if before is not None:
-            check_purity(before, self.model, float(purity_changed(before, fingerprint(self.model))),
-                         self.cfg.trainer.eval_grad_mode, self.state.step)
-        # Outside inference mode, cat/clone turn inference tensors into normal ones,
-        # which the caller may later use in autograd.
-        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-            return torch.cat(outputs).cpu()
-        return [to_host(o) for o in outputs]
+        return self._evaluator.predict(loader, self.predict_step, self.state.step)
 
     # ------------------------------------------------------------------ loop helpers
-
-    def _evaluating(self) -> contextlib.ExitStack:
-        """Eval mode (every submodule's flag restored after), no autograd, autocast."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(modes.evaluating(self.model, self.cfg.trainer.eval_grad_mode))
-        stack.enter_context(self._autocast())
-        return stack
 
     def _start_training(self) -> None:
         """Train mode for everything except frozen modules; say so if the model was in eval."""
@@ -409,7 +376,8 @@ class Trainer:
         assert self.train_loader is not None
         batch = first_batch(self.train_loader, self.cfg.seed, self.state.rank, self.device,
                             self._non_blocking)
-        check_compiled_step(self.training_step, batch, self.model, self._frozen, self._evaluating,
+        check_compiled_step(self.training_step, batch, self.model, self._frozen,
+                            self._evaluator.evaluating,
                             self._autocast, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
 
     def _validation_due(self, epoch_end: bool) -> bool:
@@ -456,7 +424,7 @@ class Trainer:
         signum = self._stop_signals.received
         worker_died = (isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc)
                        and self.ranks.world_size == 1)  # under torchrun the ranks must agree
-        if signum is None or not (isinstance(exc, _StopRequested) or worker_died):
+        if signum is None or not (isinstance(exc, StopRequested) or worker_died):
             return None
         path = self._checkpointer.save()
         message = (f"saferun: stopped by {signal_name(signum)} at step {self.state.step}; "
@@ -480,7 +448,3 @@ class Trainer:
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
         return self._strategy.agreed(self._callbacks.on_log(self.view, metrics))
-
-
-class _StopRequested(Exception):
-    """Raised inside the loop when a stop signal arrived; fit() turns it into `Preempted`."""

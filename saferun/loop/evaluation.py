@@ -1,0 +1,74 @@
+"""Evaluation passes (validation, predict): eval mode with every submodule's flag restored after,
+no autograd, autocast, training's random streams untouched; with guards.eval_purity, the model
+checked to be left as evaluation found it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .. import modes
+from ..guards.purity import changed as purity_changed
+from ..guards.purity import check_purity, fingerprint
+from ..preemption import StopRequested
+from .metrics import WeightedMeans, scalar_dict
+from .seeding import preserved_rng
+from .transfer import move_to_device, to_host
+
+
+class Evaluator:
+    """Runs `validation_step` or `predict_step` over a loader (see `Trainer.validate`/`predict`)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, non_blocking: bool,
+                 autocast: Callable[[], ContextManager[Any]], eval_grad_mode: str,
+                 purity: bool) -> None:
+        self._model, self._device, self._non_blocking = model, device, non_blocking
+        self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
+
+    def evaluating(self) -> contextlib.ExitStack:
+        """Eval mode (every submodule's flag restored after), no autograd, autocast."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(modes.evaluating(self._model, self._grad_mode))
+        stack.enter_context(self._autocast())
+        return stack
+
+    def validate(self, loader: DataLoader, step_fn: Callable[[Any], Any],
+                 batch_size: Callable[[Any], int], limit: Optional[int],
+                 stopped: Callable[[], bool], step: int) -> dict[str, float]:
+        """The batch-size-weighted means of `step_fn`'s values over `loader` (one host read)."""
+        means = WeightedMeans()
+        before = fingerprint(self._model) if self._purity else None
+        # preserved_rng: randomness in validation must not shift training's random streams,
+        # or the training results would depend on how often you validate.
+        with self.evaluating(), preserved_rng():
+            for i, batch in enumerate(loader):
+                if limit is not None and i >= limit:
+                    break
+                if stopped():
+                    raise StopRequested  # preemption must not wait for a long evaluation
+                out = step_fn(move_to_device(batch, self._device, self._non_blocking))
+                means.add(scalar_dict(out, "validation_step"), batch_size(batch))
+        probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
+        values, flags = means.read(probe, self._device)  # one read: the means and the purity flag
+        check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)
+        return values
+
+    def predict(self, loader: DataLoader, step_fn: Callable[[Any], Any], step: int) -> Any:
+        """`step_fn` over `loader`; tensors concatenated, other outputs a list, all on the CPU."""
+        outputs = []
+        before = fingerprint(self._model) if self._purity else None
+        with self.evaluating():
+            for batch in loader:
+                outputs.append(step_fn(move_to_device(batch, self._device, self._non_blocking)))
+        if before is not None:
+            check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),
+                         self._grad_mode, step)
+        # Outside inference mode, cat/clone turn inference tensors into normal ones,
+        # which the caller may later use in autograd.
+        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+            return torch.cat(outputs).cpu()
+        return [to_host(o) for o in outputs]
