@@ -252,8 +252,9 @@ def check_stream(loader: DataLoader, world_size: int) -> None:
         f"torch.utils.data.get_worker_info()), in ShardedStream(dataset, presplit=True).")
 
 
-def check_dataset(dataset: Any, name: str) -> None:
-    """Fail early, with the fix, on an empty or length-less dataset."""
+def check_dataset(dataset: Any, name: str, processes: int = 1) -> None:
+    """Fail early, with the fix, on an empty dataset, or one with fewer samples than the
+    `processes` that each need one (validation under torchrun)."""
     try:
         n = len(dataset)
     except TypeError:
@@ -263,3 +264,6 @@ def check_dataset(dataset: Any, name: str) -> None:
             f"the {name} dataset is empty (len == 0). Check the path or filter that builds it "
             f"in build_datasets()."
         )
+    if n < processes:
+        raise SaferunError(f"the {name} dataset has {n} samples for {processes} processes: "
+                           f"every rank needs at least one.")

@@ -42,9 +42,9 @@ from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
-                         resolve_device)
+                         resolve_device, trainable_parameters)
 from .parallel import distributed
-from .parallel.strategy import DataParallel, SingleProcess
+from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, signal_name
 from .schedules import Schedule
 
@@ -183,11 +183,7 @@ class Trainer:
         train_set, val_set = self.build_datasets()
         check_dataset(train_set, "training")
         if val_set is not None:
-            check_dataset(val_set, "validation")
-            if hasattr(val_set, "__len__") and len(val_set) < self.ranks.world_size:
-                raise SaferunError(
-                    f"the validation dataset has {len(val_set)} samples for "
-                    f"{self.ranks.world_size} processes: every rank needs at least one.")
+            check_dataset(val_set, "validation", self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         limits = resume_limits(self.train_loader)
         if limits:
@@ -195,10 +191,7 @@ class Trainer:
                         "checkpoint would not equal an uninterrupted one (resume is not exact). "
                         "%s.", "; ".join(limits))
         check_stream(self.train_loader, self.ranks.world_size)
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        if not self._params:
-            raise SaferunError("the model has no trainable parameters (all are frozen or have "
-                               "requires_grad=False). Check trainer.frozen_modules.")
+        self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
         check_optimizer_params(self.optimizer, model)
         self.scheduler = self.build_scheduler(self.optimizer)
@@ -224,8 +217,7 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy = (DataParallel(self, t.find_unused_parameters) if self.ranks.world_size > 1
-                          else SingleProcess())
+        self._strategy = strategy_for(self, t.find_unused_parameters)
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 

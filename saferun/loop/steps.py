@@ -63,6 +63,15 @@ def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> to
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer gets; an error if there are none."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise SaferunError("the model has no trainable parameters (all are frozen or have "
+                           "requires_grad=False). Check trainer.frozen_modules.")
+    return params
+
+
 def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     frozen = {id(p): name for name, p in model.named_parameters() if not p.requires_grad}
     for group in optimizer.param_groups:

@@ -35,6 +35,7 @@ class ModelOwner(Protocol):
 
     model: torch.nn.Module
     device: torch.device
+    ranks: distributed.Ranks
     state: Any  # LoopState: the step, for GradientSync's messages
 
 
@@ -120,3 +121,10 @@ class DataParallel(SingleProcess):
         """The ranks agreed on a stop signal at the last log point, so that all of them save
         the same step and exit together."""
         return self._agreed_signal is not None
+
+
+def strategy_for(trainer: ModelOwner, find_unused: bool) -> SingleProcess:
+    """The strategy for this launch: DataParallel under torchrun, else SingleProcess."""
+    if trainer.ranks.world_size > 1:
+        return DataParallel(trainer, find_unused)
+    return SingleProcess()
