@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from ..callbacks import Callback
 
-_SAFERUN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib")})
 
 COST = {
