@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
+import logging
 import os
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -19,6 +20,8 @@ from .errors import SaferunError
 from .guards.generators import rng_kind, rng_objects
 from .loop.seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
 from .loop.transfer import batch_size_of, move_to_device, to_host  # noqa: F401  (saferun.data's names)
+
+log = logging.getLogger("saferun")
 
 
 class IndexRecorder(Sampler[list[int]]):
@@ -88,6 +91,22 @@ def make_loader(
         sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     batches = IndexRecorder(BatchSampler(sampler, batch_size, drop_last))
     return DataLoader(dataset, batch_sampler=batches, generator=generator, **workers)
+
+
+def make_loaders(train: Dataset, val: Optional[Dataset], t: Any, seed: int, rank: int,
+                 world_size: int, pin_memory: bool, collate_fn: Optional[Callable[[list[Any]], Any]]
+                 ) -> tuple[DataLoader, Optional[DataLoader]]:
+    """The default training and validation loaders for the `trainer` config node `t`."""
+    common = dict(num_workers=t.num_workers, seed=seed, rank=rank, world_size=world_size,
+                  pin_memory=pin_memory, multiprocessing_context=t.multiprocessing_context,
+                  collate_fn=collate_fn)
+    train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
+                               drop_last=t.drop_last, **common)
+    val_loader = None
+    if val is not None:
+        val_loader = make_loader(val, batch_size=t.val_batch_size or t.batch_size,
+                                 shuffle=False, drop_last=False, evaluation=True, **common)
+    return train_loader, val_loader
 
 
 def set_loader_epoch(loader: DataLoader, seed: int, epoch: int, rank: int = 0) -> None:
@@ -232,6 +251,16 @@ class ShardedStream(IterableDataset):
         while round_ := list(itertools.islice(items, count)):
             if len(round_) == count or (index < len(round_) and not even):
                 yield round_[index]
+
+
+def check_training_loader(loader: DataLoader, world_size: int) -> None:
+    """Warn when `loader` cannot be resumed exactly; refuse a stream every worker reads whole."""
+    limits = resume_limits(loader)
+    if limits:
+        log.warning("The training DataLoader cannot be resumed exactly: a run resumed from a "
+                    "checkpoint would not equal an uninterrupted one (resume is not exact). "
+                    "%s.", "; ".join(limits))
+    check_stream(loader, world_size)
 
 
 def check_stream(loader: DataLoader, world_size: int) -> None:

@@ -10,12 +10,15 @@ submodule's flag and puts it back.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .errors import ConfigError, SaferunError
+
+log = logging.getLogger("saferun")
 
 
 def resolve_modules(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -37,6 +40,14 @@ def freeze(modules: Sequence[nn.Module]) -> None:
     for m in modules:
         m.eval()
         m.requires_grad_(False)
+
+
+def start_training(model: nn.Module, frozen: Sequence[nn.Module], frozen_names: Sequence[str]) -> None:
+    """Train mode for everything except frozen modules; say so if the model was in eval."""
+    if set_train_modes(model, frozen):
+        log.info("The model was in eval mode (as pretrained loaders often return it); "
+                 "saferun put it in train mode. Frozen modules kept in eval: %s.",
+                 ", ".join(frozen_names) or "none declared")
 
 
 def set_train_modes(model: nn.Module, frozen: Sequence[nn.Module]) -> bool:

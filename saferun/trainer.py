@@ -25,8 +25,7 @@ from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer
 from .config import Config, load_config
-from .data import (ShardedStream, check_dataset, check_stream, make_loader, resume_limits,
-                   set_loader_epoch)
+from .data import check_dataset, check_training_loader, make_loaders, set_loader_epoch
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.preflight import preflight
@@ -98,17 +97,8 @@ class Trainer:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
         t = self.cfg.trainer
         pin = self.device.type == "cuda" if t.pin_memory is None else t.pin_memory
-        common = dict(num_workers=t.num_workers, seed=self.cfg.seed, rank=self.state.rank,
-                      world_size=self.state.world_size, pin_memory=pin,
-                      multiprocessing_context=t.multiprocessing_context,
-                      collate_fn=self.build_collate_fn())
-        train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
-                                   drop_last=t.drop_last, **common)
-        val_loader = None
-        if val is not None:
-            val_loader = make_loader(val, batch_size=t.val_batch_size or t.batch_size,
-                                     shuffle=False, drop_last=False, evaluation=True, **common)
-        return train_loader, val_loader
+        return make_loaders(train, val, t, self.cfg.seed, self.state.rank, self.state.world_size,
+                            pin, self.build_collate_fn())
 
     def build_collate_fn(self) -> Optional[Callable[[list[Any]], Any]]:
         """Return the function that turns a list of samples into a batch, used by the training,
@@ -185,12 +175,7 @@ class Trainer:
         if val_set is not None:
             check_dataset(val_set, "validation", self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
-        limits = resume_limits(self.train_loader)
-        if limits:
-            log.warning("The training DataLoader cannot be resumed exactly: a run resumed from a "
-                        "checkpoint would not equal an uninterrupted one (resume is not exact). "
-                        "%s.", "; ".join(limits))
-        check_stream(self.train_loader, self.ranks.world_size)
+        check_training_loader(self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
         check_optimizer_params(self.optimizer, model)
@@ -209,9 +194,7 @@ class Trainer:
         self._running = RunningTrainMetrics()
         self._stop_signals = StopSignals()
         self._setup_guards()
-        stream = self.train_loader.dataset
-        uneven = self.ranks.world_size > 1 and isinstance(stream, ShardedStream) and stream.presplit
-        self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state, uneven,
+        self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
@@ -354,10 +337,7 @@ class Trainer:
 
     def _start_training(self) -> None:
         """Train mode for everything except frozen modules; say so if the model was in eval."""
-        if modes.set_train_modes(self.model, self._frozen):
-            frozen = ", ".join(self.cfg.trainer.frozen_modules) or "none declared"
-            log.info("The model was in eval mode (as pretrained loaders often return it); "
-                     "saferun put it in train mode. Frozen modules kept in eval: %s.", frozen)
+        modes.start_training(self.model, self._frozen, self.cfg.trainer.frozen_modules)
         if self.cfg.trainer.compile:
             self._check_compile()
         if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:

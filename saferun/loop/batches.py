@@ -8,7 +8,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from ..data import IndexRecorder, epoch_state, restore_epoch_state, set_loader_epoch
+from ..data import (IndexRecorder, ShardedStream, epoch_state, restore_epoch_state,
+                    set_loader_epoch)
 from ..errors import SaferunError
 from ..guards.preflight import check_batch_on_cpu
 from ..parallel import distributed
@@ -25,14 +26,15 @@ class BatchStream:
         t: the `trainer` config node (max_steps, max_epochs, accumulate, batch_size).
         seed: the run's seed (each epoch's shuffle derives from it).
         state: the loop state; the stream advances its epoch and position.
-        uneven: the ranks' shards may differ in length (a stream that splits itself).
         check_first_batch: check that the first worker batch holds only CPU tensors.
     """
 
-    def __init__(self, loader: DataLoader, t: Any, seed: int, state: LoopState, uneven: bool,
+    def __init__(self, loader: DataLoader, t: Any, seed: int, state: LoopState,
                  check_first_batch: bool) -> None:
         self._loader, self._t, self._seed, self._state = loader, t, seed, state
-        self._uneven, self._check_first_batch = uneven, check_first_batch
+        stream = loader.dataset  # shards that may differ in length: a stream that splits itself
+        self._uneven = state.world_size > 1 and isinstance(stream, ShardedStream) and stream.presplit
+        self._check_first_batch = check_first_batch
         self.epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
         self.resume_epoch_start: Optional[dict[str, Any]] = None  # set by a resume
         self.resume_rng: Optional[dict[str, Any]] = None  # the RNG states to restore
