@@ -41,7 +41,7 @@ from .errors import ConfigError, SaferunError
 from .loggers import LogLines, ProgressBar, ensure_log_handler, want_progress_bar
 from .metrics import RunningTrainMetrics, WeightedMeans, scalar_dict
 from .precision import autocast_factory, grad_scaler
-from .preemption import Preempted, StopSignals, signal_name
+from .preemption import Preempted, StopSignals, shielded_iter, signal_name
 from .preflight import check_batch_on_cpu, check_loader
 from .purity import changed as purity_changed
 from .purity import diff, find_inference_tensors, fingerprint
@@ -103,6 +103,9 @@ class Trainer:
         self._skips_in_a_row, self._last_skipped = 0, -1
         self._agreed_signal: Optional[int] = None
         self._pending: Optional[Control] = None  # under torchrun: requests not yet agreed
+        self._mid_step = False  # a step's batches are out and the loop has not asked for more
+        self._owed: Optional[dict[str, Any]] = None  # a step's end that a stop interrupted
+        self._validated_at = -1  # the step of the last completed validation
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -296,33 +299,30 @@ class Trainer:
             self._start_training()
             cbs.on_fit_start(self.view)
             with self._stop_signals:
-                validated = False
-                for micro_batches, epoch_end, where in self._batch_groups():
+                control, validated = self._owed_step_end()  # resumed from a stop in validation
+                groups = () if control and control.stop else self._batch_groups()
+                for micro_batches, epoch_end, where in groups:
                     output = self.train_step(micro_batches)
                     self._running.add(output, where)
                     control = self._rank_local(cbs.on_train_step_end(self.view, output))
                     if state.step % t.log_every_n_steps == 0:
                         control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
-                    if validated:
-                        control = _merge(control, self._validate_and_report())
-                    if (control and control.save) or self._save_due():
-                        self._save_checkpoint()
-                    if self._stop_agreed():
-                        raise _StopRequested
+                    control = self._end_step(control, validated)
                     if (control and control.stop) or state.step >= t.max_steps:
                         break
                 if self._running.steps:
                     self._log()
                 if not validated:
-                    self._validate_and_report()
+                    self._validate_and_report(Control(stop=True))  # the loop has ended
                 self._save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main:
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
-            error = self._preempted(exc) or _explained(exc, state.step + 1) or exc
-            cbs.on_exception(self.view, error)
+            with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
+                error = self._preempted(exc) or _explained(exc, state.step + 1) or exc
+                cbs.on_exception(self.view, error)
             if error is exc:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
@@ -390,7 +390,7 @@ class Trainer:
         # preserved_rng: randomness in validation must not shift training's random streams,
         # or the training results would depend on how often you validate.
         with self._evaluating(), preserved_rng():
-            for i, batch in enumerate(self.val_loader):
+            for i, batch in enumerate(shielded_iter(self.val_loader)):
                 if limit is not None and i >= limit:
                     break
                 if self.ranks.world_size == 1 and self._stop_signals.received is not None:
@@ -490,7 +490,7 @@ class Trainer:
                 restore_epoch_state(loader, self._resume_epoch_start)
                 self._resume_epoch_start = None
             self._epoch_start = epoch_state(loader)
-            batches = iter(loader)
+            batches = shielded_iter(loader)  # its workers ignore signals to the process group
             for _ in itertools.islice(batches, state.batches_in_epoch):
                 if recorder is not None:
                     recorder.take()
@@ -503,7 +503,9 @@ class Trainer:
                     self._check_first_batch = False
                 state.batches_in_epoch += len(group)
                 where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
+                self._mid_step = True  # until the loop asks for the next step (see _preempted)
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
+                self._mid_step = False
             if state.step >= t.max_steps:
                 return
             if state.batches_in_epoch == 0:
@@ -544,7 +546,7 @@ class Trainer:
         found = epoch_state(loader)
         try:
             set_loader_epoch(loader, self.cfg.seed, 0, self.state.rank)
-            batch = move_to_device(next(iter(loader)), self.device, self._non_blocking)
+            batch = move_to_device(next(shielded_iter(loader)), self.device, self._non_blocking)
         finally:
             restore_epoch_state(loader, found)
 
@@ -569,10 +571,15 @@ class Trainer:
         every = self.cfg.trainer.val_every_n_steps
         return epoch_end if every is None else self.state.step % every == 0
 
-    def _validate_and_report(self) -> Optional[Control]:
+    def _validate_and_report(self, pending: Optional[Control] = None) -> Optional[Control]:
+        """Validate and tell the callbacks. `pending`: what the step still has to do after
+        validation; a stop during validation saves it with the checkpoint, as owed."""
         if not self._window_finite():
             return None  # rolled back: the state this validation was for is gone
+        self._owed = {"step": self.state.step, "save": bool(pending and pending.save),
+                      "stop": bool(pending and pending.stop)}
         metrics = self.validate()
+        self._owed, self._validated_at = None, self.state.step
         if not metrics:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
@@ -581,6 +588,29 @@ class Trainer:
         if best is not None and self._improves(metrics, best):
             self._save_checkpoint(best=metrics[best])
         return control
+
+    def _end_step(self, control: Optional[Control], validate: bool) -> Optional[Control]:
+        """The rest of a step after its log point: validation (if due or asked), a save (if
+        due or asked), and a stop on a signal, raised here, at the step boundary."""
+        if validate:
+            control = _merge(control, self._validate_and_report(control))
+        if (control and control.save) or self._save_due():
+            self._save_checkpoint()
+        if self._stop_agreed():
+            raise _StopRequested
+        return control
+
+    def _owed_step_end(self) -> tuple[Optional[Control], bool]:
+        """Resumed from a checkpoint saved when a stop interrupted a validation: end that
+        step as the uninterrupted run did (validate, callbacks, save, stop). Returns the
+        step's control and whether this step's validation is done."""
+        owed, self._owed = self._owed, None
+        if owed is None or owed["step"] != self.state.step:
+            # a checkpoint of a finished run: its final validation is done, not to be redone
+            return None, self._validated_at == self.state.step
+        log.info("Resumed from a stop during validation at step %d: validating first.",
+                 self.state.step)
+        return self._end_step(Control(save=owed["save"], stop=owed["stop"]), True), True
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -612,7 +642,10 @@ class Trainer:
             "scaler": self._scaler.state_dict(),
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
-                     "best": list(self._best) if self._best else None},
+                     "best": list(self._best) if self._best else None,
+                     # a stop interrupted this step's validation: the resumed run does it first
+                     "owed": self._owed if self._owed and self._owed["step"] == s.step else None,
+                     "validated_at": self._validated_at},
             "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
             "callbacks": self._callbacks.state_dict(),
             "config": dataclasses.asdict(self.cfg),
@@ -635,6 +668,8 @@ class Trainer:
             setattr(self.state, key, loop[key])
         self.state.metrics.update(loop["metrics"])
         self._best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
+        self._owed = loop.get("owed")  # absent from older checkpoints
+        self._validated_at = loop.get("validated_at", -1)
         if len(state["per_rank"]) != self.ranks.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
@@ -912,19 +947,32 @@ class Trainer:
                 "DistributedDataParallel needs find_unused_parameters=True for them.",
                 len(unused), _short(unused))
 
-    def _preempted(self, exc: BaseException) -> Optional[Preempted]:
-        """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.
+    def _preempted(self, exc: BaseException) -> Optional[BaseException]:
+        """After SIGTERM/SIGINT: save this step boundary and build the exit, else None.
 
-        A signal sent to the whole process group also kills DataLoader workers; the
-        loader's error then means the same thing, and the state is still at a boundary.
+        Only a true boundary is saved: the loop's stop (`_StopRequested`, raised between
+        steps or between validation batches) or, in one process, a DataLoader worker's
+        death while the loop was fetching the next step's batches. Workers are shielded
+        from signals to the process group; if one dies anyway in the middle of a step,
+        nothing is saved (half a step cannot be resumed exactly) and the error says so.
         """
         signum = self._stop_signals.received
         worker_died = (isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc)
                        and self.ranks.world_size == 1)  # under torchrun the ranks must agree
         if signum is None or not (isinstance(exc, _StopRequested) or worker_died):
             return None
+        if worker_died and self._mid_step:
+            newest = list_checkpoints(checkpoint_root(self.state.run_dir))
+            return SaferunError(
+                f"stopped by {signal_name(signum)}, but a DataLoader worker died in the middle "
+                f"of a step (after step {self.state.step}): {exc} No checkpoint was saved: a "
+                f"half-done step cannot be resumed exactly. The newest checkpoint is "
+                f"{newest[-1] if newest else 'none'}; resume=auto continues from it.")
         path = self._save_checkpoint()
-        message = (f"saferun: stopped by {signal_name(signum)} at step {self.state.step}; "
+        self._stop_signals.saved()
+        owed = " (its validation was interrupted: the resumed run validates first)" \
+            if self._owed else ""
+        message = (f"saferun: stopped by {signal_name(signum)} at step {self.state.step}{owed}; "
                    f"checkpoint {path}. To continue, run again with the same run directory "
                    f"and resume=auto (command line: add hydra.run.dir={self.state.run_dir} "
                    f"resume=auto), or with resume={path}.")
