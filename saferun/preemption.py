@@ -16,7 +16,8 @@ The documented behaviour, in full:
   (to the process group and again to each process).
 - DataLoader workers are started with both signals blocked (`shielded_iter`), so a signal
   sent to the whole process group (a scheduler, a terminal's Ctrl-C) reaches only the
-  main process, which decides when to stop; the workers are shut down normally.
+  main process, which decides when to stop; the workers are shut down normally (and any
+  still alive at exit are killed, since multiprocessing would end them with SIGTERM).
 
 The handler sets the flag and writes one line with `os.write` (unbuffered, so it cannot
 collide with a half-written `print`); it runs no collective and touches no checkpoint.
@@ -24,7 +25,9 @@ collide with a half-written `print`); it runs no collective and touches no check
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -119,10 +122,31 @@ def workers_shielded() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+_shielded: set[int] = set()  # pids of the worker processes started shielded
+
+
 def shielded_iter(loader: Iterable[Any]) -> Iterator[Any]:
     """`iter(loader)`, with any worker processes it starts shielded from stop signals."""
+    before = {p.pid for p in multiprocessing.active_children()}
     with workers_shielded():
-        return iter(loader)
+        batches = iter(loader)
+    started = {p.pid for p in multiprocessing.active_children()} - before
+    if started and not _shielded:
+        # Registered after multiprocessing's own exit handler, so it runs before it.
+        atexit.register(_end_shielded_workers)
+    _shielded.update(pid for pid in started if pid is not None)
+    return batches
+
+
+def _end_shielded_workers() -> None:
+    """At exit, multiprocessing ends the daemonic children still alive (a DataLoader's
+    persistent workers, an iterator kept alive by a traceback) with SIGTERM and waits for
+    them: shielded workers would not act on it, so they are killed here first."""
+    alive = [p for p in multiprocessing.active_children() if p.pid in _shielded and p.daemon]
+    if alive and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would call it a failure
+    for process in alive:
+        process.kill()
 
 
 def signal_name(signum: int) -> str:

@@ -300,8 +300,9 @@ class Trainer:
             cbs.on_fit_start(self.view)
             with self._stop_signals:
                 control, validated = self._owed_step_end()  # resumed from a stop in validation
-                groups = () if control and control.stop else self._batch_groups()
-                for micro_batches, epoch_end, where in groups:
+                # (no local name for the generator: a stop must close it, and its workers, at once)
+                for micro_batches, epoch_end, where in (
+                        () if control and control.stop else self._batch_groups()):
                     output = self.train_step(micro_batches)
                     self._running.add(output, where)
                     control = self._rank_local(cbs.on_train_step_end(self.view, output))

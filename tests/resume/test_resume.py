@@ -339,3 +339,27 @@ def test_resuming_a_finished_run_does_not_redo_its_final_validation(tmp_path):
     SelfSignalling(validating_config(run_dir, resume="auto")).fit()
     assert val_curves(run_dir) == curves
     assert_same(final_state(run_dir), state)
+
+
+def test_a_run_whose_shielded_workers_outlive_fit_still_exits(tmp_path):
+    # Persistent workers live as long as their loader (here, to interpreter exit), where
+    # multiprocessing ends them with SIGTERM, which shielded workers do not act on.
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(TOYS_PATH)!r})
+from pathlib import Path
+from torch.utils.data import DataLoader
+from toys import AugmentedTrainer, toy_config
+class Persistent(AugmentedTrainer):
+    def build_dataloaders(self, train, val):
+        return DataLoader(train, batch_size=16, num_workers=2, persistent_workers=True), None
+trainer = Persistent(toy_config(Path({str(tmp_path)!r}), max_steps=10))
+trainer.fit()
+"""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the process did not exit: its DataLoader workers outlived it")
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr
