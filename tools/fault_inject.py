@@ -209,10 +209,12 @@ class Injector:
                     time.sleep(rng.uniform(0.0, 1.0))
                     run.signal_group(signal.SIGINT)
         elif kind == "disk-full":
-            # RLIMIT_FSIZE on the running process: from now on no file may grow beyond
-            # `limit`, which is below a checkpoint's size but above the logs'.
+            # RLIMIT_FSIZE on the running process, once it has a checkpoint: from then on no
+            # file may grow beyond `limit`, which is below a checkpoint's size but above the logs'.
             limit = rng.randint(256 * 1024, self.state_bytes - 1)
-            if run.sleep_until(at):
+            while run.proc.poll() is None and not run.published:
+                time.sleep(0.01)
+            if run.sleep_until(time.time() - run.started + rng.uniform(0.0, 0.5 * self.seconds)):
                 try:
                     resource.prlimit(run.proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
                 except ProcessLookupError:
