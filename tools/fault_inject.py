@@ -295,10 +295,16 @@ def final_state(run_dir: Path) -> dict[str, Any]:
     loop = state.get("loop", {})
     if loop.get("best"):
         loop["best"] = [loop["best"][0], Path(loop["best"][1]).name]
-    loop["metrics"] = {k: v for k, v in loop.get("metrics", {}).items() if not k.startswith("perf/")}
     weights = run_dir / "model.pt"
     state["model.pt"] = torch.load(weights, weights_only=True) if weights.exists() else None
-    return state
+    return without_timings(state)
+
+
+def without_timings(obj: Any) -> Any:
+    """`obj` without the perf/ entries (timings) wherever they are kept."""
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if not str(k).startswith("perf/")}
+    return obj
 
 
 def compare(a: Any, b: Any, path: str = "") -> Optional[str]:

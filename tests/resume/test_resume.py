@@ -282,9 +282,14 @@ def final_state(run_dir):
     best = state["loop"]["best"]
     state["loop"]["best"] = [best[0], os.path.basename(best[1])] if best else None
     del state["config"], state["provenance"]  # run_dir and resume differ, by design
-    state["loop"]["metrics"] = {k: v for k, v in state["loop"]["metrics"].items()
-                                if not k.startswith("perf/")}  # timings
-    return state
+    return without_timings(state)
+
+
+def without_timings(obj):
+    """`obj` without the perf/ entries (timings) wherever they are kept."""
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if not str(k).startswith("perf/")}
+    return obj
 
 
 def val_curves(run_dir):
