@@ -127,10 +127,10 @@ class Run:
         while self.proc.poll() is None:
             try:
                 for entry in os.scandir(root):
-                    if entry.name.startswith("step-"):
-                        self.published.add(int(entry.name[5:]))
-                    elif entry.name.startswith(".tmp"):
-                        self.saving.set()
+                    if published := re.fullmatch(r"step-(\d+)", entry.name):
+                        self.published.add(int(published.group(1)))
+                    elif entry.name.startswith(".tmp") or ".replaced-" in entry.name:
+                        self.saving.set()  # a save in progress
             except OSError:
                 pass
             time.sleep(0.003)
@@ -248,7 +248,7 @@ class Injector:
                 bit = self.rng.randrange(8 * len(data))
                 data[bit // 8] ^= 1 << (bit % 8)
             path.write_bytes(bytes(data))
-        return {int(p.name[5:]) for p, _ in targets}
+        return {step_of(p) for p, _ in targets}
 
     # ------------------------------------------------------------------ one case
 
@@ -284,6 +284,12 @@ class Injector:
 
 
 # ---------------------------------------------------------------------- checks
+
+
+def step_of(checkpoint: Path) -> int:
+    found = re.match(r"step-(\d+)", checkpoint.name)
+    assert found, checkpoint
+    return int(found.group(1))
 
 
 def final_state(run_dir: Path) -> dict[str, Any]:
