@@ -274,7 +274,7 @@ class Injector:
         if resumed < newest:
             return "silent loss", (f"resumed from step {resumed} although a complete "
                                    f"checkpoint of step {newest} existed")
-        if resumed == 0 and (destroyed or run.published):
+        if match is None and (destroyed or run.published):
             return "silent loss", ("trained from step 0 although checkpoints existed "
                                    f"(steps {sorted(run.published)}, destroyed {sorted(destroyed)})")
         difference = compare(final_state(run_dir), self.reference)
