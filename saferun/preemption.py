@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+from multiprocessing import resource_tracker
 from types import FrameType
 from typing import Any, Iterable, Iterator, Optional
 
@@ -127,6 +128,11 @@ _shielded: set[int] = set()  # pids of the worker processes started shielded
 
 def shielded_iter(loader: Iterable[Any]) -> Iterator[Any]:
     """`iter(loader)`, with any worker processes it starts shielded from stop signals."""
+    context = getattr(loader, "multiprocessing_context", None) or multiprocessing.get_context()
+    if getattr(loader, "num_workers", 0) and context.get_start_method() != "fork":
+        # spawn and forkserver need multiprocessing's resource tracker; starting it unblocks
+        # SIGINT and SIGTERM in this thread, so it must be running before the block.
+        resource_tracker.ensure_running()
     before = {p.pid for p in multiprocessing.active_children()}
     with workers_shielded():
         batches = iter(loader)

@@ -242,17 +242,18 @@ def wait_for(path, proc, seconds=240):
 def test_signal_to_the_whole_process_group_mid_step_saves_that_step_and_resumes_exactly(
         tmp_path, uninterrupted, context, signum):
     # What schedulers (SIGTERM) and terminals (Ctrl-C) do: the signal also reaches the
-    # DataLoader workers. It lands in the middle of step 13 (the 5th batch of epoch 1).
+    # DataLoader workers. It lands in the middle of step 5, in the first epoch (whose spawn
+    # workers start with the process's multiprocessing resource tracker).
     run_dir = tmp_path / "run"
-    proc = start(config(run_dir, multiprocessing_context=context), {"hold_at": 13})
+    proc = start(config(run_dir, multiprocessing_context=context), {"hold_at": 5})
     wait_for(run_dir / "holding", proc)
     os.killpg(proc.pid, signum)
     (run_dir / "release").touch()
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signum, err
-    assert f"stopped by {signal.Signals(signum).name} at step 13" in err
+    assert f"stopped by {signal.Signals(signum).name} at step 5" in err
     loop = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["loop"]
-    assert (loop["step"], loop["epoch"], loop["batches_in_epoch"]) == (13, 1, 5)
+    assert (loop["step"], loop["epoch"], loop["batches_in_epoch"]) == (5, 0, 5)
     cfg = config(run_dir, multiprocessing_context=context)
     cfg["resume"] = "auto"
     resumed = train(cfg)
