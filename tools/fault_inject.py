@@ -415,8 +415,9 @@ def render(table: dict[str, collections.Counter[str]], args: argparse.Namespace,
     lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    kinds = "" if args.kinds == ",".join(KINDS) else f" --kinds {args.kinds}"
     header = (f"\nsaferun fault injection: `python tools/fault_inject.py --runs {args.runs} "
-              f"--seed {args.seed} --context {args.context}` ({seconds / 60:.1f} minutes)\n")
+              f"--seed {args.seed} --context {args.context}{kinds}` ({seconds / 60:.1f} minutes)\n")
     return header + "\n".join(lines)
 
 
