@@ -6,6 +6,8 @@ pins this order)::
     setup()                  seed; build model, datasets, loaders, optimizer, scheduler
     resume                   if cfg.resume: load the checkpoint, replay the data position
     on_fit_start(view)
+    if the checkpoint was saved by a stop during a validation: finish that step first
+                             (validate, on_validation_end, save_best, a due save, a stop)
     while step < max_steps (and epoch < max_epochs):
         for each group of `accumulate` micro-batches of the epoch:
             train_step()     forward, backward, clip, optimizer step, zero_grad, LR step
@@ -20,6 +22,7 @@ pins this order)::
             if a save is due or a callback asked for it:
                 save; on_checkpoint(view, path)
             if SIGTERM/SIGINT arrived: save; on_checkpoint; on_exception(view, Preempted)
+                             (also between validation batches: the validation is then owed)
             if a callback asked to stop or step == max_steps: leave
         end of epoch: validation is due here when val_every_n_steps is null
     on_log(view, metrics)    for the steps since the last log point, if any

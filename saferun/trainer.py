@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import sys
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -44,7 +43,7 @@ from .loop.steps import (check_optimizer_params, clip_or_measure, explained, los
                          resolve_device, trainable_parameters)
 from .parallel import distributed
 from .parallel.strategy import strategy_for
-from .preemption import Preempted, StopRequested, StopSignals, signal_name
+from .preemption import Preempted, StopRequested, StopSignals, stop_exit
 from .schedules import Schedule
 
 log = logging.getLogger("saferun")
@@ -74,6 +73,8 @@ class Trainer:
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
         self._checkpointer = Checkpointer(self)
+        self._owed: Optional[dict[str, Any]] = None  # a step's end that a stop interrupted
+        self._validated_at = -1  # the step of the last completed validation
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -224,33 +225,31 @@ class Trainer:
             self._start_training()
             cbs.on_fit_start(self.view)
             with self._stop_signals:
-                validated = False
-                for micro_batches, epoch_end, where in self._batches.groups():
+                control, validated = self._owed_step_end()  # resumed from a stop in validation
+                # (no local name for the generator: a stop must close it, and its workers, at once)
+                for micro_batches, epoch_end, where in (
+                        () if control and control.stop else self._batches.groups()):
                     output = self.train_step(micro_batches)
                     self._running.add(output, where)
                     control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
                     if state.step % t.log_every_n_steps == 0:
                         control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
-                    if validated:
-                        control = _merge(control, self._validate_and_report())
-                    if (control and control.save) or self._checkpointer.save_due():
-                        self._checkpointer.save()
-                    if self._strategy.stop_agreed(self._stop_signals):
-                        raise StopRequested
+                    control = self._end_step(control, validated)
                     if (control and control.stop) or state.step >= t.max_steps:
                         break
                 if self._running.steps:
                     self._log()
                 if not validated:
-                    self._validate_and_report()
+                    self._validate_and_report(Control(stop=True))  # the loop has ended
                 self._checkpointer.save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main:
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
-            error = self._preempted(exc) or explained(exc, state.step + 1) or exc
-            cbs.on_exception(self.view, error)
+            with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
+                error = self._preempted(exc) or explained(exc, state.step + 1) or exc
+                cbs.on_exception(self.view, error)
             if error is exc:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
@@ -358,16 +357,44 @@ class Trainer:
         every = self.cfg.trainer.val_every_n_steps
         return epoch_end if every is None else self.state.step % every == 0
 
-    def _validate_and_report(self) -> Optional[Control]:
+    def _validate_and_report(self, pending: Optional[Control] = None) -> Optional[Control]:
+        """Validate and tell the callbacks. `pending`: what the step still has to do after
+        validation; a stop during validation saves it with the checkpoint, as owed."""
         if not self._guard.window_good():
             return None  # rolled back: the state this validation was for is gone
+        self._owed = {"step": self.state.step, "save": bool(pending and pending.save),
+                      "stop": bool(pending and pending.stop)}
         metrics = self.validate()
+        self._owed, self._validated_at = None, self.state.step
         if not metrics:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
         control = self._strategy.agreed(self._callbacks.on_validation_end(self.view, metrics))
         self._checkpointer.save_if_best(metrics)
         return control
+
+    def _end_step(self, control: Optional[Control], validate: bool) -> Optional[Control]:
+        """The rest of a step after its log point: validation (if due or asked), a save (if
+        due or asked), and a stop on a signal, raised here, at the step boundary."""
+        if validate:
+            control = _merge(control, self._validate_and_report(control))
+        if (control and control.save) or self._checkpointer.save_due():
+            self._checkpointer.save()
+        if self._strategy.stop_agreed(self._stop_signals):
+            raise StopRequested
+        return control
+
+    def _owed_step_end(self) -> tuple[Optional[Control], bool]:
+        """Resumed from a checkpoint saved when a stop interrupted a validation: end that
+        step as the uninterrupted run did (validate, callbacks, save, stop). Returns the
+        step's control and whether this step's validation is done."""
+        owed, self._owed = self._owed, None
+        if owed is None or owed["step"] != self.state.step:
+            # a checkpoint of a finished run: its final validation is done, not to be redone
+            return None, self._validated_at == self.state.step
+        log.info("Resumed from a stop during validation at step %d: validating first.",
+                 self.state.step)
+        return self._end_step(Control(save=owed["save"], stop=owed["stop"]), True), True
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -387,24 +414,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ stop, log
 
-    def _preempted(self, exc: BaseException) -> Optional[Preempted]:
-        """After SIGTERM/SIGINT: save at this step boundary and build the exit, else None.
-
-        A signal sent to the whole process group also kills DataLoader workers; the
-        loader's error then means the same thing, and the state is still at a boundary.
-        """
-        signum = self._stop_signals.received
-        worker_died = (isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc)
-                       and self.ranks.world_size == 1)  # under torchrun the ranks must agree
-        if signum is None or not (isinstance(exc, StopRequested) or worker_died):
-            return None
-        path = self._checkpointer.save()
-        message = (f"saferun: stopped by {signal_name(signum)} at step {self.state.step}; "
-                   f"checkpoint {path}. To continue, run again with the same run directory "
-                   f"and resume=auto (command line: add hydra.run.dir={self.state.run_dir} "
-                   f"resume=auto), or with resume={path}.")
-        print(message, file=sys.stderr, flush=True)
-        return Preempted(signum, message)
+    def _preempted(self, exc: BaseException) -> Optional[BaseException]:
+        """After SIGTERM/SIGINT: save this step boundary and build the exit, else None
+        (see `preemption.stop_exit`)."""
+        return stop_exit(exc, self._stop_signals, self.ranks.world_size == 1,
+                         self._batches.mid_step, self._checkpointer.save, self.state.step,
+                         self.state.run_dir, self._owed is not None)
 
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -115,11 +116,11 @@ class SelfSignalling(AugmentedTrainer):
 
     def __init__(self, cfg: Any, signal_at: int = -1, signum: int = 0, in_validation: bool = False,
                  on_rank: int = -1, fail_at: int = -1, nan_at: int = -1, plain: bool = False,
-                 spike_at: int = -1, **kw: Any) -> None:
+                 spike_at: int = -1, hold_at: int = -1, **kw: Any) -> None:
         super().__init__(cfg, **kw)
         self.signal_at, self.signum, self.in_validation = signal_at, signum, in_validation
         self.on_rank, self.fail_at, self.nan_at, self.plain = on_rank, fail_at, nan_at, plain
-        self.spike_at = spike_at
+        self.spike_at, self.hold_at = spike_at, hold_at
 
     def build_model(self) -> nn.Module:
         if self.plain:  # no BatchNorm or Dropout: results do not depend on the per-rank batch
@@ -138,6 +139,8 @@ class SelfSignalling(AugmentedTrainer):
     def training_step(self, batch: Any) -> torch.Tensor:
         if not self.in_validation and self._planted(self.signal_at):
             os.kill(os.getpid(), self.signum)
+        if self._planted(self.hold_at):
+            hold(self.state.run_dir)
         if self._planted(self.fail_at):
             raise RuntimeError(f"planted failure on rank {self.ranks.rank}")
         loss = super().training_step(batch)
@@ -150,6 +153,21 @@ class SelfSignalling(AugmentedTrainer):
                 self.on_rank in (-1, self.ranks.rank):
             os.kill(os.getpid(), self.signum)
         return super().validation_step(batch)
+
+
+def hold(run_dir: str) -> None:
+    """Mid-step: write <run_dir>/holding, wait for the test to create <run_dir>/release
+    (after it has sent its signals), then go on for another half second, so that whatever
+    those signals cause in other processes (a DataLoader worker's death) lands mid-step."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "holding"), "w"):
+        pass
+    release = os.path.join(run_dir, "release")
+    for _ in range(6000):  # at most two minutes
+        if os.path.exists(release):
+            break
+        time.sleep(0.02)
+    time.sleep(0.5)
 
 
 def main() -> None:

@@ -50,6 +50,8 @@ class Owner(Protocol):
     _spikes: Any  # the spike detectors, or None
     _strategy: Any  # the parallel strategy: gathers each rank's state
     _batches: Any  # BatchStream: the data position and the RNG states to restore
+    _owed: Any  # a step's end that a stop interrupted (its validation), or None
+    _validated_at: int
 
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
@@ -87,7 +89,10 @@ class Checkpointer:
             "scaler": o._scaler.state_dict(),
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
-                     "best": list(self.best) if self.best else None},
+                     "best": list(self.best) if self.best else None,
+                     # a stop interrupted this step's validation: the resumed run does it first
+                     "owed": o._owed if o._owed and o._owed["step"] == s.step else None,
+                     "validated_at": o._validated_at},
             "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
             "callbacks": o._callbacks.state_dict(),
             "config": dataclasses.asdict(o.cfg),
@@ -110,6 +115,8 @@ class Checkpointer:
             setattr(o.state, key, loop[key])
         o.state.metrics.update(loop["metrics"])
         self.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
+        o._owed = loop.get("owed")  # absent from older checkpoints
+        o._validated_at = loop.get("validated_at", -1)
         if len(state["per_rank"]) != o.ranks.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "

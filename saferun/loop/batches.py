@@ -13,6 +13,7 @@ from ..data import (IndexRecorder, ShardedStream, epoch_state, restore_epoch_sta
 from ..errors import SaferunError
 from ..guards.preflight import check_batch_on_cpu
 from ..parallel import distributed
+from ..preemption import shielded_iter
 from .seeding import set_rng_state
 from .state import LoopState
 from .transfer import move_to_device
@@ -38,6 +39,7 @@ class BatchStream:
         self.epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
         self.resume_epoch_start: Optional[dict[str, Any]] = None  # set by a resume
         self.resume_rng: Optional[dict[str, Any]] = None  # the RNG states to restore
+        self.mid_step = False  # a step's batches are out and the loop has not asked for more
 
     def groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
         """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
@@ -60,7 +62,7 @@ class BatchStream:
                 restore_epoch_state(loader, self.resume_epoch_start)
                 self.resume_epoch_start = None
             self.epoch_start = epoch_state(loader)
-            batches = iter(loader)
+            batches = shielded_iter(loader)  # its workers ignore signals to the process group
             for _ in itertools.islice(batches, state.batches_in_epoch):
                 if recorder is not None:
                     recorder.take()
@@ -73,7 +75,9 @@ class BatchStream:
                     self._check_first_batch = False
                 state.batches_in_epoch += len(group)
                 where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
+                self.mid_step = True  # until the loop asks for the next step (see _preempted)
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
+                self.mid_step = False
             if state.step >= t.max_steps:
                 return
             if state.batches_in_epoch == 0:
@@ -120,6 +124,6 @@ def first_batch(loader: DataLoader, seed: int, rank: int, device: torch.device,
     found = epoch_state(loader)
     try:
         set_loader_epoch(loader, seed, 0, rank)
-        return move_to_device(next(iter(loader)), device, non_blocking)
+        return move_to_device(next(shielded_iter(loader)), device, non_blocking)
     finally:
         restore_epoch_state(loader, found)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from .. import modes
 from ..guards.purity import changed as purity_changed
 from ..guards.purity import check_purity, fingerprint
-from ..preemption import StopRequested
+from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
 from .seeding import preserved_rng
 from .transfer import move_to_device, to_host
@@ -45,7 +45,7 @@ class Evaluator:
         # preserved_rng: randomness in validation must not shift training's random streams,
         # or the training results would depend on how often you validate.
         with self.evaluating(), preserved_rng():
-            for i, batch in enumerate(loader):
+            for i, batch in enumerate(shielded_iter(loader)):
                 if limit is not None and i >= limit:
                     break
                 if stopped():

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -209,6 +210,162 @@ class Twice(ToyTrainer):
 Twice(toy_config(__import__('pathlib').Path({str(tmp_path)!r}), max_steps=10)).fit()
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    assert proc.returncode == -signal.SIGINT, proc.stderr  # killed by it, as without saferun
+    assert "second SIGINT: aborting now, without saving" in proc.stderr
     assert "stopped by SIGINT" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing saved: an abort
+
+
+def start(cfg, plant):
+    """The toy run in a session (process group) of its own, as a scheduler starts a job."""
+    return subprocess.Popen([sys.executable, TOYS_PATH, json.dumps(cfg), json.dumps(plant)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for(path, proc, seconds=240):
+    for _ in range(seconds * 20):
+        if path.exists():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {path.name}:\n{proc.communicate()[1]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {path} after {seconds} s")
+
+
+@pytest.mark.parametrize("context, signum", [
+    ("fork", signal.SIGTERM),
+    # slow: spawn workers import torch at every epoch (about a minute on 2 shared cores)
+    pytest.param("spawn", signal.SIGTERM, marks=pytest.mark.slow),
+    pytest.param("fork", signal.SIGINT, marks=pytest.mark.slow)])
+def test_signal_to_the_whole_process_group_mid_step_saves_that_step_and_resumes_exactly(
+        tmp_path, uninterrupted, context, signum):
+    # What schedulers (SIGTERM) and terminals (Ctrl-C) do: the signal also reaches the
+    # DataLoader workers. It lands in the middle of step 5, in the first epoch (whose spawn
+    # workers start with the process's multiprocessing resource tracker).
+    run_dir = tmp_path / "run"
+    proc = start(config(run_dir, multiprocessing_context=context), {"hold_at": 5})
+    wait_for(run_dir / "holding", proc)
+    os.killpg(proc.pid, signum)
+    (run_dir / "release").touch()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, err
+    assert f"stopped by {signal.Signals(signum).name} at step 5" in err
+    loop = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["loop"]
+    assert (loop["step"], loop["epoch"], loop["batches_in_epoch"]) == (5, 0, 5)
+    cfg = config(run_dir, multiprocessing_context=context)
+    cfg["resume"] = "auto"
+    resumed = train(cfg)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bitwise_equal(final_weights(run_dir), uninterrupted)
+
+
+def assert_same(a, b, path="state"):
+    """Nested dicts, lists and tensors equal bitwise (tensors) or exactly (the rest)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def final_state(run_dir):
+    """The final checkpoint's training state, with run-directory paths reduced to names."""
+    state = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
+    best = state["loop"]["best"]
+    state["loop"]["best"] = [best[0], os.path.basename(best[1])] if best else None
+    del state["config"], state["provenance"]  # run_dir and resume differ, by design
+    return without_timings(state)
+
+
+def without_timings(obj):
+    """`obj` without the perf/ entries (timings) wherever they are kept."""
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if not str(k).startswith("perf/")}
+    return obj
+
+
+def val_curves(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"] if tag.startswith("val/")}
+
+
+def validating_config(run_dir, resume=None):
+    """128 samples / 16: 8 steps per epoch; validation at 6, 12, 18 and at the end (20);
+    step 12 is also a save step; EarlyStopping and save_best keep state from validations."""
+    c = toy_config(run_dir.parent, tensorboard=True, max_steps=20, batch_size=16,
+                   save_every_n_steps=4, log_every_n_steps=3, val_every_n_steps=6,
+                   save_best="val/loss", run_dir=str(run_dir))
+    c["callbacks"] = {"early_stopping": {"_target_": "saferun.stopping.EarlyStopping",
+                                         "monitor": "val/acc", "mode": "max", "patience": 9}}
+    c["resume"] = resume
+    return c
+
+
+@pytest.mark.parametrize("at", [12, 20])  # a validation in the loop; the final one
+def test_sigterm_during_validation_is_owed_and_the_resumed_run_validates_first(tmp_path, at):
+    from saferun.preemption import Preempted
+    from toys import SelfSignalling
+
+    cfg = validating_config
+    SelfSignalling(cfg(tmp_path / "straight")).fit()
+    stopped = SelfSignalling(cfg(tmp_path / "run"), signal_at=at, signum=signal.SIGTERM,
+                             in_validation=True)
+    with pytest.raises(Preempted) as e:
+        stopped.fit()
+    assert e.value.code == 143 and f"at step {at} (its validation was interrupted" in str(e.value)
+    owed = load_checkpoint(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])["loop"]["owed"]
+    assert owed == {"step": at, "save": False, "stop": at == 20}
+    resumed = SelfSignalling(cfg(tmp_path / "run", resume="auto"))
+    resumed.fit()
+    assert val_curves(tmp_path / "run") == val_curves(tmp_path / "straight")
+    assert [s for s, _ in val_curves(tmp_path / "run")["val/loss"]] == [6, 12, 18, 20]
+    assert_same(final_state(tmp_path / "run"), final_state(tmp_path / "straight"))
+
+
+def test_resuming_a_finished_run_does_not_redo_its_final_validation(tmp_path):
+    # what a resume=auto after a stop that came once the final checkpoint was written does
+    from toys import SelfSignalling
+
+    run_dir = tmp_path / "run"
+    SelfSignalling(validating_config(run_dir)).fit()
+    curves, state = val_curves(run_dir), final_state(run_dir)
+    SelfSignalling(validating_config(run_dir, resume="auto")).fit()
+    assert val_curves(run_dir) == curves
+    assert_same(final_state(run_dir), state)
+
+
+def test_a_run_whose_shielded_workers_outlive_fit_still_exits(tmp_path):
+    # Persistent workers live as long as their loader (here, to interpreter exit), where
+    # multiprocessing ends them with SIGTERM, which shielded workers do not act on.
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(TOYS_PATH)!r})
+from pathlib import Path
+from torch.utils.data import DataLoader
+from toys import AugmentedTrainer, toy_config
+class Persistent(AugmentedTrainer):
+    def build_dataloaders(self, train, val):
+        return DataLoader(train, batch_size=16, num_workers=2, persistent_workers=True), None
+trainer = Persistent(toy_config(Path({str(tmp_path)!r}), max_steps=10))
+trainer.fit()
+"""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the process did not exit: its DataLoader workers outlived it")
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr
