@@ -61,6 +61,17 @@ class ToyTrainer(saferun.Trainer):
         return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
 
 
+class ScaledOnCpu(ToyTrainer):
+    """fp16's loss scaling with a real, enabled GradScaler on the CPU (fp16 autocast itself
+    needs CUDA; the scaler's part of the step is the same), so that unscaling before clipping
+    and the scaler's checkpoint state are tested without a GPU."""
+
+    def setup(self) -> None:
+        if not self._is_setup:
+            super().setup()
+            self._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+
 TENSORBOARD = {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
 
 
