@@ -67,6 +67,16 @@ def test_evaluation_that_changes_the_model_is_named(tmp_path, model, words):
         assert w in str(e.value)
 
 
+def test_predict_that_changes_the_model_is_named(tmp_path):
+    class Planted(ToyTrainer):
+        def build_model(self):
+            return BNAlwaysTrains()
+
+    t = Planted(toy_config(tmp_path))
+    with pytest.raises(saferun.SaferunError, match="(?s)evaluation changed the model.*running_mean"):
+        t.predict(torch.utils.data.TensorDataset(torch.randn(8, 8)))
+
+
 def test_eval_purity_adds_no_host_sync(tmp_path):
     def count(purity):
         cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=10, val_every_n_steps=10)

@@ -268,3 +268,19 @@ def test_a_signal_during_validation_stops_it_before_the_next_batch(tmp_path):
     assert e.value.code == 128 + signal.SIGTERM
     assert t.calls == 1  # checked between validation batches, not after the whole validation
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+
+
+def test_a_signal_during_a_step_saves_right_after_that_step(tmp_path):
+    from saferun.preemption import Preempted
+
+    class SignalAt5(ToyTrainer):
+        def training_step(self, batch):
+            if self.state.step + 1 == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().training_step(batch)
+
+    t = SignalAt5(toy_config(tmp_path, max_steps=20, log_every_n_steps=4))
+    with pytest.raises(Preempted) as e:
+        t.fit()
+    assert e.value.code == 128 + signal.SIGTERM and t.state.step == 5  # not at a log point
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000005"]

@@ -330,3 +330,21 @@ def test_non_finite_parameters_are_named_when_check_params_is_on(tmp_path):
         CorruptsAParameter(cfg).fit()
     cfg["guards"] = {"check_params": False}
     CorruptsAParameter(cfg).fit()  # off: not checked (the loss never sees it)
+
+
+def test_a_non_finite_gradient_under_a_finite_loss_is_caught(tmp_path):
+    class NanGradient(ToyTrainer):
+        """sqrt(p) masked by where() at p == 0: the forward stays finite (the loss never sees
+        it), the gradient is NaN (pitfall C51). Without clipping only p itself goes NaN."""
+
+        def build_model(self):
+            model = super().build_model()
+            model.p = nn.Parameter(torch.zeros(()))
+            return model
+
+        def training_step(self, batch):
+            p = self.model.p
+            return super().training_step(batch) + 0 * torch.where(p > 0, torch.sqrt(p), 0 * p)
+
+    with pytest.raises(NonFiniteError, match=r"at step 1: loss [\d.]+, gradient norm nan"):
+        NanGradient(toy_config(tmp_path, max_steps=8, log_every_n_steps=4, max_grad_norm=None)).fit()
