@@ -226,6 +226,7 @@ def finished_run(tmp_path_factory):
     ({"seed": 1}, "seed"),
     ({"model": {"_target_": "toys.Net", "hidden": 8}}, "model._target_"),
     ({"data": {"_target_": "toys.make_classification"}}, "data._target_"),
+    ({"task": {"_target_": "toys.ToyTrainer"}}, "task._target_"),
     ({"optim": {"_target_": "torch.optim.SGD", "lr": 0.1}}, "optim.lr"),
     ({"sched": {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 2}}, "sched._target_"),
     ({"trainer": {"batch_size": 16}}, "trainer.batch_size"),
