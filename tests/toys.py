@@ -154,7 +154,8 @@ class SelfSignalling(AugmentedTrainer):
         loss = super().training_step(batch)
         if self._planted(self.spike_at):
             return loss * 1000
-        return loss * float("nan") if self._planted(self.nan_at) else loss
+        # A NaN added to the loss leaves the gradients finite: the NaN stays on this rank.
+        return loss + float("nan") if self._planted(self.nan_at) else loss
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         if self.in_validation and self.state.step == self.signal_at and \

@@ -387,3 +387,27 @@ def test_files_and_directories_are_fsynced_before_the_checkpoint_appears(tmp_pat
     tmp = next(name for kind, name in events if kind == "fsync" and name.startswith(".tmp-step-"))
     assert events == [("fsync", "state.pt"), ("fsync", "manifest.json"), ("fsync", tmp),
                       ("rename", "step-00000007"), ("fsync", "checkpoints")]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoints(tmp_path):
+    from saferun import Callback
+
+    class BadStateAt4(Callback):
+        """Its state cannot be saved safely from step 4 on: that save fails."""
+
+        def __init__(self):
+            self.step = 0
+
+        def on_train_step_end(self, view, output):
+            self.step = view.step
+
+        def state_dict(self):
+            return {"when": Payload("m") if self.step >= 4 else None}
+
+    t = ToyTrainer(toy_config(tmp_path, max_steps=6, save_every_n_steps=2, keep_last=1),
+                   callbacks=[BadStateAt4()])
+    with pytest.raises(CheckpointError, match="Payload"):
+        t.fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000002"]
+    assert load_latest(root)[1]["loop"]["step"] == 2

@@ -268,6 +268,8 @@ def test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_afte
     # and goes on with the data after the bad window: 8 batches an epoch, step 10 used epoch 1's
     # second batch, so the next is epoch 1's third (samples 64-95)
     assert torch.equal(after_rollback[2], t.train_loader.dataset.x[64])
+    # the loop's position follows the data: 10 + 15 batches read, 8 an epoch
+    assert (t.state.epoch, t.state.batches_in_epoch) == (3, 1)
     assert all(torch.isfinite(v).all() for v in weights(t).values())
 
 
@@ -344,7 +346,7 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught(tmp_path):
 
         def training_step(self, batch):
             p = self.model.p
-            return super().training_step(batch) + 0 * torch.where(p > 0, torch.sqrt(p), 0 * p)
+            return super().training_step(batch) + 0 * torch.where(p > 0, torch.sqrt(p), 0.0)
 
     with pytest.raises(NonFiniteError, match=r"at step 1: loss [\d.]+, gradient norm nan"):
         NanGradient(toy_config(tmp_path, max_steps=8, log_every_n_steps=4, max_grad_norm=None)).fit()
