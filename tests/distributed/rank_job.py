@@ -1,9 +1,13 @@
 """A job that records, on each rank, what the README promises under torchrun.
 
-`python -m torch.distributed.run --nproc_per_node=2 rank_job.py CONFIG_JSON` trains it; each
-rank then writes what it saw to <run_dir>/record_rank<R>.json (read by test_rank_guarantees.py):
-the sample ids and a random draw of every micro-batch, the DDP all-reduces counted so far at
-each micro-batch, and the metrics every callback received.
+`python -m torch.distributed.run --nproc_per_node=2 rank_job.py CONFIG_JSON CONFIG_JSON` trains
+it twice in one process group: the first config with a parameter the loss never uses
+(find_unused_parameters: saferun averages the gradients), the second without (the steps after
+the first go through DistributedDataParallel). Each rank then writes what it saw to
+<run_dir>/record_rank<R>.json (read by test_rank_guarantees.py): the sample ids and a random
+draw of every micro-batch, the gradient all-reduces counted so far at each micro-batch (calls
+of torch.distributed.all_reduce, and DDP's through a counting comm hook), and the metrics
+every callback received.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import TensorDataset
@@ -22,9 +27,16 @@ import saferun
 
 N_TRAIN, N_VAL = 24, 5  # 5: an even split across 2 ranks would have to pad one sample
 ALLREDUCES = [0]
+_all_reduce = dist.all_reduce
 
 
-def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:
+    """torch.distributed.all_reduce, counted (a spy: the real collective runs)."""
+    ALLREDUCES[0] += 1
+    return _all_reduce(*args, **kwargs)
+
+
+def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
     ALLREDUCES[0] += 1
     return default_hooks.allreduce_hook(None, bucket)
 
@@ -34,11 +46,12 @@ def samples(n: int) -> TensorDataset:
     return TensorDataset(torch.stack([ids / n, ids % 3], dim=1), ids)
 
 
-class WithUnused(nn.Module):
-    def __init__(self) -> None:
+class Model(nn.Module):
+    def __init__(self, unused: bool) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(2, 8), nn.Dropout(0.5), nn.Linear(8, 1))
-        self.unused = nn.Linear(2, 1)  # never in the loss: DDP needs find_unused_parameters
+        if unused:  # never in the loss: needs find_unused_parameters
+            self.unused = nn.Linear(2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x).squeeze(1)
@@ -58,7 +71,7 @@ class Record(saferun.Callback):
 
 class RankJob(saferun.Trainer):
     def build_model(self) -> nn.Module:
-        return WithUnused()
+        return Model(unused=self.cfg.trainer.find_unused_parameters)
 
     def build_datasets(self) -> tuple[TensorDataset, TensorDataset]:
         return samples(N_TRAIN), samples(N_VAL)
@@ -68,8 +81,8 @@ class RankJob(saferun.Trainer):
             return
         super().setup()
         self.micro: list[Any] = []
-        if self._ddp is not None:
-            self._ddp.register_comm_hook(None, counting_allreduce)
+        if self._ddp is not None:  # DDP's own all-reduces, once training goes through it
+            self._ddp.ddp.register_comm_hook(None, counting_allreduce_hook)
 
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         x, ids = batch
@@ -85,15 +98,16 @@ class RankJob(saferun.Trainer):
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    record = Record()
-    trainer = RankJob(cfg, callbacks=[record])
-    trainer.fit()
-    out = {"micro": trainer.micro, "allreduces": ALLREDUCES[0], "logs": record.logs,
-           "vals": record.vals}
-    with open(os.path.join(cfg["trainer"]["run_dir"], f"record_rank{trainer.ranks.rank}.json"),
-              "w") as f:
-        json.dump(out, f)
+    dist.all_reduce = counting_all_reduce
+    for arg in sys.argv[1:]:
+        cfg = json.loads(arg)
+        record = Record()
+        trainer = RankJob(cfg, callbacks=[record])
+        trainer.fit()
+        out = {"micro": trainer.micro, "logs": record.logs, "vals": record.vals}
+        path = os.path.join(cfg["trainer"]["run_dir"], f"record_rank{trainer.ranks.rank}.json")
+        with open(path, "w") as f:
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

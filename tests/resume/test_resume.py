@@ -227,6 +227,8 @@ def finished_run(tmp_path_factory):
     ({"model": {"_target_": "toys.Net", "hidden": 8}}, "model._target_"),
     ({"data": {"_target_": "toys.make_classification"}}, "data._target_"),
     ({"task": {"_target_": "toys.ToyTrainer"}}, "task._target_"),
+    ({"collate_fn": {"_target_": "torch.utils.data.default_collate", "_partial_": True}},
+     "collate_fn._target_"),
     ({"optim": {"_target_": "torch.optim.SGD", "lr": 0.1}}, "optim.lr"),
     ({"sched": {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 2}}, "sched._target_"),
     ({"trainer": {"batch_size": 16}}, "trainer.batch_size"),
@@ -237,12 +239,14 @@ def finished_run(tmp_path_factory):
     ({"trainer": {"precision": "bf16"}}, "trainer.precision"),
     ({"trainer": {"frozen_modules": ["head"]}}, "trainer.frozen_modules"),
     ({"trainer": {"max_grad_norm": None}}, "trainer.max_grad_norm"),
+    ({"guards": {"nonfinite": "skip"}}, "guards.nonfinite"),
+    ({"guards": {"spikes": "raise"}}, "guards.spikes"),
 ])
 def test_each_setting_that_changes_results_refuses_resume(finished_run, change, key):
     cfg = toy_config(finished_run, max_steps=4)
     for group, value in change.items():
-        if group == "trainer":
-            cfg["trainer"].update(value)
+        if group in ("trainer", "guards"):
+            cfg.setdefault(group, {}).update(value)
         else:
             cfg[group] = value
     cfg["resume"] = "auto"
