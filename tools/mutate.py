@@ -15,7 +15,7 @@ errs. It is not part of the test suite; run it by hand:
 
     python tools/mutate.py                    # every mutation (about an hour on 2 busy cores)
     python tools/mutate.py skip rollback      # those whose name contains one of the words
-    python tools/mutate.py --stale            # only check that every snippet still matches
+    python tools/mutate.py --stale            # only check that every snippet and named test still exists
     python tools/mutate.py --list
 """
 
@@ -385,10 +385,10 @@ mutation("non-finite parameters are bad", T,
 mutation("skip drops the bad update", T,
          "        if (self._skip_nonfinite or self._skip_spikes) and self._bad_now(loss, grad_norm, spike):",
          "        if False:",
-         f"{NONFINITE}::test_skip_drops_the_update_and_leaves_the_optimizer_untouched")
+         f"{NONFINITE}::test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step")
 mutation("skip restores the buffers (BatchNorm statistics)", T,
-         "        self._snapshot.restore()\n", "", DIFF,
-         f"{NONFINITE}::test_skip_drops_the_update_and_leaves_the_optimizer_untouched")
+         "        self._snapshot.restore()\n", "",
+         f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics", DIFF)
 mutation("skip leaves the scheduler untouched", T,
          "        self._schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
          "        self.scheduler.step()\n",
@@ -592,6 +592,18 @@ def stale_snippets(repo: Path, m: Mutation) -> list[str]:
     return problems
 
 
+def missing_tests(chosen: list[Mutation]) -> set[str]:
+    """The named tests (node ids or files) that no longer exist: renamed or removed."""
+    named = sorted({t for m in chosen for t in m.tests})
+    files = sorted({t.split("::")[0] for t in named if (ROOT / t.split("::")[0]).is_file()})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider", "-m", "", *files],
+                          cwd=ROOT, capture_output=True, text=True)
+    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
+    return {t for t in named if not (ROOT / t.split("::")[0]).is_file()
+            or ("::" in t and not any(i == t or i.startswith(t + "[") for i in ids))}
+
+
 def apply(text: str, m: Mutation) -> str:
     for old, new in m.edits:
         text = text.replace(old, new)
@@ -631,7 +643,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("words", nargs="*", help="run the mutations whose name contains a word")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
-    parser.add_argument("--stale", action="store_true", help="only check the snippets")
+    parser.add_argument("--stale", action="store_true",
+                        help="only check that the snippets and the named tests still exist")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip running the tests once unmutated first")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per mutation")
@@ -641,9 +654,11 @@ def main() -> int:
         for m in chosen:
             print(f"{m.name:70s} {m.file}{'  [known: ' + m.known + ']' if m.known else ''}")
         return 0
-    stale = [m for m in chosen if stale_snippets(ROOT, m)]
+    missing = missing_tests(chosen)
+    stale = [m for m in chosen if stale_snippets(ROOT, m) or set(m.tests) & missing]
     for m in stale:
-        print(f"stale     {m.name}: {'; '.join(stale_snippets(ROOT, m))}")
+        problems = stale_snippets(ROOT, m) + [f"no test {t}" for t in m.tests if t in missing]
+        print(f"stale     {m.name}: {'; '.join(problems)}")
     if args.stale:
         print(f"{len(chosen) - len(stale)} of {len(chosen)} snippets match exactly once.")
         return 1 if stale else 0
