@@ -63,7 +63,8 @@ def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 class Samples(Dataset):
     """Tuples or dicts; training samples get noise from random, NumPy's global RNG and torch."""
 
-    def __init__(self, n: int, seed: int, augment: bool, as_dict: bool, nan_at: Optional[int] = None):
+    def __init__(self, n: int, seed: int, augment: bool, as_dict: bool,
+                 nan_at: Optional[int] = None) -> None:
         self.x, self.y = make_data(n, seed)
         if nan_at is not None:
             self.x[nan_at, 3] = float("nan")  # a bad record

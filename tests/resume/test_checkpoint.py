@@ -365,7 +365,8 @@ def test_grad_scaler_state_is_saved_and_restored(tmp_path):
     resumed = run(9, resume=str(tmp_path / "run" / "checkpoints" / "step-00000005"))
     assert resumed._scaler.state_dict() == straight._scaler.state_dict()
     assert resumed._scaler.get_scale() == 2.0**14
-    assert all(torch.equal(a, b) for a, b in zip(weights(resumed).values(), weights(straight).values()))
+    resumed_weights, straight_weights = weights(resumed), weights(straight)
+    assert all(torch.equal(resumed_weights[k], v) for k, v in straight_weights.items())
 
 
 def test_files_and_directories_are_fsynced_before_the_checkpoint_appears(tmp_path, monkeypatch):

@@ -250,7 +250,8 @@ def test_each_setting_that_changes_results_refuses_resume(finished_run, change, 
         else:
             cfg[group] = value
     cfg["resume"] = "auto"
-    with pytest.raises(saferun.ConfigError, match=rf"differs from the checkpoint's in .*\b{re.escape(key)}: "):
+    named = rf"differs from the checkpoint's in .*\b{re.escape(key)}: "
+    with pytest.raises(saferun.ConfigError, match=named):
         ToyTrainer(cfg).fit()
 
 

@@ -270,6 +270,7 @@ def test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_afte
     assert torch.equal(after_rollback[2], t.train_loader.dataset.x[64])
     # the loop's position follows the data: 10 + 15 batches read, 8 an epoch
     assert (t.state.epoch, t.state.batches_in_epoch) == (3, 1)
+    assert t.state.samples_seen == 20 * 32  # counted from the checkpoint's, as the steps are
     assert all(torch.isfinite(v).all() for v in weights(t).values())
 
 
@@ -349,4 +350,5 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught(tmp_path):
             return super().training_step(batch) + 0 * torch.where(p > 0, torch.sqrt(p), 0.0)
 
     with pytest.raises(NonFiniteError, match=r"at step 1: loss [\d.]+, gradient norm nan"):
-        NanGradient(toy_config(tmp_path, max_steps=8, log_every_n_steps=4, max_grad_norm=None)).fit()
+        NanGradient(toy_config(tmp_path, max_steps=8, log_every_n_steps=4,
+                               max_grad_norm=None)).fit()
