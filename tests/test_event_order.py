@@ -145,3 +145,18 @@ def test_task_hooks_finish_validation_and_after_fit(tmp_path):
     with pytest.raises(KeyError):
         Failing(toy_config(tmp_path, max_steps=4), callbacks=[rec]).fit()
     assert ("after_fit", 0) not in rec.events
+
+
+def test_the_controls_of_several_callbacks_are_combined(tmp_path):
+    class Asks(Callback):
+        def __init__(self, **control):
+            self.control = Control(**control)
+
+        def on_train_step_end(self, view, output):
+            return self.control if view.step == 2 else None
+
+    rec = Recorder()
+    ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=100),
+               callbacks=[Asks(evaluate=True), Asks(save=True), Asks(), rec]).fit()
+    assert rec.events[:6] == [("fit_start", 0)] + steps(1, 2) + [
+        ("validation_end", 2), ("checkpoint", 2), ("train_step_end", 3)]

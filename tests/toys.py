@@ -62,6 +62,17 @@ class ToyTrainer(saferun.Trainer):
         return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
 
 
+class ScaledOnCpu(ToyTrainer):
+    """fp16's loss scaling with a real, enabled GradScaler on the CPU (fp16 autocast itself
+    needs CUDA; the scaler's part of the step is the same), so that unscaling before clipping
+    and the scaler's checkpoint state are tested without a GPU."""
+
+    def setup(self) -> None:
+        if not self._is_setup:
+            super().setup()
+            self._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+
 TENSORBOARD = {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
 
 
@@ -146,7 +157,8 @@ class SelfSignalling(AugmentedTrainer):
         loss = super().training_step(batch)
         if self._planted(self.spike_at):
             return loss * 1000
-        return loss * float("nan") if self._planted(self.nan_at) else loss
+        # A NaN added to the loss leaves the gradients finite: the NaN stays on this rank.
+        return loss + float("nan") if self._planted(self.nan_at) else loss
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         if self.in_validation and self.state.step == self.signal_at and \

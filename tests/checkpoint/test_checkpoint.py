@@ -14,7 +14,7 @@ import torch
 from saferun.checkpoint import (CheckpointError, check_plain, list_checkpoints, load_checkpoint,
                                 load_latest, save_checkpoint)
 from saferun.stopping import EarlyStopping
-from toys import TOYS_PATH, SelfSignalling, ToyTrainer, toy_config, weights
+from toys import TOYS_PATH, ScaledOnCpu, SelfSignalling, ToyTrainer, toy_config, weights
 
 
 def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
@@ -348,3 +348,67 @@ def test_a_crash_between_the_renames_of_a_step_saved_again_loses_nothing(tmp_pat
     assert_same_state(torch.load(tmp_path / "a" / "model.pt", weights_only=True),
                       torch.load(tmp_path / "b" / "model.pt", weights_only=True))
     assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]
+
+
+def test_grad_scaler_state_is_saved_and_restored(tmp_path):
+    def run(max_steps, resume=None):
+        cfg = toy_config(tmp_path, max_steps=max_steps, save_every_n_steps=5)
+        cfg["resume"] = resume
+        t = ScaledOnCpu(cfg)
+        t.fit()
+        return t
+
+    first = run(5)  # growth_interval=2: the scale doubled twice by step 5
+    saved = load_latest(tmp_path / "run" / "checkpoints")[1]["scaler"]
+    assert saved == first._scaler.state_dict() and saved["scale"] == 2.0**12
+    straight = run(9)  # a fresh run in the same directory: its own checkpoints up to step 9
+    resumed = run(9, resume=str(tmp_path / "run" / "checkpoints" / "step-00000005"))
+    assert resumed._scaler.state_dict() == straight._scaler.state_dict()
+    assert resumed._scaler.get_scale() == 2.0**14
+    resumed_weights, straight_weights = weights(resumed), weights(straight)
+    assert all(torch.equal(resumed_weights[k], v) for k, v in straight_weights.items())
+
+
+def test_files_and_directories_are_fsynced_before_the_checkpoint_appears(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):  # a spy: records which file or directory, then really syncs it
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 7, {"x": torch.ones(2)})
+    tmp = next(name for kind, name in events if kind == "fsync" and name.startswith(".tmp-step-"))
+    assert events == [("fsync", "state.pt"), ("fsync", "manifest.json"), ("fsync", tmp),
+                      ("rename", "step-00000007"), ("fsync", "checkpoints")]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoints(tmp_path):
+    from saferun import Callback
+
+    class BadStateAt4(Callback):
+        """Its state cannot be saved safely from step 4 on: that save fails."""
+
+        def __init__(self):
+            self.step = 0
+
+        def on_train_step_end(self, view, output):
+            self.step = view.step
+
+        def state_dict(self):
+            return {"when": Payload("m") if self.step >= 4 else None}
+
+    t = ToyTrainer(toy_config(tmp_path, max_steps=6, save_every_n_steps=2, keep_last=1),
+                   callbacks=[BadStateAt4()])
+    with pytest.raises(CheckpointError, match="Payload"):
+        t.fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000002"]
+    assert load_latest(root)[1]["loop"]["step"] == 2

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -369,3 +370,80 @@ trainer.fit()
         raise AssertionError("the process did not exit: its DataLoader workers outlived it")
     assert proc.returncode == 0, proc.stderr
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("finished")
+    ToyTrainer(toy_config(tmp_path, max_steps=2)).fit()
+    return tmp_path
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"seed": 1}, "seed"),
+    ({"model": {"_target_": "toys.Net", "hidden": 8}}, "model._target_"),
+    ({"data": {"_target_": "toys.make_classification"}}, "data._target_"),
+    ({"task": {"_target_": "toys.ToyTrainer"}}, "task._target_"),
+    ({"collate_fn": {"_target_": "torch.utils.data.default_collate", "_partial_": True}},
+     "collate_fn._target_"),
+    ({"optim": {"_target_": "torch.optim.SGD", "lr": 0.1}}, "optim.lr"),
+    ({"sched": {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 2}}, "sched._target_"),
+    ({"trainer": {"batch_size": 16}}, "trainer.batch_size"),
+    ({"trainer": {"accumulate": 2}}, "trainer.accumulate"),
+    ({"trainer": {"num_workers": 2}}, "trainer.num_workers"),
+    ({"trainer": {"shuffle": False}}, "trainer.shuffle"),
+    ({"trainer": {"drop_last": True}}, "trainer.drop_last"),
+    ({"trainer": {"precision": "bf16"}}, "trainer.precision"),
+    ({"trainer": {"frozen_modules": ["head"]}}, "trainer.frozen_modules"),
+    ({"trainer": {"max_grad_norm": None}}, "trainer.max_grad_norm"),
+    ({"guards": {"nonfinite": "skip"}}, "guards.nonfinite"),
+    ({"guards": {"spikes": "raise"}}, "guards.spikes"),
+])
+def test_each_setting_that_changes_results_refuses_resume(finished_run, change, key):
+    cfg = toy_config(finished_run, max_steps=4)
+    for group, value in change.items():
+        if group in ("trainer", "guards"):
+            cfg.setdefault(group, {}).update(value)
+        else:
+            cfg[group] = value
+    cfg["resume"] = "auto"
+    named = rf"differs from the checkpoint's in .*\b{re.escape(key)}: "
+    with pytest.raises(saferun.ConfigError, match=named):
+        ToyTrainer(cfg).fit()
+
+
+def test_a_signal_during_validation_stops_it_before_the_next_batch(tmp_path):
+    from saferun.preemption import Preempted
+
+    class SignalInValidation(ToyTrainer):
+        calls = 0
+
+        def validation_step(self, batch):
+            self.calls += 1
+            if self.calls == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # a real signal, in this process
+            return super().validation_step(batch)
+
+    t = SignalInValidation(toy_config(tmp_path, max_steps=10, val_every_n_steps=2,
+                                      val_batch_size=8))  # 8 validation batches
+    with pytest.raises(Preempted) as e:
+        t.fit()
+    assert e.value.code == 128 + signal.SIGTERM
+    assert t.calls == 1  # checked between validation batches, not after the whole validation
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+
+
+def test_a_signal_during_a_step_saves_right_after_that_step(tmp_path):
+    from saferun.preemption import Preempted
+
+    class SignalAt5(ToyTrainer):
+        def training_step(self, batch):
+            if self.state.step + 1 == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().training_step(batch)
+
+    t = SignalAt5(toy_config(tmp_path, max_steps=20, log_every_n_steps=4))
+    with pytest.raises(Preempted) as e:
+        t.fit()
+    assert e.value.code == 128 + signal.SIGTERM and t.state.step == 5  # not at a log point
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000005"]

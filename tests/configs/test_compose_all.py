@@ -4,12 +4,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
+from hydra.utils import get_class, get_object
 from omegaconf import OmegaConf
+from torch.optim.lr_scheduler import LRScheduler
 
 import saferun.conf
 from saferun.cli import _register_with_hydra
 from saferun.config import load_config
+from saferun.guards.sync_audit import SyncAudit
 
 CONF = Path(saferun.conf.__file__).parent
 # Tiny, CPU-safe settings: the point is that everything builds, not that it trains.
@@ -39,13 +43,38 @@ def test_config_composes_and_instantiates(path, tmp_path):
         cfg = compose("config", overrides=overrides_for(path) + TINY
                       + [f"trainer.run_dir={tmp_path}"], return_hydra_config=False)
     config = load_config(OmegaConf.to_container(cfg, resolve=True))
-    from hydra.utils import get_class
-
     task = dict(config.task)
     trainer = get_class(task.pop("_target_"))(config, **task)
     trainer.setup()  # builds model, datasets, loaders, optimizer, scheduler and callbacks
-    assert trainer.model is not None and trainer.optimizer is not None
-    assert next(iter(trainer.train_loader)) is not None
+    assert_built_as_configured(trainer, config)
+    batch = next(iter(trainer.train_loader))
+    assert trainer.batch_size(batch) == config.trainer.batch_size
+    out = trainer.train_step([batch])  # and it trains: one real optimizer step
+    assert trainer.state.step == 1 and torch.isfinite(out.loss)
+
+
+def assert_built_as_configured(trainer, config):
+    """Each component is the class its node names, with the node's arguments."""
+    optim = dict(config.optim)
+    assert type(trainer.optimizer) is get_class(optim.pop("_target_"))
+    group = dict(trainer.optimizer.param_groups[0])
+    group["lr"] = group.get("initial_lr", group["lr"])  # a schedule may have started its warm-up
+    for key, value in optim.items():
+        assert group[key] == (tuple(value) if isinstance(value, list) else value), key
+    if config.sched is None:
+        assert trainer.scheduler is None
+    else:
+        target = get_object(config.sched["_target_"])
+        assert isinstance(trainer.scheduler, target if isinstance(target, type) else LRScheduler)
+    if config.model is not None:
+        assert isinstance(trainer.model, get_class(config.model["_target_"]))
+    built = [type(c) for c in trainer._callbacks.callbacks]
+    for key in ("callbacks", "logger"):
+        for node in (getattr(config, key) or {}).values():
+            if node is not None:
+                assert get_class(node["_target_"]) in built, node["_target_"]
+    assert (trainer._spikes is not None) == (config.guards.spikes != "off")
+    assert (SyncAudit in built) == config.guards.sync_audit
 
 
 def test_every_yaml_on_disk_is_tested():

@@ -67,6 +67,16 @@ def test_evaluation_that_changes_the_model_is_named(tmp_path, model, words):
         assert w in str(e.value)
 
 
+def test_predict_that_changes_the_model_is_named(tmp_path):
+    class Planted(ToyTrainer):
+        def build_model(self):
+            return BNAlwaysTrains()
+
+    t = Planted(toy_config(tmp_path))
+    with pytest.raises(saferun.SaferunError, match="(?s)evaluation changed the model.*running_mean"):
+        t.predict(torch.utils.data.TensorDataset(torch.randn(8, 8)))
+
+
 def test_eval_purity_adds_no_host_sync(tmp_path):
     def count(purity):
         cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=10, val_every_n_steps=10)
@@ -204,9 +214,22 @@ def test_spikes_are_caught_with_the_nonfinite_guard_off_and_nan_is_then_let_thro
 
 
 def test_a_loss_spike_can_be_skipped(tmp_path):
-    t = SpikesAt(spike_config(tmp_path, "skip"))
+    class Skipped(saferun.Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_step_end(self, view, output):
+            if output.skipped:  # a Python bool: no host sync
+                self.steps.append(view.step)
+
+    cfg = spike_config(tmp_path, "skip")
+    cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.9}
+    seen = Skipped()
+    t = SpikesAt(cfg, callbacks=[seen])
     metrics = t.fit()
     assert t.state.step == 40 and metrics["train/loss"] < 2.0
+    assert seen.steps == [30]  # that step and no other
+    assert t.scheduler.last_epoch == 39  # its update and its schedule step were dropped
 
 
 def test_a_skipped_spike_leaves_parameters_and_buffers_as_before_it(tmp_path):

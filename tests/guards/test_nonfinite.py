@@ -216,3 +216,139 @@ def test_off_lets_nan_through(tmp_path):
     cfg["guards"] = {"nonfinite": "off"}
     metrics = BadAt(cfg).fit()
     assert metrics["train/loss"] != metrics["train/loss"]  # NaN, as asked
+
+
+class GlitchAt(Dataset):
+    """Sample `bad` reads as NaN the first time only; records the first feature of each sample
+    read, so a test can tell which data a step used."""
+
+    def __init__(self, bad):
+        self.x, self.y = make_classification(256)
+        self.bad, self.glitched = bad, False
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i].clone()
+        if i == self.bad and not self.glitched:
+            self.glitched = True
+            x[3] = float("nan")
+        return x, self.y[i]
+
+
+class RecordsSteps(ToyTrainer):
+    """Records, at every training step, the weights it starts from and its first input."""
+
+    def build_datasets(self):
+        return GlitchAt(bad=200), None  # batches of 32, unshuffled: sample 200 is in step 7
+
+    def training_step(self, batch):
+        self.entering.append((self.state.step + 1, weights(self), batch[0][0].clone()))
+        return super().training_step(batch)
+
+
+def test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step(
+        tmp_path, caplog):
+    cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=5, save_every_n_steps=5,
+                     shuffle=False)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = RecordsSteps(cfg)
+    t.entering = []
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    rolled = [r.getMessage() for r in caplog.records if "Rolled back" in r.getMessage()]
+    assert len(rolled) == 1 and "at step 7:" in rolled[0] and "step-00000005" in rolled[0]
+    steps = [s for s, _, _ in t.entering]
+    # steps 1-10 (the NaN at 7 is found at the log point after step 10), then 6-20 again
+    assert steps == list(range(1, 11)) + list(range(6, 21)) and t.state.step == 20
+    first_pass, after_rollback = t.entering[5], t.entering[10]
+    for k, v in first_pass[1].items():  # step 6 starts from the step-5 checkpoint's state again
+        assert torch.equal(after_rollback[1][k], v), k
+    # and goes on with the data after the bad window: 8 batches an epoch, step 10 used epoch 1's
+    # second batch, so the next is epoch 1's third (samples 64-95)
+    assert torch.equal(after_rollback[2], t.train_loader.dataset.x[64])
+    # the loop's position follows the data: 10 + 15 batches read, 8 an epoch
+    assert (t.state.epoch, t.state.batches_in_epoch) == (3, 1)
+    assert t.state.samples_seen == 20 * 32  # counted from the checkpoint's, as the steps are
+    assert all(torch.isfinite(v).all() for v in weights(t).values())
+
+
+def test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind(tmp_path):
+    from saferun import Callback
+
+    class Skipped(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_step_end(self, view, output):
+            if output.skipped:  # a Python bool: no host sync
+                self.steps.append(view.step)
+
+    cfg = toy_config(tmp_path, max_steps=10, log_every_n_steps=5)
+    cfg["optim"] = {"_target_": "torch.optim.AdamW", "lr": 1e-2}
+    cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.5}
+    cfg["guards"] = {"nonfinite": "skip"}
+    seen = Skipped()
+    t = BadAt(cfg, callbacks=[seen])
+    metrics = t.fit()
+    assert seen.steps == [7] and t.state.step == 10
+    assert t.scheduler.last_epoch == 9 and t.optimizer.param_groups[0]["lr"] == 1e-2 * 0.5**9
+    assert all(int(s["step"]) == 9 for s in t.optimizer.state.values())
+    assert metrics["train/loss"] == metrics["train/loss"]  # the window with step 7 logged finite
+
+
+def test_a_non_finite_step_is_caught_before_validation(tmp_path):
+    class CountsValidation(BadAt):
+        bad = (3,)
+        calls = 0
+
+        def validation_step(self, batch):
+            self.calls += 1
+            return super().validation_step(batch)
+
+    t = CountsValidation(toy_config(tmp_path, max_steps=20, log_every_n_steps=100,
+                                    val_every_n_steps=4))
+    with pytest.raises(NonFiniteError, match="at step 3:"):
+        t.fit()
+    assert t.state.step == 4 and t.calls == 0  # found before validating the bad state
+
+
+def test_non_finite_parameters_are_named_when_check_params_is_on(tmp_path):
+    class CorruptsAParameter(ToyTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.scale = nn.Parameter(torch.ones(2))  # not used by the loss
+            return model
+
+        def training_step(self, batch):
+            if self.state.step + 1 == 3:
+                with torch.no_grad():
+                    self.model.scale[1] = float("inf")  # the loss and gradients stay finite
+            return super().training_step(batch)
+
+    cfg = toy_config(tmp_path, max_steps=8, log_every_n_steps=4)
+    cfg["guards"] = {"check_params": True}
+    with pytest.raises(NonFiniteError, match="parameters are not finite at step 4.*scale"):
+        CorruptsAParameter(cfg).fit()
+    cfg["guards"] = {"check_params": False}
+    CorruptsAParameter(cfg).fit()  # off: not checked (the loss never sees it)
+
+
+def test_a_non_finite_gradient_under_a_finite_loss_is_caught(tmp_path):
+    class NanGradient(ToyTrainer):
+        """sqrt(p) masked by where() at p == 0: the forward stays finite (the loss never sees
+        it), the gradient is NaN (pitfall C51). Without clipping only p itself goes NaN."""
+
+        def build_model(self):
+            model = super().build_model()
+            model.p = nn.Parameter(torch.zeros(()))
+            return model
+
+        def training_step(self, batch):
+            p = self.model.p
+            return super().training_step(batch) + 0 * torch.where(p > 0, torch.sqrt(p), 0.0)
+
+    with pytest.raises(NonFiniteError, match=r"at step 1: loss [\d.]+, gradient norm nan"):
+        NanGradient(toy_config(tmp_path, max_steps=8, log_every_n_steps=4,
+                               max_grad_norm=None)).fit()

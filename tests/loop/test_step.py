@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 import saferun
 from saferun.loop.steps import clip_or_measure as _clip_or_measure
-from toys import ToyTrainer, make_classification, toy_config, weights
+from toys import ScaledOnCpu, ToyTrainer, make_classification, toy_config, weights
 
 
 class Plain(ToyTrainer):
@@ -107,3 +107,42 @@ def test_scheduler_steps_once_per_optimizer_step(tmp_path):
     t = ToyTrainer(cfg)
     t.fit()
     assert math.isclose(t.optimizer.param_groups[0]["lr"], 0.05 * 0.5**8)
+
+
+class ScaledPlain(ScaledOnCpu, Plain):
+    pass
+
+
+@pytest.mark.parametrize("max_norm", [0.01, None])
+def test_gradients_are_unscaled_before_they_are_clipped_or_measured(tmp_path, max_norm):
+    t = ScaledPlain(toy_config(tmp_path, max_grad_norm=max_norm))
+    t.setup()
+    batch = next(iter(t.train_loader))
+    reference = Plain(toy_config(tmp_path))  # same seed, same initial weights
+    reference.setup()
+    F.cross_entropy(reference.model(batch[0]), batch[1]).backward()
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.model.parameters()])
+    before = weights(t)
+    out = t.train_step([batch])
+    assert t._scaler.get_scale() == 2.0**10  # the loss really was scaled by 1024
+    torch.testing.assert_close(out.grad_norm, true_norm)  # the unscaled norm, not 1024x
+    delta = torch.cat([(before[k] - v).flatten() for k, v in weights(t).items()])
+    expected = 0.05 * (0.01 if max_norm else true_norm.item())  # SGD: lr * (clipped) gradient
+    assert math.isclose(delta.norm().item(), expected, rel_tol=1e-3)
+
+
+def test_max_epochs_stops_after_that_many_passes(tmp_path):
+    from saferun import Callback
+
+    class Validations(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_validation_end(self, view, metrics):
+            self.steps.append((view.step, view.epoch))
+
+    seen = Validations()
+    t = ToyTrainer(toy_config(tmp_path, max_steps=1000, max_epochs=2), callbacks=[seen])
+    t.fit()  # 256 samples in batches of 32: 8 steps an epoch
+    assert t.state.step == 16 and t.state.samples_seen == 2 * 256
+    assert seen.steps == [(8, 0), (16, 1)]  # at each epoch's end; none added after the last

@@ -105,3 +105,28 @@ def test_dict_subclasses_keep_their_type_and_default_factory():
     ordered = move_to_device(collections.OrderedDict(b=torch.ones(1), a=torch.ones(1)), META)
     assert type(ordered) is collections.OrderedDict and list(ordered) == ["b", "a"]
     assert ordered["a"].device == META
+
+
+def shard_indices(n, rank, world_size, epoch, evaluation=False, drop_last=False):
+    from torch.utils.data import TensorDataset
+
+    from saferun.data import make_loader, set_loader_epoch
+
+    loader = make_loader(TensorDataset(torch.arange(n)), batch_size=3, shuffle=not evaluation,
+                         drop_last=drop_last, num_workers=0, pin_memory=False, seed=4, rank=rank,
+                         world_size=world_size, evaluation=evaluation)
+    set_loader_epoch(loader, 4, epoch, rank)
+    return [i for (batch,) in loader for i in batch.tolist()]
+
+
+def test_training_shards_are_disjoint_and_reshuffled_every_epoch():
+    for epoch in (0, 1):
+        shards = [shard_indices(12, r, 2, epoch) for r in (0, 1)]
+        assert sorted(shards[0] + shards[1]) == list(range(12))
+    assert shard_indices(12, 0, 2, 0) != shard_indices(12, 0, 2, 1)  # set_epoch reached the sampler
+    assert shard_indices(12, 0, 2, 1) == shard_indices(12, 0, 2, 1)
+
+
+def test_validation_shards_hold_every_sample_exactly_once():
+    shards = [shard_indices(10, r, 3, 0, evaluation=True) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(10))  # no padding, no repeats

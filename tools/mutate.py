@@ -1,0 +1,742 @@
+#!/usr/bin/env python
+"""Mutation check: disable each guard and guarantee the README makes, once, and see a test fail.
+
+Each entry of MUTATIONS names a file, an exact snippet of today's code, its replacement (the
+guarantee disabled or broken; some entries edit several places), and the tests that must
+catch it. The script copies the repository to a temporary directory once; for each mutation
+it edits the copy, runs the named tests there (the copy comes first on PYTHONPATH, also for
+subprocesses, DataLoader workers and torchrun), and restores the files. Nothing in the working
+tree is touched.
+
+Results: "killed" (a test failed: good), "SURVIVED" (every test passed: a test is missing or
+weak), "stale" (the snippet no longer occurs exactly once, or a named test is gone: the code
+moved on, update the entry), "error" (no test ran, or pytest itself failed). Entries with
+`known` (say, ones whose test needs a GPU) are listed but not run. Exit status 1 if any
+mutation survived, is stale or errs. It is not part of the test suite; run it by hand:
+
+    python tools/mutate.py                    # every mutation (25-75 min on 2 shared cores)
+    python tools/mutate.py skip rollback      # those whose name contains one of the words
+    python tools/mutate.py --stale            # only check the snippets and the named tests
+    python tools/mutate.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, exact old snippet, new), in order
+    tests: tuple[str, ...]  # pytest arguments: node ids or files
+    known: Optional[str] = None  # why it cannot be run here (e.g. it needs a GPU): listed, not run
+
+
+MUTATIONS: list[Mutation] = []
+
+
+def mutation(name: str, file: str, old: str, new: str, *tests: str, known: Optional[str] = None,
+             also: tuple[tuple[str, ...], ...] = ()) -> None:
+    """`also`: more edits, (old, new) in `file` or (other file, old, new)."""
+    edits = [(file, old, new)] + [e if len(e) == 3 else (file, *e) for e in also]
+    edits = [(_follow(f, o), o, n) for f, o, n in edits]
+    tests = tuple(_follow_test(t) for t in tests)
+    MUTATIONS.append(Mutation(name, edits[0][0], tuple(edits), tests, known))
+
+
+def _follow(file: str, old: str) -> str:
+    """`file`, or the one saferun module that now holds `old` when code moved (a refactor);
+    a snippet found nowhere, or in several modules, stays put and is reported stale."""
+    path = ROOT / file
+    if path.is_file() and path.read_text().count(old) == 1:
+        return file
+    holders = [p for p in sorted((ROOT / "saferun").rglob("*.py")) if p.read_text().count(old) == 1]
+    return str(holders[0].relative_to(ROOT)) if len(holders) == 1 else file
+
+
+def _follow_test(test: str) -> str:
+    """A test file moved to another folder (same file name) is followed there."""
+    file, sep, rest = test.partition("::")
+    if (ROOT / file).is_file():
+        return test
+    moved = sorted((ROOT / "tests").rglob(Path(file).name))
+    return str(moved[0].relative_to(ROOT)) + sep + rest if len(moved) == 1 else test
+
+
+T = "saferun/trainer.py"
+MODES, STEP = "tests/unit/test_modes.py", "tests/unit/test_step.py"
+NONFINITE, GUARDS = "tests/unit/test_nonfinite.py", "tests/test_guards.py"
+RESUME, CKPT = "tests/resume/test_resume.py", "tests/resume/test_checkpoint.py"
+DIFF = "tests/parity/test_differential.py::test_saferun_equals_the_reference_loop"
+RANKS = "tests/distributed/test_rank_guarantees.py"
+
+# ---------------------------------------------------------------- modes and evaluation
+mutation("evaluation in eval mode", "saferun/modes.py",
+         "    model.eval()\n    try:\n", "    try:\n",
+         f"{MODES}::test_training_in_train_mode_and_eval_in_eval_mode_with_inference_mode")
+mutation("evaluation under inference_mode", "saferun/modes.py",
+         'grad_ctx = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()',
+         "grad_ctx = torch.no_grad()",
+         f"{MODES}::test_training_in_train_mode_and_eval_in_eval_mode_with_inference_mode")
+mutation("eval_grad_mode=no_grad honoured", "saferun/modes.py",
+         'grad_ctx = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()',
+         "grad_ctx = torch.inference_mode()",
+         f"{MODES}::test_no_grad_eval_mode_is_configurable")
+mutation("every submodule's mode flag restored after evaluation", "saferun/modes.py",
+         "            m.training = training\n", "            model.train()\n",
+         f"{MODES}::test_validation_restores_every_submodule_flag_and_leaves_buffers_and_grads")
+mutation("frozen modules stay in eval mode", "saferun/modes.py",
+         "    for m in frozen:\n        m.eval()\n    return was_eval", "    return was_eval",
+         f"{MODES}::test_frozen_module_stays_eval_without_grad_and_out_of_optimizer")
+mutation("frozen modules get requires_grad=False", "saferun/modes.py",
+         "        m.requires_grad_(False)\n", "        pass\n",
+         f"{MODES}::test_frozen_module_stays_eval_without_grad_and_out_of_optimizer")
+mutation("an optimizer holding frozen parameters is refused", T,
+         "        _check_optimizer_params(self.optimizer, model)\n", "",
+         f"{MODES}::test_optimizer_built_with_frozen_params_is_refused")
+mutation("fit puts the model in train mode", "saferun/modes.py",
+         "    model.train()\n    for m in frozen:", "    for m in frozen:",
+         f"{MODES}::test_model_loaded_in_eval_mode_is_put_in_train_mode_and_said_once")
+mutation("fit says once that it left eval mode", "saferun/modes.py",
+         "    return was_eval", "    return False",
+         f"{MODES}::test_model_loaded_in_eval_mode_is_put_in_train_mode_and_said_once")
+mutation("validation does not shift training's random streams", T,
+         "with self._evaluating(), preserved_rng():", "with self._evaluating():",
+         f"{MODES}::test_randomness_in_validation_does_not_change_training")
+mutation("predict runs in eval mode without autograd", T,
+         "        with self._evaluating():\n            for batch in loader:",
+         "        with contextlib.nullcontext():\n            for batch in loader:",
+         "tests/unit/test_predict.py::test_predict_returns_normal_cpu_tensors_in_order_without_changing_modes")
+
+# ---------------------------------------------------------------- the step
+mutation("zero_grad(set_to_none=True)", T,
+         "        opt.zero_grad(set_to_none=True)\n        self._schedule.after_step()",
+         "        opt.zero_grad(set_to_none=False)\n        self._schedule.after_step()",
+         f"{STEP}::test_grads_are_set_to_none_after_each_step")
+mutation("clip after unscale", T,
+         "        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
+         "        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n",
+         "        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n"
+         "        scaler.unscale_(opt)\n",
+         f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured")
+mutation("clip to max_grad_norm", T,
+         "_clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
+         "_clip_or_measure(self._params, None)",
+         f"{STEP}::test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm")
+mutation("measure the norm without clip_grad_norm_(inf)", T,
+         "        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])",
+         '        return torch.nn.utils.clip_grad_norm_(params, float("inf"))',
+         f"{STEP}::test_measuring_without_clipping_never_touches_gradients")
+mutation("accumulation weights micro-batches", T,
+         "                if size != total:", "                if False:",
+         f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch", DIFF)
+mutation("accumulation weights by share of samples, not by count", T,
+         "loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}",
+         "loss, logs = loss / len(sizes), {k: v / len(sizes) for k, v in logs.items()}",
+         f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
+mutation("accumulate micro-batches per optimizer step", T,
+         "_take(batches, self.cfg.trainer.accumulate)", "_take(batches, 1)",
+         f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
+mutation("scheduler steps once per optimizer step", T,
+         "                self._scaler.scale(loss).backward()\n",
+         "                self._scaler.scale(loss).backward()\n"
+         "                if self.scheduler is not None:\n                    self.scheduler.step()\n",
+         f"{STEP}::test_scheduler_steps_once_per_optimizer_step")
+mutation("bf16 autocast", "saferun/precision.py",
+         '    if precision == "fp32":', '    if precision in ("fp32", "bf16"):',
+         f"{STEP}::test_bf16_autocast_on_cpu")
+mutation("fp16 refused on the CPU", "saferun/precision.py",
+         '    if precision == "fp16" and device.type != "cuda":', "    if False:",
+         f"{STEP}::test_fp16_on_cpu_is_refused_with_the_alternative")
+mutation("max_steps (one step too many)", T,
+         "                    if (control and control.stop) or state.step >= t.max_steps:",
+         "                    if (control and control.stop) or state.step > t.max_steps:",
+         "tests/test_event_order.py::test_two_epochs_with_logging_validation_and_checkpoints",
+         also=(("while state.step < t.max_steps and (t.max_epochs",
+                "while state.step <= t.max_steps and (t.max_epochs"),
+               ("while state.step < t.max_steps and (group", "while state.step <= t.max_steps and (group"),
+               ("            if state.step >= t.max_steps:\n                return",
+                "            if state.step > t.max_steps:\n                return")))
+mutation("max_epochs", T,
+         "while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):",
+         "while state.step < t.max_steps:",
+         f"{STEP}::test_max_epochs_stops_after_that_many_passes", DIFF)
+mutation("val_every_n_steps", T,
+         "return epoch_end if every is None else self.state.step % every == 0",
+         "return epoch_end",
+         "tests/test_logging.py::test_tensorboard_has_every_metric_at_log_steps_and_the_config")
+mutation("validation at each epoch's end", T,
+         "return epoch_end if every is None else self.state.step % every == 0",
+         "return False if every is None else self.state.step % every == 0",
+         "tests/test_event_order.py::test_two_epochs_with_logging_validation_and_checkpoints")
+mutation("limit_val_batches", T,
+         "                if limit is not None and i >= limit:", "                if False:",
+         "tests/unit/test_validation.py::test_limit_val_batches_uses_only_the_first_batches")
+mutation("validation means weighted by batch size", "saferun/metrics.py",
+         "            weighted = v.detach().float() * n", "            weighted = v.detach().float()",
+         "tests/unit/test_validation.py::test_means_are_weighted_by_batch_size")
+
+# ---------------------------------------------------------------- host syncs
+mutation("no host sync per step in the loop", T,
+         "        self.state.samples_seen += samples\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
+         "        self.state.samples_seen += samples\n        float(loss)\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
+         "tests/unit/test_syncs.py::test_syncs_equal_log_points_plus_one_per_validation")
+mutation("one host read per log point", "saferun/metrics.py",
+         "            values = stacked.tolist()", "            values = [v.item() for v in stacked]",
+         "tests/unit/test_syncs.py::test_syncs_equal_log_points_plus_one_per_validation")
+mutation("the sync counter sees .item() of inference tensors", "saferun/syncs.py",
+         "    torch.Tensor.item, torch.Tensor.tolist,", "    torch.Tensor.tolist,",
+         "tests/unit/test_syncs.py::test_counter_sees_reads_of_inference_tensors_and_skips_optimizer_internals")
+mutation("the sync counter counts each read once", "saferun/syncs.py",
+         "        self.counter._in_read = True", "        self.counter._in_read = False",
+         "tests/unit/test_syncs.py::test_counter_sees_reads_of_inference_tensors_and_skips_optimizer_internals")
+
+# ---------------------------------------------------------------- seeding and data
+mutation("worker seeds depend on the epoch", "saferun/seeding.py",
+         "seed = derive_seed(self.seed, self.epoch, worker_id, self.rank)",
+         "seed = derive_seed(self.seed, worker_id, self.rank)",
+         "tests/unit/test_seeding.py::test_workers_and_epochs_draw_differently_and_reproducibly")
+mutation("worker seeds depend on the worker", "saferun/seeding.py",
+         "seed = derive_seed(self.seed, self.epoch, worker_id, self.rank)",
+         "seed = derive_seed(self.seed, self.epoch, self.rank)",
+         "tests/unit/test_seeding.py::test_workers_and_epochs_draw_differently_and_reproducibly")
+mutation("workers seed NumPy from (seed, epoch, worker, rank)", "saferun/seeding.py",
+         "        random.seed(seed)\n        np.random.seed(seed % 2**32)\n",
+         "        random.seed(seed)\n", DIFF)
+mutation("workers seed random from (seed, epoch, worker, rank)", "saferun/seeding.py",
+         "        random.seed(seed)\n        np.random.seed(seed % 2**32)\n",
+         "        np.random.seed(seed % 2**32)\n", DIFF)
+mutation("the worker seeder learns the epoch", "saferun/data.py",
+         "        loader.worker_init_fn.epoch = epoch", "        pass",
+         "tests/unit/test_seeding.py::test_workers_and_epochs_draw_differently_and_reproducibly")
+mutation("shuffle order from (seed, epoch)", "saferun/data.py",
+         "loader.generator.manual_seed(derive_seed(seed, epoch, rank))",
+         "loader.generator.manual_seed(derive_seed(seed, rank))", DIFF)
+mutation("setup seeds Python's random", "saferun/seeding.py",
+         "    random.seed(seed)\n    np.random.seed(seed % 2**32)\n    torch.manual_seed(seed)\n\n",
+         "    np.random.seed(seed % 2**32)\n    torch.manual_seed(seed)\n\n", DIFF)
+mutation("DistributedSampler's epoch is set", "saferun/data.py",
+         "    if callable(set_epoch):  # DistributedSampler\n        set_epoch(epoch)",
+         "    if callable(set_epoch):  # DistributedSampler\n        pass",
+         "tests/unit/test_data.py::test_training_shards_are_disjoint_and_reshuffled_every_epoch")
+mutation("validation shards without padding", "saferun/data.py",
+         "        sampler = ShardSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]",
+         "        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)",
+         "tests/unit/test_data.py::test_validation_shards_hold_every_sample_exactly_once")
+mutation("each rank seeds its own randomness", T,
+         "            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank",
+         "            pass", f"{RANKS}::test_ranks_draw_their_own_randomness_and_split_the_data_anew_every_epoch")
+# ---------------------------------------------------------------- distributed
+mutation("logged metrics averaged over ranks", "saferun/metrics.py",
+         "            stacked[:averaged] /= world_size", "            pass",
+         f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
+mutation("validation metrics over every rank's shard", "saferun/metrics.py",
+         "        values = distributed.all_reduce(torch.stack([c.to(device) for c in columns])).tolist()",
+         "        values = torch.stack([c.to(device) for c in columns]).tolist()",
+         f"{RANKS}::test_validation_counts_every_sample_once")
+mutation("no_sync on every micro-batch but the last", "saferun/distributed.py",
+         '        with ddp.no_sync() if self.mode == "ddp" and not last else contextlib.nullcontext():',
+         "        with contextlib.nullcontext():",
+         f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
+mutation("training forwards go through DDP", T,
+         "        return _NO_CONTEXT if self._ddp is None else self._through_ddp(last)",
+         "        return _NO_CONTEXT",
+         f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
+mutation("find_unused_parameters reaches DDP", T,
+         "distributed.GradientSync(self.model, self.device, t.find_unused_parameters)",
+         "distributed.GradientSync(self.model, self.device, False)",
+         f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
+mutation("every rank's RNG state in the checkpoint", T,
+         "        per_rank = distributed.gather(mine)", "        per_rank = [mine]",
+         f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
+mutation("resume needs the same number of processes", T,
+         '        if len(state["per_rank"]) != self.ranks.world_size:', "        if False:",
+         f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
+mutation("only rank 0 writes event files", T,
+         'for key in ("callbacks", "logger") if self.ranks.is_main else ("callbacks",):',
+         'for key in ("callbacks", "logger"):',
+         "tests/distributed/test_torchrun.py::test_ranks_agree_and_equal_one_process_over_the_same_global_batch")
+mutation("a NaN on any rank is bad on every rank", "saferun/metrics.py",
+         "        codes = distributed.all_reduce(torch.stack(rows).int()",
+         "        codes = (lambda t, op: t)(torch.stack(rows).int()",
+         "tests/distributed/test_torchrun.py::test_a_nan_on_one_rank_stops_every_rank_at_the_same_step")
+mutation("a stop signal on one rank stops every rank", T,
+         "        if votes:\n", "        if False:\n",
+         "tests/distributed/test_torchrun.py::test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step")
+
+# ---------------------------------------------------------------- checkpoints and resume
+mutation("GradScaler state saved", T,
+         '            "scaler": self._scaler.state_dict(),', '            "scaler": {},',
+         f"{CKPT}::test_grad_scaler_state_is_saved_and_restored")
+mutation("GradScaler state restored", T,
+         '        if state["scaler"]:\n', "        if False:\n",
+         f"{CKPT}::test_grad_scaler_state_is_saved_and_restored")
+mutation("resume restores the RNG states", T,
+         "                set_rng_state(self._resume_rng)\n", "                pass\n",
+         f"{RESUME}::test_resume_in_process_equals_straight_run_without_workers", DIFF)
+mutation("resume restores every RNG (NumPy)", "saferun/seeding.py",
+         "    np.random.set_state((", "    id((", DIFF)
+mutation("resume replays the data position", T,
+         "itertools.islice(batches, state.batches_in_epoch)", "itertools.islice(batches, 0)",
+         f"{RESUME}::test_resume_in_process_equals_straight_run_without_workers", DIFF)
+mutation("resume restores the metrics pending since the last log point", T,
+         '        self._running.load_state_dict(move_to_device(mine["running"], self.device))\n', "",
+         DIFF)
+mutation("resume restores the optimizer", T,
+         '        self.optimizer.load_state_dict(state["optimizer"])\n', "", DIFF)
+mutation("resume restores the scheduler", T,
+         '            self.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
+mutation("resume restores the loop counters", T,
+         '        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):\n'
+         "            setattr(self.state, key, loop[key])\n",
+         '        for key in ("step",):\n            setattr(self.state, key, loop[key])\n',
+         # setup already set them for a resume; a rollback needs them (samples_seen)
+         f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
+mutation("callback state saved", T,
+         '            "callbacks": self._callbacks.state_dict(),', '            "callbacks": {},',
+         f"{CKPT}::test_callback_state_round_trips_through_a_checkpoint")
+mutation("spike detector state saved", T,
+         '"spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},',
+         '"spikes": {},',
+         f"{GUARDS}::test_spike_detector_state_survives_checkpoint_and_resume")
+mutation("weights_only=True", "saferun/checkpoint.py",
+         "torch.load(state_path, map_location=map_location, weights_only=True)",
+         "torch.load(state_path, map_location=map_location, weights_only=False)",
+         f"{CKPT}::test_a_crafted_checkpoint_is_refused_and_its_code_never_runs")
+mutation("state checked to load safely before writing", "saferun/checkpoint.py",
+         "    check_plain(state)\n", "",
+         f"{CKPT}::test_state_that_would_not_load_safely_is_refused_at_save_time")
+mutation("hashes verified on load", "saferun/checkpoint.py",
+         '    if (size, actual) != (expected["bytes"], expected["sha256"]):', "    if False:",
+         f"{CKPT}::test_corrupted_newest_checkpoint_falls_back_to_the_previous_with_a_warning")
+mutation("a checkpoint without manifest is incomplete", "saferun/checkpoint.py",
+         '    if not (path / "manifest.json").is_file():', "    if False:",
+         f"{CKPT}::test_a_checkpoint_without_manifest_is_incomplete")
+mutation("files fsynced", "saferun/checkpoint.py",
+         "        f.flush()\n        os.fsync(f.fileno())\n    return {",
+         "        f.flush()\n    return {",
+         f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
+mutation("the temporary directory fsynced before the rename", "saferun/checkpoint.py",
+         "        _fsync_dir(tmp)\n", "",
+         f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
+mutation("the parent fsynced after the rename", "saferun/checkpoint.py",
+         "        os.replace(tmp, final)\n        _fsync_dir(root)\n",
+         "        os.replace(tmp, final)\n",
+         f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
+mutation("written under a temporary name", "saferun/checkpoint.py",
+         '    tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"\n', "    tmp = final\n",
+         f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
+mutation("temporary directories are never taken for checkpoints", "saferun/checkpoint.py",
+         "if (m := _STEP_DIR.match(p.name)) and p.is_dir()]",
+         'if (m := re.search(r"step-(\\d{8,})", p.name)) and p.is_dir()]',
+         f"{CKPT}::test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact")
+mutation("old checkpoints deleted only after the new one is complete", T,
+         "            save_checkpoint(root, self.state.step, state)\n",
+         "            for old in list_checkpoints(root)[:max(len(list_checkpoints(root)) + 1 - t.keep_last, 0)]:\n"
+         "                __import__('shutil').rmtree(old)  # make room first\n"
+         "            save_checkpoint(root, self.state.step, state)\n",
+         f"{CKPT}::test_a_failed_save_leaves_the_previous_checkpoints")
+mutation("keep_last", "saferun/checkpoint.py",
+         "listed[:-keep_last]", "listed[:-keep_last - 1]",
+         f"{CKPT}::test_keep_last_and_best")
+mutation("save_best keeps the best", T,
+         "keep=[Path(self._best[1])] if self._best else (), current=path)", "keep=(), current=path)",
+         f"{CKPT}::test_keep_last_and_best")
+mutation("model.pt holds the final weights", T,
+         '            save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())\n',
+         "            pass\n",
+         f"{CKPT}::test_a_checkpoint_holds_the_whole_training_state")
+mutation("resume=auto starts fresh without a checkpoint", T,
+         '            if resume != "auto":\n', "            if True:\n",
+         f"{RESUME}::test_resume_auto_without_checkpoint_starts_fresh_and_explicit_path_must_exist")
+mutation("resume refuses a config that changes results", T,
+         '        check_resume_config(state["config"], config, self.cfg.force_resume)\n', "",
+         f"{RESUME}::test_resume_with_a_different_config_is_refused_naming_the_keys")
+mutation("force_resume overrides", "saferun/config.py",
+         "    if not changed or force:", "    if not changed:",
+         f"{RESUME}::test_resume_with_a_different_config_is_refused_naming_the_keys")
+for _key, _old, _new in [
+        ("seed", 'EXACTNESS_KEYS = ("seed", ', "EXACTNESS_KEYS = ("),
+        ("data", '"seed", "model", "data", "collate_fn"', '"seed", "model", "collate_fn"'),
+        ("collate_fn", '"data", "collate_fn", "task"', '"data", "task"'),
+        ("optim", '"task", "optim", "sched"', '"task", "sched"'),
+        ("sched", '"optim", "sched",\n', '"optim",\n'),
+        *[(f"trainer.{k}", f'"trainer.{k}",', "") for k in (
+            "batch_size", "accumulate", "num_workers", "shuffle", "drop_last", "precision",
+            "frozen_modules")],
+        ("trainer.max_grad_norm", '"trainer.max_grad_norm", ', ""),
+        ("guards.nonfinite", '"guards.nonfinite", ', ""),
+        ("guards.spikes", '"guards.nonfinite", "guards.spikes")', '"guards.nonfinite")')]:
+    mutation(f"resume refuses a changed {_key}", "saferun/config.py", _old, _new,
+             f"{RESUME}::test_each_setting_that_changes_results_refuses_resume")
+for _key, _kept in (("model", "task"), ("task", "model")):  # setup checks these two on their own
+    mutation(f"resume refuses a changed {_key} (both checks)", T,
+             'keys=("model", "task"), purpose=', f'keys=("{_kept}",), purpose=',
+             f"{RESUME}::test_each_setting_that_changes_results_refuses_resume",
+             also=(("saferun/config.py", '"seed", "model", ' if _key == "model" else
+                    '"collate_fn", "task", ', '"seed", ' if _key == "model" else '"collate_fn", '),))
+
+# ---------------------------------------------------------------- non-finite guard
+mutation("non-finite loss raises at log points", T,
+         '        if self.cfg.guards.nonfinite != "off" and not all(',
+         '        if False and not all(',
+         f"{NONFINITE}::test_raise_names_the_step_and_the_samples_with_no_per_step_sync")
+mutation("non-finite gradients are checked", T,
+         '(("train/grad_norm",) if self._grads_checked else ())', "()",
+         f"{NONFINITE}::test_a_non_finite_gradient_under_a_finite_loss_is_caught")
+mutation("checked before each save", T,
+         "        if not self._window_finite():\n            return list_checkpoints(root)[-1]",
+         "        if False:\n            return list_checkpoints(root)[-1]",
+         f"{NONFINITE}::test_no_checkpoint_is_written_after_a_non_finite_step")
+mutation("checked before each validation", T,
+         "        if not self._window_finite():\n            return None  # rolled back",
+         "        if False:\n            return None  # rolled back",
+         f"{NONFINITE}::test_a_non_finite_step_is_caught_before_validation")
+mutation("check_params adds the parameters", T,
+         'extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}',
+         "extra = {}",
+         f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
+mutation("non-finite parameters are bad", T,
+         'keys = ("train/loss", "train/param_norm") +', 'keys = ("train/loss",) +',
+         f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
+mutation("skip drops the bad update", T,
+         "        if (self._skip_nonfinite or self._skip_spikes) and self._bad_now(loss, grad_norm, spike):",
+         "        if False:",
+         f"{NONFINITE}::test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step")
+mutation("skip restores the buffers (BatchNorm statistics)", T,
+         "        self._snapshot.restore()\n", "",
+         f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics", DIFF)
+mutation("skip leaves the scheduler untouched", T,
+         "        self._schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
+         "        self.scheduler.step()\n",
+         f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
+mutation("skip drops the bad gradients", T,
+         "        self._snapshot.restore()\n        self.optimizer.zero_grad(set_to_none=True)\n",
+         "        self._snapshot.restore()\n",
+         f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
+mutation("skip stops after max_consecutive", T,
+         "        if self._skips_in_a_row >= self.cfg.guards.max_consecutive:", "        if False:",
+         f"{NONFINITE}::test_skip_stops_after_too_many_in_a_row")
+mutation("rollback restores the newest checkpoint", T,
+         '            found, damaged = load_latest(checkpoint_root(self.state.run_dir)), ""\n',
+         "            found, damaged = (lambda p: (p, load_checkpoint(p)))("
+         'list_checkpoints(checkpoint_root(self.state.run_dir))[0]), ""\n',
+         f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
+mutation("rollback goes on with the data after the bad step", T,
+         "        self.state.epoch, self.state.batches_in_epoch = epoch, position\n", "",
+         f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
+mutation("rollback restores the weights", T,
+         "        self.load_state_dict(state)\n        # Go on",
+         '        self.load_state_dict({**state, "model": {k: torch.randn_like(v) if v.is_floating_point() '
+         'else v for k, v in state["model"].items()}})\n        # Go on',
+         f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
+mutation("rollback gives up after max_consecutive", T,
+         "        if found is None or self._rollbacks > self.cfg.guards.max_consecutive:",
+         "        if found is None:",
+         f"{NONFINITE}::test_rollback_without_recovery_gives_up")
+mutation("rollback keeps a step-0 checkpoint", T,
+         "            self._save_checkpoint()  # so there is always a good state to go back to",
+         "            pass",
+         f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
+mutation("anomaly replay keeps a step-0 checkpoint", T,
+         '        if (g.nonfinite == "rollback" or g.anomaly_replay) and \\',
+         '        if g.nonfinite == "rollback" and \\',
+         f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
+mutation("anomaly replay", T,
+         '                    if g.anomaly_replay and kind == "non-finite" else "")',
+         '                    if False else "")',
+         f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
+mutation("unused parameters named", T,
+         "        if self._unused_check_pending:\n", "        if False:\n",
+         f"{NONFINITE}::test_unused_parameters_are_named_once")
+
+# ---------------------------------------------------------------- spikes
+mutation("spikes detected", T,
+         "        spike, loss_spike = self._spike(loss, grad_norm) if self._spikes else (None, None)",
+         "        spike, loss_spike = None, None",
+         f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
+mutation("spikes raise at log points", T,
+         '        return metrics.get("train/spikes", 0.0) == 0.0 or self.cfg.guards.spikes == "skip"',
+         "        return True",
+         f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
+mutation("spikes skipped", T,
+         '        self._skip_spikes = g.spikes == "skip"', "        self._skip_spikes = False",
+         f"{GUARDS}::test_a_loss_spike_can_be_skipped")
+mutation("spikes never enter the window", "saferun/spikes.py",
+         "        accept = finite & ~spike", "        accept = finite",
+         "tests/unit/test_spikes.py::test_spikes_do_not_enter_the_window_so_a_second_one_is_flagged_too")
+
+# ---------------------------------------------------------------- eval purity, modes, preflight
+mutation("eval purity: changed parameters and buffers", T,
+         '        probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}',
+         "        probe = {}",
+         f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
+mutation("eval purity: inference tensors left on the model", T,
+         "            problems += find_inference_tensors(self.model)  # metadata only: no sync",
+         "            pass",
+         f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
+mutation("eval purity in predict", T,
+         "            self._check_purity(before, float(purity_changed(before, fingerprint(self.model))))",
+         "            pass",
+         f"{GUARDS}::test_predict_that_changes_the_model_is_named")
+mutation("eval purity checksums see moved values", "saferun/purity.py",
+         "chunk[1::2].sum(dtype=acc)])", "chunk.sum(dtype=acc)])",
+         "tests/unit/test_purity.py")
+mutation("declared modes checked every step", T,
+         "            self._declared.check(self.state.step + 1)", "            pass",
+         f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
+         f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
+mutation("preflight errors stop the run", T,
+         "                    report.raise_errors()", "                    pass",
+         f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")
+mutation("preflight warnings are shown", T,
+         '                        log.warning("DataLoader preflight: %s", warning)',
+         "                        pass",
+         f"{GUARDS}::test_fork_workers_with_a_lambda_train_but_get_a_warning")
+mutation("preflight finds generator objects", "saferun/preflight.py",
+         "        found: list[tuple[Finding, Any]] = []\n        _scan_rng(obj, attr, found, set(), 0)\n",
+         "        found: list[tuple[Finding, Any]] = []\n",
+         f"{GUARDS}::test_a_generator_object_on_the_dataset_is_reported")
+mutation("the start method reaches the DataLoader", "saferun/data.py",
+         "multiprocessing_context=multiprocessing_context if num_workers > 0 else None)",
+         "multiprocessing_context=None)",
+         f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")
+mutation("worker batches must be on the CPU", T,
+         "                    check_batch_on_cpu(group[0])  # what the first worker batch holds",
+         "                    pass",
+         "tests/cuda/test_cuda.py", known="needs a CUDA GPU (tests/cuda); on the CPU no worker can return a CUDA tensor")
+mutation("sync audit wired in", T,
+         "            callbacks.append(SyncAudit(self.device.type))  # last: it sees every callback's syncs",
+         "            pass",
+         f"{GUARDS}::test_sync_audit_names_a_per_step_item_in_user_code")
+
+# ---------------------------------------------------------------- compile, errors, config
+mutation("compiled model checked against eager", T,
+         "            check_compiled(eval_loss, t.compile_rtol, t.compile_atol)", "            pass",
+         "tests/unit/test_compile.py::test_compiled_output_that_differs_from_eager_stops_the_run_with_both_values",
+         also=(("            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)",
+                "            pass"),))
+mutation("the compiled training graph checked against eager", T,
+         "            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)",
+         "            pass",
+         "tests/unit/test_compile.py::test_a_training_graph_that_differs_from_eager_stops_the_run")
+mutation("compiled in place: no _orig_mod. keys", T,
+         "            self.model.compile(backend=t.compile_backend)",
+         "            self.model = torch.compile(self.model, backend=t.compile_backend)",
+         "tests/unit/test_compile.py::test_a_model_compiled_by_the_user_is_unwrapped")
+mutation("a model compiled by the user is unwrapped", T,
+         "        model = unwrap_compiled(model)\n", "",
+         "tests/unit/test_compile.py::test_a_model_compiled_by_the_user_is_unwrapped")
+mutation("an inference tensor used in training is explained", T,
+         'if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved" in str(exc):',
+         "if False:",
+         "tests/unit/test_bad_input.py::test_inference_tensor_kept_from_validation_is_explained")
+mutation("config: positive values", "saferun/config.py",
+         '        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",\n'
+         '                  "collective_timeout")\n',
+         "", "tests/unit/test_config.py")
+mutation("config: choices", "saferun/config.py",
+         '        _one_of(self, "precision", PRECISIONS)\n', "", "tests/unit/test_config.py")
+mutation("config: _target_ arguments checked", "saferun/config.py",
+         "    check_target_signature(key, node)\n", "", "tests/unit/test_config.py")
+mutation("config: negative learning rate", "saferun/config.py",
+         "        if isinstance(lr, (int, float)) and lr < 0:", "        if False:",
+         "tests/unit/test_config.py")
+mutation("components built from their config nodes", T,
+         "            return instantiate(self.cfg.optim, params=params)",
+         "            return torch.optim.AdamW(params)",
+         "tests/configs/test_compose_all.py")
+mutation("configured callbacks and loggers built", T,
+         "                if node is not None:\n                    callbacks.append(",
+         "                if False:\n                    callbacks.append(",
+         "tests/configs/test_compose_all.py")
+
+# ---------------------------------------------------------------- callbacks and logging
+mutation("the Controls of several callbacks are combined", "saferun/callbacks.py",
+         "    return a | b", "    return a",
+         "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
+mutation("Control(save=True) saves", T,
+         "                    if (control and control.save) or self._save_due():",
+         "                    if self._save_due():",
+         "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
+mutation("Control(evaluate=True) validates", T,
+         "validated = bool(control and control.evaluate) or self._validation_due(epoch_end)",
+         "validated = self._validation_due(epoch_end)",
+         "tests/test_event_order.py::test_evaluate_request_runs_validation_after_that_step")
+mutation("Control(stop=True) stops", T,
+         "                    if (control and control.stop) or state.step >= t.max_steps:",
+         "                    if state.step >= t.max_steps:",
+         "tests/test_event_order.py::test_stop_mid_epoch_still_logs_validates_and_ends")
+mutation("TensorBoard gets validation metrics", "saferun/loggers.py",
+         "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
+         "        self._write(view.step, metrics)",
+         "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
+         "        pass",
+         "tests/test_logging.py::test_tensorboard_has_every_metric_at_log_steps_and_the_config")
+
+# ---------------------------------------------------------------- preemption
+mutation("a signal sets the stop flag", "saferun/preemption.py",
+         "        self.received = signum", "        pass",
+         f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
+mutation("the stop is checked after every step", T,
+         "                    if self._stop_agreed():\n",
+         "                    if self._stop_agreed() and state.step % t.log_every_n_steps == 0:\n",
+         f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
+mutation("the stop is checked between validation batches", T,
+         "                if self.ranks.world_size == 1 and self._stop_signals.received is not None:",
+         "                if False:",
+         f"{RESUME}::test_a_signal_during_validation_stops_it_before_the_next_batch")
+mutation("exit status 128 + the signal number", "saferun/preemption.py",
+         "        super().__init__(128 + signum)", "        super().__init__(1)",
+         f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
+mutation("a second Ctrl-C aborts at once", "saferun/preemption.py",
+         "        if signum == signal.SIGINT and self.received is not None:", "        if False:",
+         f"{RESUME}::test_second_sigint_aborts_at_once")
+
+
+# ---------------------------------------------------------------- the runner
+
+def stale_snippets(repo: Path, m: Mutation) -> list[str]:
+    """Describe each edit whose snippet does not occur exactly once (after the edits before it)."""
+    texts: dict[str, str] = {}
+    problems = []
+    for file, old, new in m.edits:
+        if file not in texts:
+            if not (repo / file).is_file():
+                return [f"{file} does not exist"]
+            texts[file] = (repo / file).read_text()
+        if texts[file].count(old) != 1:
+            problems.append(f"{old.strip()[:60]!r} occurs {texts[file].count(old)} times in {file}")
+        texts[file] = texts[file].replace(old, new)
+    return problems
+
+
+def missing_tests(chosen: list[Mutation]) -> set[str]:
+    """The named tests (node ids or files) that no longer exist: renamed or removed."""
+    named = sorted({t for m in chosen for t in m.tests})
+    files = sorted({t.split("::")[0] for t in named if (ROOT / t.split("::")[0]).is_file()})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider", "-m", "", *files],
+                          cwd=ROOT, capture_output=True, text=True)
+    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
+    return {t for t in named if not (ROOT / t.split("::")[0]).is_file()
+            or ("::" in t and not any(i == t or i.startswith(t + "[") for i in ids))}
+
+
+def apply(repo: Path, m: Mutation) -> dict[Path, str]:
+    """Edit the copy; return the original text of each file changed."""
+    originals: dict[Path, str] = {}
+    for file, old, new in m.edits:
+        path = repo / file
+        originals.setdefault(path, path.read_text())
+        path.write_text(path.read_text().replace(old, new))
+    return originals
+
+
+def run_tests(repo: Path, tests: tuple[str, ...], timeout: int) -> tuple[str, float, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "killed (timeout)", time.time() - start, ""
+    seconds = time.time() - start
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    status = {0: "SURVIVED", 1: "killed", 5: "error: no test ran"}.get(
+        proc.returncode, f"error: pytest exit {proc.returncode}")
+    return status, seconds, tail[0]
+
+
+def copy_repo(dest: Path) -> Path:
+    repo = dest / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "runs", "outputs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    probe = subprocess.run([sys.executable, "-c", "import saferun; print(saferun.__file__)"],
+                           cwd=repo, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(repo)})
+    if not probe.stdout.strip().startswith(str(repo)):
+        sys.exit(f"the copy is not what Python imports: {probe.stdout or probe.stderr}")
+    return repo
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("words", nargs="*", help="run the mutations whose name contains a word")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--stale", action="store_true",
+                        help="only check that the snippets and the named tests still exist")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip running the tests once unmutated first")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per mutation")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.words or any(w in m.name for w in args.words)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:70s} {m.file}{'  [known: ' + m.known + ']' if m.known else ''}")
+        return 0
+    missing = missing_tests(chosen)
+    stale = [m for m in chosen if stale_snippets(ROOT, m) or set(m.tests) & missing]
+    for m in stale:
+        problems = stale_snippets(ROOT, m) + [f"no test {t}" for t in m.tests if t in missing]
+        print(f"stale     {m.name}: {'; '.join(problems)}")
+    if args.stale:
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} snippets match exactly once.")
+        return 1 if stale else 0
+    results: list[tuple[Mutation, str, float, str]] = []
+    with tempfile.TemporaryDirectory(prefix="saferun-mutate-") as tmp:
+        repo = copy_repo(Path(tmp))
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in chosen if m.known is None and m not in stale
+                                        for t in m.tests))
+            status, seconds, tail = run_tests(repo, tests, args.timeout * 4)
+            print(f"baseline ({len(tests)} test selections, unmutated): {tail} [{seconds:.0f} s]",
+                  flush=True)
+            if status != "SURVIVED":
+                print("the tests fail without any mutation: fix that first.")
+                return 1
+        for m in chosen:
+            if m in stale:
+                continue
+            if m.known:
+                results.append((m, "not run", 0.0, ""))
+                print(f"{'not run':18s} {0:6.0f} s  {m.name}  [known: {m.known}]", flush=True)
+                continue
+            originals = apply(repo, m)
+            try:
+                status, seconds, tail = run_tests(repo, m.tests, args.timeout)
+            finally:
+                for path, text in originals.items():
+                    path.write_text(text)
+            results.append((m, status, seconds, tail))
+            note = f"  [known: {m.known}]" if m.known and status == "SURVIVED" else ""
+            print(f"{status:18s} {seconds:6.0f} s  {m.name}{note}", flush=True)
+    survivors = [m for m, s, _, _ in results if s == "SURVIVED"]
+    errors = [m for m, s, _, _ in results if s.startswith("error")]
+    print(f"\n{len(results)} mutations: {sum(s.startswith('killed') for _, s, _, _ in results)} "
+          f"killed, {len(survivors)} survived, {len(errors)} errors, {len(stale)} stale, "
+          f"{sum(s == 'not run' for _, s, _, _ in results)} not run (known).")
+    for m in survivors:
+        print(f"  SURVIVED: {m.name} ({m.file}); tests: {' '.join(m.tests)}")
+    for m in errors:
+        print(f"  error: {m.name}")
+    return 1 if survivors or stale or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
