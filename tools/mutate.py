@@ -77,6 +77,10 @@ def _follow_test(test: str) -> str:
 
 
 T = "saferun/trainer.py"
+BADSTEP, CKPTR = "saferun/guards/badstep.py", "saferun/checkpoint/checkpointer.py"
+EVAL, BATCHES = "saferun/loop/evaluation.py", "saferun/loop/batches.py"
+COMPONENTS, COMPILE = "saferun/loop/components.py", "saferun/loop/compile.py"
+STRATEGY, PREFLIGHT = "saferun/parallel/strategy.py", "saferun/guards/preflight.py"
 MODES, STEP = "tests/unit/test_modes.py", "tests/unit/test_step.py"
 NONFINITE, GUARDS = "tests/unit/test_nonfinite.py", "tests/test_guards.py"
 RESUME, CKPT = "tests/resume/test_resume.py", "tests/resume/test_checkpoint.py"
@@ -105,7 +109,7 @@ mutation("frozen modules get requires_grad=False", "saferun/modes.py",
          "        m.requires_grad_(False)\n", "        pass\n",
          f"{MODES}::test_frozen_module_stays_eval_without_grad_and_out_of_optimizer")
 mutation("an optimizer holding frozen parameters is refused", T,
-         "        _check_optimizer_params(self.optimizer, model)\n", "",
+         "        check_optimizer_params(self.optimizer, model)\n", "",
          f"{MODES}::test_optimizer_built_with_frozen_params_is_refused")
 mutation("fit puts the model in train mode", "saferun/modes.py",
          "    model.train()\n    for m in frozen:", "    for m in frozen:",
@@ -113,11 +117,11 @@ mutation("fit puts the model in train mode", "saferun/modes.py",
 mutation("fit says once that it left eval mode", "saferun/modes.py",
          "    return was_eval", "    return False",
          f"{MODES}::test_model_loaded_in_eval_mode_is_put_in_train_mode_and_said_once")
-mutation("validation does not shift training's random streams", T,
-         "with self._evaluating(), preserved_rng():", "with self._evaluating():",
+mutation("validation does not shift training's random streams", EVAL,
+         "with self.evaluating(), preserved_rng():", "with self.evaluating():",
          f"{MODES}::test_randomness_in_validation_does_not_change_training")
-mutation("predict runs in eval mode without autograd", T,
-         "        with self._evaluating():\n            for batch in loader:",
+mutation("predict runs in eval mode without autograd", EVAL,
+         "        with self.evaluating():\n            for batch in loader:",
          "        with contextlib.nullcontext():\n            for batch in loader:",
          "tests/unit/test_predict.py::test_predict_returns_normal_cpu_tensors_in_order_without_changing_modes")
 
@@ -128,13 +132,13 @@ mutation("zero_grad(set_to_none=True)", T,
          f"{STEP}::test_grads_are_set_to_none_after_each_step")
 mutation("clip after unscale", T,
          "        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
-         "        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n",
-         "        grad_norm = _clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n"
+         "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n",
+         "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n"
          "        scaler.unscale_(opt)\n",
          f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured")
 mutation("clip to max_grad_norm", T,
-         "_clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
-         "_clip_or_measure(self._params, None)",
+         "clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
+         "clip_or_measure(self._params, None)",
          f"{STEP}::test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm")
 mutation("measure the norm without clip_grad_norm_(inf)", T,
          "        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])",
@@ -147,8 +151,8 @@ mutation("accumulation weights by share of samples, not by count", T,
          "loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}",
          "loss, logs = loss / len(sizes), {k: v / len(sizes) for k, v in logs.items()}",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
-mutation("accumulate micro-batches per optimizer step", T,
-         "_take(batches, self.cfg.trainer.accumulate)", "_take(batches, 1)",
+mutation("accumulate micro-batches per optimizer step", BATCHES,
+         "take(batches, self._t.accumulate)", "take(batches, 1)",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
 mutation("scheduler steps once per optimizer step", T,
          "                self._scaler.scale(loss).backward()\n",
@@ -251,22 +255,24 @@ mutation("no_sync on every micro-batch but the last", "saferun/distributed.py",
          '        with ddp.no_sync() if self.mode == "ddp" and not last else contextlib.nullcontext():',
          "        with contextlib.nullcontext():",
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
-mutation("training forwards go through DDP", T,
-         "        return _NO_CONTEXT if self._ddp is None else self._through_ddp(last)",
-         "        return _NO_CONTEXT",
+mutation("training forwards go through DDP", STRATEGY,  # DataParallel falls back to no context
+         "    @contextlib.contextmanager\n    def micro_batch(self, last: bool) -> Iterator[None]:\n"
+         '        """Average the gradients',
+         "    @contextlib.contextmanager\n    def _micro_batch_unused(self, last: bool) -> Iterator[None]:\n"
+         '        """Average the gradients',
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
-mutation("find_unused_parameters reaches DDP", T,
-         "distributed.GradientSync(self.model, self.device, t.find_unused_parameters)",
-         "distributed.GradientSync(self.model, self.device, False)",
+mutation("find_unused_parameters reaches DDP", STRATEGY,
+         "distributed.GradientSync(trainer.model, trainer.device, find_unused)",
+         "distributed.GradientSync(trainer.model, trainer.device, False)",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
-mutation("every rank's RNG state in the checkpoint", T,
-         "        per_rank = distributed.gather(mine)", "        per_rank = [mine]",
+mutation("every rank's RNG state in the checkpoint", CKPTR,
+         "        per_rank = o._strategy.gather(mine)", "        per_rank = [mine]",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
-mutation("resume needs the same number of processes", T,
-         '        if len(state["per_rank"]) != self.ranks.world_size:', "        if False:",
+mutation("resume needs the same number of processes", CKPTR,
+         '        if len(state["per_rank"]) != o.ranks.world_size:', "        if False:",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
-mutation("only rank 0 writes event files", T,
-         'for key in ("callbacks", "logger") if self.ranks.is_main else ("callbacks",):',
+mutation("only rank 0 writes event files", COMPONENTS,
+         'for key in ("callbacks", "logger") if is_main else ("callbacks",):',
          'for key in ("callbacks", "logger"):',
          "tests/distributed/test_torchrun.py::test_ranks_agree_and_equal_one_process_over_the_same_global_batch")
 mutation("a NaN on any rank is bad on every rank", "saferun/metrics.py",
@@ -278,38 +284,38 @@ mutation("a stop signal on one rank stops every rank", T,
          "tests/distributed/test_torchrun.py::test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step")
 
 # ---------------------------------------------------------------- checkpoints and resume
-mutation("GradScaler state saved", T,
-         '            "scaler": self._scaler.state_dict(),', '            "scaler": {},',
+mutation("GradScaler state saved", CKPTR,
+         '            "scaler": o._scaler.state_dict(),', '            "scaler": {},',
          f"{CKPT}::test_grad_scaler_state_is_saved_and_restored")
 mutation("GradScaler state restored", T,
          '        if state["scaler"]:\n', "        if False:\n",
          f"{CKPT}::test_grad_scaler_state_is_saved_and_restored")
-mutation("resume restores the RNG states", T,
-         "                set_rng_state(self._resume_rng)\n", "                pass\n",
+mutation("resume restores the RNG states", BATCHES,
+         "                set_rng_state(self.resume_rng)\n", "                pass\n",
          f"{RESUME}::test_resume_in_process_equals_straight_run_without_workers", DIFF)
 mutation("resume restores every RNG (NumPy)", "saferun/seeding.py",
          "    np.random.set_state((", "    id((", DIFF)
 mutation("resume replays the data position", T,
          "itertools.islice(batches, state.batches_in_epoch)", "itertools.islice(batches, 0)",
          f"{RESUME}::test_resume_in_process_equals_straight_run_without_workers", DIFF)
-mutation("resume restores the metrics pending since the last log point", T,
-         '        self._running.load_state_dict(move_to_device(mine["running"], self.device))\n', "",
+mutation("resume restores the metrics pending since the last log point", CKPTR,
+         '        o._running.load_state_dict(move_to_device(mine["running"], o.device))\n', "",
          DIFF)
-mutation("resume restores the optimizer", T,
-         '        self.optimizer.load_state_dict(state["optimizer"])\n', "", DIFF)
-mutation("resume restores the scheduler", T,
-         '            self.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
-mutation("resume restores the loop counters", T,
+mutation("resume restores the optimizer", CKPTR,
+         '        o.optimizer.load_state_dict(state["optimizer"])\n', "", DIFF)
+mutation("resume restores the scheduler", CKPTR,
+         '            o.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
+mutation("resume restores the loop counters", CKPTR,
          '        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):\n'
-         "            setattr(self.state, key, loop[key])\n",
-         '        for key in ("step",):\n            setattr(self.state, key, loop[key])\n',
+         "            setattr(o.state, key, loop[key])\n",
+         '        for key in ("step",):\n            setattr(o.state, key, loop[key])\n',
          # setup already set them for a resume; a rollback needs them (samples_seen)
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
-mutation("callback state saved", T,
-         '            "callbacks": self._callbacks.state_dict(),', '            "callbacks": {},',
+mutation("callback state saved", CKPTR,
+         '            "callbacks": o._callbacks.state_dict(),', '            "callbacks": {},',
          f"{CKPT}::test_callback_state_round_trips_through_a_checkpoint")
-mutation("spike detector state saved", T,
-         '"spikes": {k: d.state_dict() for k, d in (self._spikes or {}).items()},',
+mutation("spike detector state saved", CKPTR,
+         '"spikes": {k: d.state_dict() for k, d in (o._spikes or {}).items()},',
          '"spikes": {},',
          f"{GUARDS}::test_spike_detector_state_survives_checkpoint_and_resume")
 mutation("weights_only=True", "saferun/checkpoint.py",
@@ -343,27 +349,28 @@ mutation("temporary directories are never taken for checkpoints", "saferun/check
          "if (m := _STEP_DIR.match(p.name)) and p.is_dir()]",
          'if (m := re.search(r"step-(\\d{8,})", p.name)) and p.is_dir()]',
          f"{CKPT}::test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact")
-mutation("old checkpoints deleted only after the new one is complete", T,
-         "            save_checkpoint(root, self.state.step, state)\n",
+mutation("old checkpoints deleted only after the new one is complete", CKPTR,
+         "            save_checkpoint(root, o.state.step, state)\n",
          "            for old in list_checkpoints(root)[:max(len(list_checkpoints(root)) + 1 - t.keep_last, 0)]:\n"
          "                __import__('shutil').rmtree(old)  # make room first\n"
-         "            save_checkpoint(root, self.state.step, state)\n",
+         "            save_checkpoint(root, o.state.step, state)\n",
          f"{CKPT}::test_a_failed_save_leaves_the_previous_checkpoints")
 mutation("keep_last", "saferun/checkpoint.py",
          "listed[:-keep_last]", "listed[:-keep_last - 1]",
          f"{CKPT}::test_keep_last_and_best")
-mutation("save_best keeps the best", T,
-         "keep=[Path(self._best[1])] if self._best else (), current=path)", "keep=(), current=path)",
+mutation("save_best keeps the best", CKPTR,
+         "keep=[Path(self.best[1])] if self.best else (), current=path)", "keep=(), current=path)",
          f"{CKPT}::test_keep_last_and_best")
-mutation("model.pt holds the final weights", T,
-         '            save_weights(Path(self.state.run_dir) / "model.pt", self.model.state_dict())\n',
+mutation("model.pt holds the final weights", CKPTR,
+         '            save_weights(Path(self._owner.state.run_dir) / "model.pt", '
+         "self._owner.model.state_dict())\n",
          "            pass\n",
          f"{CKPT}::test_a_checkpoint_holds_the_whole_training_state")
 mutation("resume=auto starts fresh without a checkpoint", T,
          '            if resume != "auto":\n', "            if True:\n",
          f"{RESUME}::test_resume_auto_without_checkpoint_starts_fresh_and_explicit_path_must_exist")
-mutation("resume refuses a config that changes results", T,
-         '        check_resume_config(state["config"], config, self.cfg.force_resume)\n', "",
+mutation("resume refuses a config that changes results", CKPTR,
+         '        check_resume_config(state["config"], config, o.cfg.force_resume)\n', "",
          f"{RESUME}::test_resume_with_a_different_config_is_refused_naming_the_keys")
 mutation("force_resume overrides", "saferun/config.py",
          "    if not changed or force:", "    if not changed:",
@@ -390,19 +397,19 @@ for _key, _kept in (("model", "task"), ("task", "model")):  # setup checks these
                     '"collate_fn", "task", ', '"seed", ' if _key == "model" else '"collate_fn", '),))
 
 # ---------------------------------------------------------------- non-finite guard
-mutation("non-finite loss raises at log points", T,
-         '        if self.cfg.guards.nonfinite != "off" and not all(',
+mutation("non-finite loss raises at log points", BADSTEP,
+         '        if self._g.nonfinite != "off" and not all(',
          '        if False and not all(',
          f"{NONFINITE}::test_raise_names_the_step_and_the_samples_with_no_per_step_sync")
-mutation("non-finite gradients are checked", T,
-         '(("train/grad_norm",) if self._grads_checked else ())', "()",
+mutation("non-finite gradients are checked", BADSTEP,
+         '(("train/grad_norm",) if self.grads_checked else ())', "()",
          f"{NONFINITE}::test_a_non_finite_gradient_under_a_finite_loss_is_caught")
-mutation("checked before each save", T,
-         "        if not self._window_finite():\n            return list_checkpoints(root)[-1]",
+mutation("checked before each save", CKPTR,
+         "        if not o._guard.window_good():\n            return list_checkpoints(root)[-1]",
          "        if False:\n            return list_checkpoints(root)[-1]",
          f"{NONFINITE}::test_no_checkpoint_is_written_after_a_non_finite_step")
 mutation("checked before each validation", T,
-         "        if not self._window_finite():\n            return None  # rolled back",
+         "        if not self._guard.window_good():\n            return None  # rolled back",
          "        if False:\n            return None  # rolled back",
          f"{NONFINITE}::test_a_non_finite_step_is_caught_before_validation")
 mutation("check_params adds the parameters", T,
@@ -413,83 +420,88 @@ mutation("non-finite parameters are bad", T,
          'keys = ("train/loss", "train/param_norm") +', 'keys = ("train/loss",) +',
          f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
 mutation("skip drops the bad update", T,
-         "        if (self._skip_nonfinite or self._skip_spikes) and self._bad_now(loss, grad_norm, spike):",
+         "        if guard.skips and guard.bad_now(loss, grad_norm, spike):",
          "        if False:",
          f"{NONFINITE}::test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step")
-mutation("skip restores the buffers (BatchNorm statistics)", T,
-         "        self._snapshot.restore()\n", "",
+mutation("skip restores the buffers (BatchNorm statistics)", BADSTEP,
+         "        self.snapshot.restore()\n", "",
          f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics", DIFF)
-mutation("skip leaves the scheduler untouched", T,
-         "        self._schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
-         "        self.scheduler.step()\n",
+mutation("skip leaves the scheduler untouched", BADSTEP,
+         "        tr._schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
+         "        tr.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
-mutation("skip drops the bad gradients", T,
-         "        self._snapshot.restore()\n        self.optimizer.zero_grad(set_to_none=True)\n",
-         "        self._snapshot.restore()\n",
+mutation("skip drops the bad gradients", BADSTEP,
+         "        self.snapshot.restore()\n        tr.optimizer.zero_grad(set_to_none=True)\n",
+         "        self.snapshot.restore()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
-mutation("skip stops after max_consecutive", T,
-         "        if self._skips_in_a_row >= self.cfg.guards.max_consecutive:", "        if False:",
+mutation("skip stops after max_consecutive", BADSTEP,
+         "        if self._skips_in_a_row >= self._g.max_consecutive:", "        if False:",
          f"{NONFINITE}::test_skip_stops_after_too_many_in_a_row")
-mutation("rollback restores the newest checkpoint", T,
-         '            found, damaged = load_latest(checkpoint_root(self.state.run_dir)), ""\n',
+mutation("rollback restores the newest checkpoint", BADSTEP,
+         '            found, damaged = load_latest(checkpoint_root(tr.state.run_dir)), ""\n',
          "            found, damaged = (lambda p: (p, load_checkpoint(p)))("
-         'list_checkpoints(checkpoint_root(self.state.run_dir))[0]), ""\n',
+         'list_checkpoints(checkpoint_root(tr.state.run_dir))[0]), ""\n',
+         f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step",
+         also=(("from ..checkpoint.store import CheckpointError, checkpoint_root, load_latest\n",
+                "from ..checkpoint.store import CheckpointError, checkpoint_root, load_latest\n"
+                "from ..checkpoint.store import list_checkpoints, load_checkpoint\n"),))
+mutation("rollback goes on with the data after the bad step", BADSTEP,
+         "        tr.state.epoch, tr.state.batches_in_epoch = epoch, position\n", "",
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
-mutation("rollback goes on with the data after the bad step", T,
-         "        self.state.epoch, self.state.batches_in_epoch = epoch, position\n", "",
-         f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
-mutation("rollback restores the weights", T,
-         "        self.load_state_dict(state)\n        # Go on",
-         '        self.load_state_dict({**state, "model": {k: torch.randn_like(v) if v.is_floating_point() '
+mutation("rollback restores the weights", BADSTEP,
+         "        tr.load_state_dict(state)\n        # Go on",
+         '        tr.load_state_dict({**state, "model": {k: torch.randn_like(v) if v.is_floating_point() '
          'else v for k, v in state["model"].items()}})\n        # Go on',
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
-mutation("rollback gives up after max_consecutive", T,
-         "        if found is None or self._rollbacks > self.cfg.guards.max_consecutive:",
+mutation("rollback gives up after max_consecutive", BADSTEP,
+         "        if found is None or self._rollbacks > self._g.max_consecutive:",
          "        if found is None:",
          f"{NONFINITE}::test_rollback_without_recovery_gives_up")
 mutation("rollback keeps a step-0 checkpoint", T,
-         "            self._save_checkpoint()  # so there is always a good state to go back to",
+         "            self._checkpointer.ensure_one()  # so there is always a good state to go back to",
          "            pass",
          f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
 mutation("anomaly replay keeps a step-0 checkpoint", T,
-         '        if (g.nonfinite == "rollback" or g.anomaly_replay) and \\',
-         '        if g.nonfinite == "rollback" and \\',
+         '        if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:',
+         '        if self.cfg.guards.nonfinite == "rollback":',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
-mutation("anomaly replay", T,
+mutation("anomaly replay", BADSTEP,
          '                    if g.anomaly_replay and kind == "non-finite" else "")',
          '                    if False else "")',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
-         "        if self._unused_check_pending:\n", "        if False:\n",
+         "        if self._unused_check_pending:  # once, after the first backward\n",
+         "        if False:\n",
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
 # ---------------------------------------------------------------- spikes
 mutation("spikes detected", T,
-         "        spike, loss_spike = self._spike(loss, grad_norm) if self._spikes else (None, None)",
+         "        spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)",
          "        spike, loss_spike = None, None",
          f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
-mutation("spikes raise at log points", T,
-         '        return metrics.get("train/spikes", 0.0) == 0.0 or self.cfg.guards.spikes == "skip"',
+mutation("spikes raise at log points", BADSTEP,
+         '        return metrics.get("train/spikes", 0.0) == 0.0 or self._g.spikes == "skip"',
          "        return True",
          f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
-mutation("spikes skipped", T,
-         '        self._skip_spikes = g.spikes == "skip"', "        self._skip_spikes = False",
+mutation("spikes skipped", BADSTEP,
+         '        self.skip_spikes = g.spikes == "skip"', "        self.skip_spikes = False",
          f"{GUARDS}::test_a_loss_spike_can_be_skipped")
 mutation("spikes never enter the window", "saferun/spikes.py",
          "        accept = finite & ~spike", "        accept = finite",
          "tests/unit/test_spikes.py::test_spikes_do_not_enter_the_window_so_a_second_one_is_flagged_too")
 
 # ---------------------------------------------------------------- eval purity, modes, preflight
-mutation("eval purity: changed parameters and buffers", T,
-         '        probe = {"changed": purity_changed(before, fingerprint(self.model))} if before else {}',
+mutation("eval purity: changed parameters and buffers", EVAL,
+         '        probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}',
          "        probe = {}",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
-mutation("eval purity: inference tensors left on the model", T,
-         "            problems += find_inference_tensors(self.model)  # metadata only: no sync",
-         "            pass",
+mutation("eval purity: inference tensors left on the model", "saferun/guards/purity.py",
+         "        problems += find_inference_tensors(model)  # metadata only: no sync",
+         "        pass",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
-mutation("eval purity in predict", T,
-         "            self._check_purity(before, float(purity_changed(before, fingerprint(self.model))))",
+mutation("eval purity in predict", EVAL,
+         "            check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),\n"
+         "                         self._grad_mode, step)",
          "            pass",
          f"{GUARDS}::test_predict_that_changes_the_model_is_named")
 mutation("eval purity checksums see moved values", "saferun/purity.py",
@@ -499,15 +511,15 @@ mutation("declared modes checked every step", T,
          "            self._declared.check(self.state.step + 1)", "            pass",
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
-mutation("preflight errors stop the run", T,
-         "                    report.raise_errors()", "                    pass",
+mutation("preflight errors stop the run", PREFLIGHT,
+         "            report.raise_errors()", "            pass",
          f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")
-mutation("preflight warnings are shown", T,
-         '                        log.warning("DataLoader preflight: %s", warning)',
-         "                        pass",
+mutation("preflight warnings are shown", PREFLIGHT,
+         '                log.warning("DataLoader preflight: %s", warning)',
+         "                pass",
          f"{GUARDS}::test_fork_workers_with_a_lambda_train_but_get_a_warning")
-mutation("preflight finds generator objects", "saferun/preflight.py",
-         "        found: list[tuple[Finding, Any]] = []\n        _scan_rng(obj, attr, found, set(), 0)\n",
+mutation("preflight finds generator objects", PREFLIGHT,
+         "        found: list[tuple[Finding, Any]] = []\n        scan_rng(obj, attr, found, set(), 0)\n",
          "        found: list[tuple[Finding, Any]] = []\n",
          f"{GUARDS}::test_a_generator_object_on_the_dataset_is_reported")
 mutation("the start method reaches the DataLoader", "saferun/data.py",
@@ -518,20 +530,18 @@ mutation("worker batches must be on the CPU", T,
          "                    check_batch_on_cpu(group[0])  # what the first worker batch holds",
          "                    pass",
          "tests/cuda/test_cuda.py", known="needs a CUDA GPU (tests/cuda); on the CPU no worker can return a CUDA tensor")
-mutation("sync audit wired in", T,
-         "            callbacks.append(SyncAudit(self.device.type))  # last: it sees every callback's syncs",
-         "            pass",
+mutation("sync audit wired in", COMPONENTS,
+         "        callbacks.append(SyncAudit(device_type))  # last: it sees every callback's syncs",
+         "        pass",
          f"{GUARDS}::test_sync_audit_names_a_per_step_item_in_user_code")
 
 # ---------------------------------------------------------------- compile, errors, config
-mutation("compiled model checked against eager", T,
-         "            check_compiled(eval_loss, t.compile_rtol, t.compile_atol)", "            pass",
+mutation("compiled model checked against eager", COMPILE,
+         "        check_compiled(eval_loss, rtol, atol)", "        pass",
          "tests/unit/test_compile.py::test_compiled_output_that_differs_from_eager_stops_the_run_with_both_values",
-         also=(("            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)",
-                "            pass"),))
-mutation("the compiled training graph checked against eager", T,
-         "            check_compiled_training(train_loss, self.model, t.compile_rtol, t.compile_atol)",
-         "            pass",
+         also=(("        check_compiled_training(train_loss, model, rtol, atol)", "        pass"),))
+mutation("the compiled training graph checked against eager", COMPILE,
+         "        check_compiled_training(train_loss, model, rtol, atol)", "        pass",
          "tests/unit/test_compile.py::test_a_training_graph_that_differs_from_eager_stops_the_run")
 mutation("compiled in place: no _orig_mod. keys", T,
          "            self.model.compile(backend=t.compile_backend)",
@@ -556,12 +566,12 @@ mutation("config: negative learning rate", "saferun/config.py",
          "        if isinstance(lr, (int, float)) and lr < 0:", "        if False:",
          "tests/unit/test_config.py")
 mutation("components built from their config nodes", T,
-         "            return instantiate(self.cfg.optim, params=params)",
-         "            return torch.optim.AdamW(params)",
+         '        return instantiate_node("optim", self.cfg.optim, params=params)',
+         "        return torch.optim.AdamW(params)",
          "tests/configs/test_compose_all.py")
-mutation("configured callbacks and loggers built", T,
-         "                if node is not None:\n                    callbacks.append(",
-         "                if False:\n                    callbacks.append(",
+mutation("configured callbacks and loggers built", COMPONENTS,
+         "            if node is not None:\n                callbacks.append(",
+         "            if False:\n                callbacks.append(",
          "tests/configs/test_compose_all.py")
 
 # ---------------------------------------------------------------- callbacks and logging
@@ -569,8 +579,8 @@ mutation("the Controls of several callbacks are combined", "saferun/callbacks.py
          "    return a | b", "    return a",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(save=True) saves", T,
-         "                    if (control and control.save) or self._save_due():",
-         "                    if self._save_due():",
+         "        if (control and control.save) or self._checkpointer.save_due():",
+         "        if self._checkpointer.save_due():",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(evaluate=True) validates", T,
          "validated = bool(control and control.evaluate) or self._validation_due(epoch_end)",
@@ -592,18 +602,19 @@ mutation("a signal sets the stop flag", "saferun/preemption.py",
          "        self.received = signum", "        pass",
          f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
 mutation("the stop is checked after every step", T,
-         "                    if self._stop_agreed():\n",
-         "                    if self._stop_agreed() and state.step % t.log_every_n_steps == 0:\n",
+         "        if self._strategy.stop_agreed(self._stop_signals):\n",
+         "        if self._strategy.stop_agreed(self._stop_signals) and "
+         "self.state.step % self.cfg.trainer.log_every_n_steps == 0:\n",
          f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
-mutation("the stop is checked between validation batches", T,
-         "                if self.ranks.world_size == 1 and self._stop_signals.received is not None:",
-         "                if False:",
+mutation("the stop is checked between validation batches", EVAL,
+         "                if stopped():\n", "                if False:\n",
          f"{RESUME}::test_a_signal_during_validation_stops_it_before_the_next_batch")
 mutation("exit status 128 + the signal number", "saferun/preemption.py",
          "        super().__init__(128 + signum)", "        super().__init__(1)",
          f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
 mutation("a second Ctrl-C aborts at once", "saferun/preemption.py",
-         "        if signum == signal.SIGINT and self.received is not None:", "        if False:",
+         "        elif signum == signal.SIGINT:\n            self._abort()",
+         "        elif False:\n            self._abort()",
          f"{RESUME}::test_second_sigint_aborts_at_once")
 
 
