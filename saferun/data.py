@@ -264,9 +264,11 @@ def check_training_loader(loader: DataLoader, world_size: int) -> None:
 
 
 def check_stream(loader: DataLoader, world_size: int) -> None:
-    """Refuse a training IterableDataset that every process or worker would read whole."""
+    """Refuse training data that every process or worker would read whole."""
     dataset = loader.dataset
-    if not isinstance(dataset, IterableDataset) or isinstance(dataset, ShardedStream):
+    if not isinstance(dataset, IterableDataset):
+        return _check_sampler_shards(loader, world_size)
+    if isinstance(dataset, ShardedStream):
         return
     readers = [f"{world_size} torchrun processes"] if world_size > 1 else []
     readers += [f"{loader.num_workers} DataLoader workers"] if loader.num_workers > 1 else []
@@ -279,6 +281,25 @@ def check_stream(loader: DataLoader, world_size: int) -> None:
         f"gives each process and worker every n-th item; or, if it splits itself (by "
         f"saferun.data.shard_index(), or torch.distributed.get_rank() and "
         f"torch.utils.data.get_worker_info()), in ShardedStream(dataset, presplit=True).")
+
+
+def _check_sampler_shards(loader: DataLoader, world_size: int) -> None:
+    """Under torchrun, a map-style training loader must give each rank its own share: a
+    sampler with `num_replicas == world_size` (DistributedSampler, or a custom one like it)."""
+    sampler = sampler_of(loader)
+    batch_sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
+    if world_size == 1 or world_size in (getattr(sampler, "num_replicas", None),
+                                         getattr(batch_sampler, "num_replicas", None)):
+        return
+    raise SaferunError(
+        f"under torchrun with {world_size} processes, the training DataLoader (built by "
+        f"build_dataloaders) orders its samples with {type(sampler).__name__}, which does not "
+        f"split them between the processes: every rank would train on the whole dataset, so "
+        f"each sample would count {world_size} times per epoch. Give the loader "
+        f"sampler=DistributedSampler(dataset, shuffle=..., seed=cfg.seed, drop_last=...) (call "
+        f"nothing else: saferun sets its epoch), or a sampler of your own with "
+        f"num_replicas={world_size} and a rank, or remove the build_dataloaders override so "
+        f"that saferun builds the loaders.")
 
 
 def check_dataset(dataset: Any, name: str, processes: int = 1) -> None:

@@ -282,6 +282,10 @@ mutation("a NaN on any rank is bad on every rank", "saferun/metrics.py",
 mutation("a stop signal on one rank stops every rank", T,
          "        if votes:\n", "        if False:\n",
          "tests/distributed/test_torchrun.py::test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step")
+mutation("a user loader under torchrun must split the data", "saferun/data.py",
+         "    if world_size == 1 or world_size in (getattr(sampler",
+         "    if True or world_size in (getattr(sampler",
+         "tests/parallel/test_ddp_paths.py::test_a_user_loader_that_does_not_split_the_data_is_refused")
 
 # ---------------------------------------------------------------- checkpoints and resume
 mutation("GradScaler state saved", CKPTR,

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import saferun
 from saferun.data import ShardedStream, shard_index
@@ -83,14 +83,16 @@ class Case(saferun.Trainer):
     """path: how training_step reaches the model: "model" (self.model(x)), "submodules"
     (head(backbone(x))), "mixed" (self.model(x) plus aux(backbone(x2))), or "switch"
     (self.model(x) for two steps, then submodules). stream: None, "raw", "sharded",
-    "presplit" (uneven shards)."""
+    "presplit" (uneven shards). loader: None (saferun's), or a user-built DataLoader
+    ordered by a "random" sampler or a "distributed" one."""
 
     def __init__(self, cfg: Any, path: str = "model", aux: bool = False,
                  stream: Optional[str] = None, controls: Sequence[dict] = (),
-                 block_at: int = -1, **kw: Any) -> None:
+                 block_at: int = -1, loader: Optional[str] = None, **kw: Any) -> None:
         super().__init__(cfg, callbacks=[Decide(**c) for c in controls] or [Decide(-1, "", -1)],
                          **kw)
         self.path, self.aux, self.stream, self.block_at = path, aux, stream, block_at
+        self.loader = loader
         self.ids: list[int] = []
 
     def build_model(self) -> nn.Module:
@@ -105,6 +107,15 @@ class Case(saferun.Trainer):
         if self.stream == "presplit":
             return ShardedStream(Numbered(256, presplit=True, extra=64), presplit=True), val
         return TensorDataset(*make_classification(256)), val
+
+    def build_dataloaders(self, train, val):
+        if self.loader is None:
+            return super().build_dataloaders(train, val)
+        bs = self.cfg.trainer.batch_size
+        if self.loader == "random":
+            return DataLoader(train, batch_size=bs, shuffle=True), DataLoader(val, batch_size=bs)
+        sampler = DistributedSampler(train, shuffle=False)
+        return DataLoader(train, batch_size=bs, sampler=sampler), DataLoader(val, batch_size=bs)
 
     def training_step(self, batch: Any) -> torch.Tensor:
         if self.state.step + 1 == self.block_at and self.ranks.rank == 1:

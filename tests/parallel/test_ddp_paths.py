@@ -93,11 +93,14 @@ CASES = {
     "stream_raw": dict(stream="raw"),
     "stream_sharded": dict(stream="sharded", num_workers=2, max_steps=100, max_epochs=1),
     "stream_presplit": dict(stream="presplit", max_steps=100, max_epochs=2),
+    # DataLoaders built by the user
+    "loader_random": dict(loader="random"),
+    "loader_distributed": dict(loader="distributed"),
     # last, as it leaves the process group unusable: rank 1 waits for a message that never
     # comes while rank 0 waits in the gradient all-reduce (gloo's default wait is 30 min)
     "timeout": dict(block_at=2, collective_timeout=3),
 }
-CASE_KEYS = ("path", "aux", "controls", "stream", "block_at")
+CASE_KEYS = ("path", "aux", "controls", "stream", "block_at", "loader")
 
 
 def case(name, root, **override):
@@ -181,6 +184,20 @@ def test_a_stop_after_validation_on_one_rank_stops_both_at_once(launched):
 def test_an_unsplit_iterable_dataset_is_refused(launched):
     for r in results(launched / "stream_raw"):
         assert "IterableDataset" in r["error"] and "ShardedStream" in r["error"]
+
+
+def test_a_user_loader_that_does_not_split_the_data_is_refused(launched):
+    for r in results(launched / "loader_random"):
+        assert r["step"] == 0
+        assert "RandomSampler, which does not split them between the processes" in r["error"]
+        assert "DistributedSampler" in r["error"]
+
+
+def test_a_user_loader_with_a_distributed_sampler_trains_on_the_global_batch(launched):
+    r0, _ = finished(launched / "loader_distributed")
+    one = reference()
+    keys = set(one) - {"backbone.2.mean"}
+    assert_same({k: r0["state"][k] for k in keys}, {k: one[k] for k in keys}, exact=False)
 
 
 def test_a_sharded_stream_gives_each_rank_and_worker_its_own_items(launched):
