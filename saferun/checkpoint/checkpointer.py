@@ -26,7 +26,7 @@ from ..version import __version__
 from . import rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_checkpoint, save_weights)
+                    load_latest, rotate, save_checkpoint, save_weights, set_aside_newer)
 
 log = logging.getLogger("saferun")
 
@@ -193,6 +193,12 @@ class Checkpointer:
         o.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
+        if o.cfg.resume != "auto" and o.ranks.is_main:  # auto took the newest: none is newer
+            aside = set_aside_newer(checkpoint_root(o.state.run_dir), path)
+            if aside is not None:
+                log.warning("resume=%s: this run directory held checkpoints of a later step or "
+                            "of another run; they are moved to %s, so that a later resume=auto "
+                            "continues this run, not those.", o.cfg.resume, aside)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
             steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
             use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)

@@ -30,6 +30,7 @@ import re
 import resource
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -250,6 +251,25 @@ def rotate(root: Path, keep_last: int, keep: Iterable[Path] = (),
             shutil.rmtree(path, ignore_errors=True)
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def set_aside_newer(root: Path, resumed: Path) -> Optional[Path]:
+    """Move the checkpoints under `root` that a run resumed from `resumed` (another timeline's
+    past) must not be mixed with into `root/superseded-<time>/`: every one of a later step
+    than `resumed`, and, when `resumed` lies elsewhere, every one. A later `resume=auto` then
+    finds only this run's own checkpoints; nothing is deleted. Returns the folder, if any."""
+    resumed = resumed.resolve()
+    inside = resumed.parent == root.resolve()
+    stale = [p for p in list_checkpoints(root)
+             if not inside or (p.resolve() != resumed and _step_of(p) > _step_of(resumed))]
+    if not stale:
+        return None
+    aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    for path in stale:
+        path.rename(aside / path.name)
+    _fsync_dir(root)
+    return aside
 
 
 def _step_of(path: Path) -> int:

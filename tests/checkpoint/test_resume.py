@@ -197,6 +197,34 @@ def test_resume_from_an_explicit_checkpoint_directory(tmp_path):
     assert (tmp_path / "other" / "checkpoints" / "step-00000006").is_dir()
 
 
+def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    # a run to step 8, then resumed from its step 4 with another learning rate: its old
+    # steps 6 and 8 belong to the first timeline, and a later resume=auto must not pick them
+    from toys import weights
+
+    ToyTrainer(toy_config(tmp_path, max_steps=8, save_every_n_steps=2, keep_last=10)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    old8 = load_checkpoint(root / "step-00000008")
+    cfg = toy_config(tmp_path, max_steps=6, save_every_n_steps=2, keep_last=10)
+    cfg["optim"]["lr"], cfg["force_resume"] = 0.2, True
+    cfg["resume"] = str(root / "step-00000004")
+    ToyTrainer(cfg).fit()
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000004",
+                                                        "step-00000006"]
+    aside = [p for p in root.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == \
+        ["step-00000006", "step-00000008"]
+    assert torch.equal(load_checkpoint(aside[0] / "step-00000008")["model"]["head.weight"],
+                       old8["model"]["head.weight"])  # moved, not rewritten
+    cfg["resume"], cfg["trainer"]["max_steps"] = "auto", 8
+    cont = ToyTrainer(cfg)
+    cont.fit()  # continues the second timeline from its step 6
+    assert cont.state.step == 8
+    assert not torch.equal(weights(cont)["head.weight"], old8["model"]["head.weight"])
+    second = load_checkpoint(root / "step-00000008")
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.2
+
+
 def test_second_sigint_aborts_at_once(tmp_path):
     script = f"""
 import os, signal, sys
