@@ -399,6 +399,10 @@ for _key, _kept in (("model", "task"), ("task", "model")):  # setup checks these
              f"{RESUME}::test_each_setting_that_changes_results_refuses_resume",
              also=(("saferun/config.py", '"seed", "model", ' if _key == "model" else
                     '"collate_fn", "task", ', '"seed", ' if _key == "model" else '"collate_fn", '),))
+mutation("resume=PATH sets the run's newer checkpoints aside", CKPTR,
+         '        if o.cfg.resume != "auto" and o.ranks.is_main:',
+         '        if False:',
+         f"{RESUME}::test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside")
 
 # ---------------------------------------------------------------- non-finite guard
 mutation("non-finite loss raises at log points", BADSTEP,
