@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -39,19 +39,31 @@ class CheckResult:
 Factory = Callable[[Config], Trainer]
 
 
-def run_checks(make: Factory, cfg: Config) -> list[CheckResult]:
-    """Run every check on Trainers built by `make` from variants of `cfg`."""
+def run_checks(make: Factory, cfg: Config, only: Optional[Sequence[str]] = None
+               ) -> list[CheckResult]:
+    """Run every check (or the checks named in `only`, e.g. "determinism") on Trainers built
+    by `make` from variants of `cfg`."""
     with tempfile.TemporaryDirectory(prefix="saferun-check-") as tmp:
         base = _short_session(cfg, tmp)
         checks = [_pickling, _worker_seeding, _eval_purity, _declared_modes, _unused_parameters,
                   _host_syncs, _overfit_one_batch, _determinism]
         if cfg.trainer.compile:
             checks.append(_compile_parity)
+        if only is not None:
+            unknown = set(only) - {_name(c) for c in checks}
+            if unknown:
+                raise ValueError(f"no check named {', '.join(sorted(unknown))}; checks: "
+                                 f"{', '.join(_name(c) for c in checks)}")
+            checks = [c for c in checks if _name(c) in only]
         return [_run(check, make, base) for check in checks]
 
 
+def _name(check: Callable[..., CheckResult]) -> str:
+    return check.__name__.lstrip("_").replace("_", " ")
+
+
 def _run(check: Callable[[Factory, Config], CheckResult], make: Factory, cfg: Config) -> CheckResult:
-    name = check.__name__.lstrip("_").replace("_", " ")
+    name = _name(check)
     try:
         return check(make, copy.deepcopy(cfg))
     except SaferunError as e:
@@ -147,15 +159,22 @@ def _unused_parameters(make: Factory, cfg: Config) -> CheckResult:
     return CheckResult("unused parameters", "pass", "every trainable parameter gets a gradient")
 
 
-def _host_syncs(make: Factory, cfg: Config) -> CheckResult:
-    trainer = make(cfg)
-    trainer.setup()
+def step_syncs(trainer: Trainer) -> list[dict[str, int]]:
+    """The host syncs of each training step of `trainer` (set up, `max_steps` steps), as
+    `HostSyncCounter.sites`: the steps alone, as between log points."""
     steps = []
     with HostSyncCounter() as counter:
         for micro_batches, _, _ in trainer._batches.groups():
             counter.reset()
             trainer.train_step(micro_batches)
             steps.append(dict(counter.sites))
+    return steps
+
+
+def _host_syncs(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    steps = step_syncs(trainer)
     per_step = sum(sum(s.values()) for s in steps) / max(len(steps), 1)
     if per_step:
         from .sync_audit import audit
