@@ -1,4 +1,5 @@
-"""What the recipe tests share: the real CLI in a subprocess, the composed config, a loss recorder."""
+"""What the recipe tests share: the real CLI in a subprocess, the composed config, the golden-loss
+test (saferun.testing, as in the projects `saferun new` writes), a loss recorder."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any, Sequence
 from hydra.utils import get_class
 
 import saferun
+from saferun import testing
 from saferun.cli import compose_config
+from saferun.testing.project import GOLDEN_OVERRIDES, TEST_OVERRIDES, corpus_text, golden_file
 
 
 def saferun_run(*overrides: str, run_dir: Path, timeout: int) -> subprocess.CompletedProcess:
@@ -41,3 +44,14 @@ def build_recipe(recipe: str, tmp_path: Path, *overrides: str,
                              f"trainer.run_dir={tmp_path}", *overrides])
     task = dict(config.task)
     return get_class(task.pop("_target_"))(config, callbacks=callbacks, **task)
+
+
+def assert_golden_losses(recipe: str, tmp_path: Path) -> None:
+    """The recipe's first 5 losses equal recipes/golden/RECIPE.json, the file `saferun new`
+    copies into a project (`pytest --saferun-update-golden` refreshes it): the same job,
+    overrides and helper as the project's own test."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_text())
+    overrides = [o.replace("{corpus}", str(corpus)) for o in GOLDEN_OVERRIDES[recipe]]
+    job = testing.recipe(recipe, *TEST_OVERRIDES[recipe], *overrides)
+    testing.assert_golden_losses(job, golden_file(recipe), tmp_dir=tmp_path / "run")

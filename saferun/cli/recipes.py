@@ -28,6 +28,7 @@ def new(args: list[str]) -> None:
     for f in files:
         print(f"  {f}")
     print(f"Run it:  cd {opts.dir} && saferun run -cd . recipe={name}")
+    print(f"Test it: cd {opts.dir} && pytest")
 
 
 def copy_recipe(recipe: str, dest: Path, name: Optional[str] = None) -> list[Path]:
@@ -36,6 +37,8 @@ def copy_recipe(recipe: str, dest: Path, name: Optional[str] = None) -> list[Pat
     The Python file is copied unchanged. Its configs (the recipe and the model
     and data options it selects) are copied with every `saferun.recipes.RECIPE`
     target pointing at the copy instead, so the copy never runs the original code.
+    Then tests/test_NAME.py (saferun.testing: check report, exact resume, golden
+    losses, host syncs, determinism) and the recipe's golden losses.
     """
     shipped = recipe_names()
     if recipe not in shipped:
@@ -69,7 +72,9 @@ def copy_recipe(recipe: str, dest: Path, name: Optional[str] = None) -> list[Pat
     path.parent.mkdir(exist_ok=True)
     path.write_text(recipe_yaml)
     written.append(path)
-    return written
+    from ..testing.project import write_project_tests
+
+    return written + write_project_tests(dest, name, recipe)
 
 
 def recipe_names() -> list[str]:

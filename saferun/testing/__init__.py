@@ -22,11 +22,28 @@ with saferun, `saferun.pytest_plugin`) adds that option and the fixtures
 
 from __future__ import annotations
 
-from .checks import assert_checks_pass, assert_deterministic, assert_no_host_syncs
-from .golden import assert_golden_losses, first_losses
-from .jobs import Job, recipe, trainer
-from .resume import STOPS, assert_resumes_exactly, state_differences
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Job", "STOPS", "assert_checks_pass", "assert_deterministic", "assert_golden_losses",
-           "assert_no_host_syncs", "assert_resumes_exactly", "first_losses", "recipe",
-           "state_differences", "trainer"]
+if TYPE_CHECKING:
+    from .checks import assert_checks_pass, assert_deterministic, assert_no_host_syncs
+    from .golden import assert_golden_losses, first_losses
+    from .jobs import Job, recipe, trainer
+    from .resume import STOPS, assert_resumes_exactly, state_differences
+
+# Imported on first use: `saferun new` writes test files (saferun.testing.project) without
+# importing torch.
+_EXPORTS = {
+    "assert_checks_pass": "checks", "assert_deterministic": "checks",
+    "assert_no_host_syncs": "checks", "assert_golden_losses": "golden", "first_losses": "golden",
+    "Job": "jobs", "recipe": "jobs", "trainer": "jobs", "STOPS": "resume",
+    "assert_resumes_exactly": "resume", "state_differences": "resume",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'saferun.testing' has no attribute {name!r}")

@@ -8,17 +8,13 @@ import pytest
 import torch
 
 import saferun
-from recipe_tools import LossRecorder, build_recipe, saferun_run
+from recipe_tools import assert_golden_losses, build_recipe, saferun_run
 
 # A fixed corpus for the golden test: the default one is this Python's standard
 # library, whose text changes between CPython releases.
 CORPUS = "".join(f"def f{i}(x, y={i % 7}):\n    return x * {i} + y  # {i:04x}\n\n"
                  for i in range(3000))
 
-# train/loss at steps 1-5, recorded on CPU (torch 2.13, fp32, one thread) with seed 0.
-# The test shortens the warm-up to one step: with the recipe's, the first updates are
-# too small for rtol 1e-4 to notice a change in how the loop applies them.
-GOLDEN_LOSSES = [4.722301, 3.392418, 2.709719, 2.302617, 2.120843]
 
 
 def test_smoke_run_through_the_cli(tmp_path):
@@ -36,14 +32,7 @@ def build(tmp_path: Path, *overrides: str, callbacks=()) -> saferun.Trainer:
 
 
 def test_golden_first_losses(tmp_path):
-    assert torch.get_num_threads() == 1  # set by tests/conftest.py; numerics depend on it
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(CORPUS)
-    recorder = LossRecorder()
-    build(tmp_path, "trainer.max_steps=5", "trainer.log_every_n_steps=1", "sched.warmup_steps=1",
-          "trainer.limit_val_batches=1", "task.sample_chars=0", f"data.files=['{corpus}']",
-          callbacks=[recorder]).fit()
-    assert recorder.losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+    assert_golden_losses("charlm", tmp_path)
 
 
 def test_sample_runs_in_eval_and_inference_mode_restores_modes_and_is_seeded(tmp_path):

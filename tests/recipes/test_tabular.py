@@ -8,12 +8,8 @@ import pytest
 import torch
 
 import saferun
-from recipe_tools import LossRecorder, build_recipe, saferun_run
+from recipe_tools import assert_golden_losses, build_recipe, saferun_run
 
-# train/loss at steps 1-5, recorded on CPU (torch 2.13, fp32, one thread) with seed 0.
-# The test shortens the warm-up to one step: with the recipe's, the first updates are
-# too small for rtol 1e-4 to notice a change in how the loop applies them.
-GOLDEN_LOSSES = [0.777198, 0.841293, 0.982024, 0.739243, 1.264477]
 
 
 def test_smoke_run_through_the_cli(tmp_path):
@@ -30,11 +26,7 @@ def build(tmp_path: Path, *overrides: str, callbacks=()) -> saferun.Trainer:
 
 
 def test_golden_first_losses(tmp_path):
-    assert torch.get_num_threads() == 1  # set by tests/conftest.py; numerics depend on it
-    recorder = LossRecorder()
-    build(tmp_path, "trainer.max_steps=5", "trainer.log_every_n_steps=1", "sched.warmup_steps=1",
-          callbacks=[recorder]).fit()
-    assert recorder.losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+    assert_golden_losses("tabular", tmp_path)
 
 
 def test_validation_metrics_match_scikit_learn(tmp_path):
