@@ -1,0 +1,37 @@
+"""The pytest plugin: loaded by the pytest11 entry point, it imports nothing heavy until used."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+# A project that does not use saferun: the plugin must be loaded (its option exists) but have
+# imported neither torch nor any of saferun's training code.
+NOT_USING_SAFERUN = textwrap.dedent("""
+    import sys
+
+    def test_nothing_heavy_is_imported(request):
+        assert request.config.pluginmanager.hasplugin("saferun")
+        assert request.config.getoption("saferun_update_golden") is False
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] == "torch"
+                       or m.startswith(("saferun.trainer", "saferun.testing")))
+        assert heavy == [], heavy
+""")
+
+def pytest_in(path, *args):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=path, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_the_plugin_imports_nothing_heavy_in_a_project_that_does_not_use_it(tmp_path):
+    (tmp_path / "test_plain.py").write_text(NOT_USING_SAFERUN)
+    proc = pytest_in(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_option_and_fixtures_in_this_session(request, saferun_update_golden, saferun_testing):
+    # this suite runs under the installed plugin too
+    assert request.config.pluginmanager.hasplugin("saferun")
+    assert saferun_update_golden is request.config.getoption("saferun_update_golden")
+    assert saferun_testing.assert_golden_losses.__module__ == "saferun.testing.golden"
