@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_update_golden: list[bool] = []  # one entry per configured session (pytester nests sessions)
+from .testing import options  # the package's __init__ imports nothing until an attribute is used
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -25,17 +25,12 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def pytest_configure(config: Any) -> None:
-    _update_golden.append(bool(config.getoption("saferun_update_golden", False)))
+    options.update_golden.append(bool(config.getoption("saferun_update_golden", False)))
 
 
 def pytest_unconfigure(config: Any) -> None:
-    if _update_golden:
-        _update_golden.pop()
-
-
-def update_golden_requested() -> bool:
-    """True when the running pytest session was given `--saferun-update-golden`."""
-    return bool(_update_golden and _update_golden[-1])
+    if options.update_golden:
+        options.update_golden.pop()
 
 
 def _fixture(func: Any) -> Any:

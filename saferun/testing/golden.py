@@ -12,6 +12,7 @@ import torch
 
 from ..callbacks import Callback
 from .jobs import Job, fail, one_thread, work_dir
+from .options import update_golden_requested
 
 
 class _Losses(Callback):
@@ -45,8 +46,6 @@ def assert_golden_losses(job: Job, path: str | os.PathLike[str], steps: int = 5,
     path = Path(path)
     losses = first_losses(job, steps, tmp_dir)
     if update is None:
-        from ..pytest_plugin import update_golden_requested
-
         update = update_golden_requested()
     if update:
         path.parent.mkdir(parents=True, exist_ok=True)

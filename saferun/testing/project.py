@@ -15,8 +15,8 @@ from pathlib import Path
 TEST_OVERRIDES: dict[str, list[str]] = {
     "digits": ["trainer.device=cpu"],
     "tabular": ["trainer.device=cpu"],
-    "charlm": ["trainer.device=cpu", "task.sample_chars=0", "data.samples_per_epoch=512",
-               "data.max_chars=40000"],
+    "charlm": ["trainer.device=cpu", "task.sample_chars=0", "trainer.batch_size=16",
+               "data.samples_per_epoch=128", "data.max_chars=40000"],
 }
 GOLDEN_OVERRIDES: dict[str, list[str]] = {
     "digits": [],

@@ -62,7 +62,7 @@ class Curves(Callback):
         self.val.append((view.step, dict(metrics)))
 
 
-def assert_resumes_exactly(job: Job, stops: Sequence[StopSpec] = STOPS, *,
+def assert_resumes_exactly(job: Job, stops: Optional[Sequence[StopSpec]] = None, *,
                            max_steps: Optional[int] = None, max_epoch_steps: int = 60,
                            tmp_dir: Any = None) -> None:
     """Stopped at each of `stops` and resumed, the run ends bitwise equal to a straight run.
@@ -75,6 +75,7 @@ def assert_resumes_exactly(job: Job, stops: Sequence[StopSpec] = STOPS, *,
         stops: "mid-epoch" (during the middle step of the first epoch), "epoch-end" (during
             its last step, where no validation is due), "validation" (during the validation
             after the first step of the second epoch), or ("training", N) / ("validation", N).
+            Default: the three named ones ("validation" only if the job has a validation set).
         max_steps: the straight run's length; default: one epoch plus 3 steps. Validation
             runs every (epoch + 1) steps and at the end (2 batches: `limit_val_batches`),
             metrics are logged every 3 steps.
@@ -84,6 +85,8 @@ def assert_resumes_exactly(job: Job, stops: Sequence[StopSpec] = STOPS, *,
     """
     with one_thread(), work_dir(tmp_dir, "saferun-resume-") as tmp:
         per_epoch, validates = probe(job, job.short(tmp / "probe", max_epochs=None))
+        if stops is None:
+            stops = [s for s in STOPS if validates or s != "validation"]
         planned = _plan(job, stops, per_epoch, validates, max_epoch_steps)
         total = max_steps or (per_epoch or 0) + 3
         if not total or any(s.step > total for s in planned):

@@ -2,6 +2,7 @@
 message naming what is wrong, on one with a planted bug."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -105,8 +106,29 @@ class WorkersRepeat(ToyTrainer):
         return SharedGenerator(), None
 
 
+class SmallShift(Dataset):
+    """Like the digits recipe's augmentation: two draws of -1, 0 or 1 from Python's random."""
+
+    def __init__(self):
+        self.x, self.y = make_classification(128)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + random.randint(-1, 1) + 10 * random.randint(-1, 1), self.y[i]
+
+
+class Shifted(ToyTrainer):
+    def build_datasets(self):
+        return SmallShift(), None
+
+
 def test_determinism_and_worker_seeding(tmp_path):
     testing.assert_deterministic(job(ToyTrainer, tmp_path))
+    # With seed 0 the two workers' first draws happen to be equal: one draw each would
+    # call correctly seeded workers "the same" (it did, for the digits recipe).
+    testing.assert_deterministic(job(Shifted, tmp_path, num_workers=2))
     with pytest.raises(Failed, match="worker seeding .*same random augmentation"):
         testing.assert_deterministic(job(WorkersRepeat, tmp_path))
 
@@ -117,3 +139,18 @@ def test_the_check_report_as_a_test(tmp_path):
     assert "host syncs did not pass" in str(e.value) and "PASS  determinism" in str(e.value)
     testing.assert_checks_pass(job(SyncsEveryStep, tmp_path), only=["host syncs"],
                                warn_ok=["host syncs"])
+
+
+def test_exact_resume_refuses_an_epoch_too_long_for_a_short_test(tmp_path):
+    with pytest.raises(Failed, match="an epoch of ToyTrainer is 128 steps, more than max_epoch_steps=60"):
+        testing.assert_resumes_exactly(job(ToyTrainer, tmp_path, batch_size=2))
+
+
+@pytest.mark.slow
+def test_exact_resume_with_workers_and_no_validation_set(tmp_path):
+    from toys import AugmentedTrainer  # random, NumPy and torch draws in every sample
+
+    testing.assert_resumes_exactly(job(AugmentedTrainer, tmp_path, batch_size=16, num_workers=2),
+                                   tmp_dir=tmp_path / "runs")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "epoch-end", "mid-epoch", "probe", "straight"]

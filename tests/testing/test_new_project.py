@@ -18,20 +18,27 @@ from saferun.cli import copy_recipe
 Failed = pytest.fail.Exception
 
 
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory):
-    dest = tmp_path_factory.mktemp("new") / "mydigits"
-    copy_recipe("digits", dest)
-    return dest
-
-
-def test_a_new_project_ships_tests_that_pass_as_generated(generated):
-    assert (generated / "tests" / "test_mydigits.py").is_file()
-    assert (generated / "tests" / "golden" / "mydigits.json").is_file()
+def pytest_in(project):
+    """`cd project && pytest`, as a user runs it (without this suite's PYTHONPATH)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                          cwd=generated, capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=project, capture_output=True, text=True, timeout=900,
                           env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_new_project_ships_tests_that_pass_as_generated(tmp_path):
+    copy_recipe("digits", tmp_path / "mydigits")
+    assert (tmp_path / "mydigits" / "tests" / "golden" / "mydigits.json").is_file()
+    proc = pytest_in(tmp_path / "mydigits")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert "5 passed" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tabular", "charlm"])
+def test_the_other_recipes_projects_pass_as_generated(tmp_path, recipe):
+    copy_recipe(recipe, tmp_path / f"my{recipe}")
+    proc = pytest_in(tmp_path / f"my{recipe}")
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     assert "5 passed" in proc.stdout
 
