@@ -626,6 +626,29 @@ mutation("a second Ctrl-C aborts at once", "saferun/preemption.py",
          f"{RESUME}::test_second_sigint_aborts_at_once")
 
 
+# ---------------------------------------------------------------- saferun.testing (issue 14)
+
+TESTING = "tests/testing/test_helpers.py"
+mutation("worker seeding compares several draws per worker", "saferun/guards/check.py",
+         "Subset(dataset, [0] * (2 * DRAWS))", "Subset(dataset, [0] * 2)",
+         f"{TESTING}::test_determinism_and_worker_seeding")
+mutation("exact resume compares every tensor bitwise", "saferun/testing/resume.py",
+         "return [] if _same_tensor(got, want) else", "return [] if True else",
+         f"{TESTING}::test_exact_resume_passes_at_each_named_stop_and_names_what_differs")
+mutation("golden losses fail on a drift", "saferun/testing/golden.py",
+         "    if bad:\n        fail(_diff(", "    if False:\n        fail(_diff(",
+         f"{TESTING}::test_golden_losses_write_compare_and_show_the_drift")
+mutation("host syncs in training_step fail the test", "saferun/testing/checks.py",
+         "    if any(kept):", "    if False:",
+         f"{TESTING}::test_host_syncs_are_named_with_their_line")
+mutation("the pytest plugin imports nothing heavy", "saferun/pytest_plugin.py",
+         "from .testing import options  #", "from .testing import options, jobs  #",
+         "tests/testing/test_plugin.py::"
+         "test_the_plugin_imports_nothing_heavy_in_a_project_that_does_not_use_it")
+mutation("saferun new writes the project's tests", "saferun/cli/recipes.py",
+         "    return written + write_project_tests(dest, name, recipe)", "    return written",
+         "tests/testing/test_new_project.py::test_a_new_project_ships_tests_that_pass_as_generated")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:
