@@ -62,8 +62,8 @@ from saferun import testing
 
 PROJECT = Path(__file__).resolve().parents[1]
 GOLDEN = PROJECT / "tests" / "golden" / "{name}.json"
-OVERRIDES = {overrides!r}  # every test run: small and on the CPU
-GOLDEN_OVERRIDES = {golden_overrides!r}
+OVERRIDES = {overrides}  # every test run: small and on the CPU
+GOLDEN_OVERRIDES = {golden_overrides}
 
 
 def job(*overrides):
@@ -80,10 +80,7 @@ def test_resumes_exactly_after_a_stop():
 
 
 def test_first_losses_match_the_golden_file():
-    corpus = PROJECT / "tests" / "golden" / "corpus.txt"  # used by charlm's golden run only
-    overrides = [o.replace("{{corpus}}", str(corpus)) for o in GOLDEN_OVERRIDES]
-    testing.assert_golden_losses(job(*overrides), GOLDEN)
-
+{golden_body}
 
 def test_no_host_syncs_in_training_step():
     testing.assert_no_host_syncs(job())
@@ -94,22 +91,40 @@ def test_deterministic_and_workers_draw_differently():
 '''
 
 
+GOLDEN_BODY = "    testing.assert_golden_losses(job(*GOLDEN_OVERRIDES), GOLDEN)\n"
+GOLDEN_BODY_CORPUS = """\
+    corpus = PROJECT / "tests" / "golden" / "corpus.txt"  # a fixed text, not the standard library
+    overrides = [o.replace("{corpus}", str(corpus)) for o in GOLDEN_OVERRIDES]
+    testing.assert_golden_losses(job(*overrides), GOLDEN)
+"""
+
+
+def _python_list(items: list[str]) -> str:
+    if len(repr(items)) <= 60:
+        return repr(items)
+    return "[\n" + "".join(f"    {item!r},\n" for item in items) + "]"
+
+
 def write_project_tests(dest: Path, name: str, recipe: str) -> list[Path]:
     """Write DEST/tests/test_NAME.py and its golden losses (copied from the recipe's);
     return the files written."""
     tests = dest / "tests"
     (tests / "golden").mkdir(parents=True, exist_ok=True)
     test_file = tests / f"test_{name}.py"
-    test_file.write_text(TEMPLATE.format(name=name, recipe=recipe,
-                                         overrides=TEST_OVERRIDES.get(recipe, ["trainer.device=cpu"]),
-                                         golden_overrides=GOLDEN_OVERRIDES.get(recipe, [])))
+    golden_overrides = GOLDEN_OVERRIDES.get(recipe, [])
+    uses_corpus = any("{corpus}" in o for o in golden_overrides)
+    test_file.write_text(TEMPLATE.format(
+        name=name, recipe=recipe,
+        overrides=_python_list(TEST_OVERRIDES.get(recipe, ["trainer.device=cpu"])),
+        golden_overrides=_python_list(golden_overrides),
+        golden_body=GOLDEN_BODY_CORPUS if uses_corpus else GOLDEN_BODY))
     written = [test_file]
     golden = golden_file(recipe)
     if golden.is_file():
         target = tests / "golden" / f"{name}.json"
         target.write_text(golden.read_text())
         written.append(target)
-    if any("{corpus}" in o for o in GOLDEN_OVERRIDES.get(recipe, [])):
+    if uses_corpus:
         corpus = tests / "golden" / "corpus.txt"
         corpus.write_text(corpus_text())
         written.append(corpus)

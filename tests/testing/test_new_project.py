@@ -19,8 +19,9 @@ Failed = pytest.fail.Exception
 
 
 def pytest_in(project):
-    """`cd project && pytest`, as a user runs it (without this suite's PYTHONPATH)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    """`cd project && pytest`, as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # PYTHONPATH kept:
+    # tools/mutate.py puts its mutated copy of saferun first on it
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
                           cwd=project, capture_output=True, text=True, timeout=900,
                           env={**env, "OMP_NUM_THREADS": "1"})

@@ -21,7 +21,8 @@ NOT_USING_SAFERUN = textwrap.dedent("""
 """)
 
 def pytest_in(path, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # PYTHONPATH kept:
+    # tools/mutate.py puts its mutated copy of saferun first on it
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
                           cwd=path, capture_output=True, text=True, timeout=300, env=env)
 
