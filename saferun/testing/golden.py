@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -53,6 +54,8 @@ def assert_golden_losses(job: Job, path: str | os.PathLike[str], steps: int = 5,
                   "recorded_with": {"torch": torch.__version__, "device": job.config.trainer.device,
                                     "threads": 1}}
         path.write_text(json.dumps(record, indent=1) + "\n")
+        # shown in pytest's warnings summary: which files an update rewrote
+        warnings.warn(f"saferun: wrote the golden losses of {job.name} to {path}", stacklevel=2)
         return
     if not path.exists():
         fail(f"no golden losses for {job.name} at {path}: record them with "

@@ -58,7 +58,8 @@ def test_golden_losses_write_compare_and_show_the_drift(tmp_path):
     good = job(ToyTrainer, tmp_path)
     with pytest.raises(Failed, match="--saferun-update-golden"):
         testing.assert_golden_losses(good, path)  # no file yet
-    testing.assert_golden_losses(good, path, steps=4, update=True)
+    with pytest.warns(UserWarning, match="wrote the golden losses of ToyTrainer"):
+        testing.assert_golden_losses(good, path, steps=4, update=True)
     recorded = json.loads(path.read_text())
     assert recorded["steps"] == 4 and len(recorded["losses"]) == 4
     testing.assert_golden_losses(good, path, steps=4)
