@@ -122,9 +122,9 @@ def _worker_seeding(make: Factory, cfg: Config) -> CheckResult:
     draws = list(loader)
     if _same(draws[0::2], draws[1::2]):
         return CheckResult("worker seeding", "fail",
-                           "two DataLoader workers produced the same random augmentation of sample "
-                           "0: the dataset draws from a generator object that every worker copies "
-                           "(see the pickling/preflight warnings)")
+                           f"two DataLoader workers produced the same random augmentations of "
+                           f"sample 0 ({DRAWS} draws each): the dataset draws from a generator "
+                           f"object that every worker copies (see the pickling/preflight warnings)")
     return CheckResult("worker seeding", "pass", "workers draw different augmentations")
 
 
