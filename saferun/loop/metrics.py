@@ -175,7 +175,8 @@ def scalar_dict(out: object, where: str) -> dict[str, torch.Tensor]:
     """Check that `out` maps names to scalar tensors (or numbers); name the offender if not."""
     if not isinstance(out, Mapping):
         raise SaferunError(
-            f"{where} must return a dict of scalar tensors, got {type(out).__name__}. "
+            f"{where} must return a dict of scalar tensors, got {type(out).__name__}"
+            f"{' (a missing return statement?)' if out is None else ''}. "
             f"Return e.g. {{'loss': loss, 'acc': acc}}."
         )
     checked: dict[str, torch.Tensor] = {}

@@ -4,6 +4,7 @@ resolving the device, explaining torch errors. No state: each is unit-tested on 
 from __future__ import annotations
 
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 
 from ..errors import ConfigError, SaferunError
 from .metrics import scalar_dict
+
+log = logging.getLogger("saferun")
 
 
 def loss_and_logs(out: Any, step: int, need_grad: bool = True
@@ -24,14 +27,27 @@ def loss_and_logs(out: Any, step: int, need_grad: bool = True
         logs = {k: v.detach() for k, v in scalar_dict(out, "training_step").items() if k != "loss"}
         out = out["loss"]
     if not isinstance(out, torch.Tensor) or out.ndim != 0:
-        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise SaferunError(f"training_step must return a scalar loss tensor; got {got} at step "
-                           f"{step}. Reduce it over the batch, e.g. loss.mean().")
+        raise SaferunError(f"training_step must return a scalar loss tensor; got "
+                           f"{_not_a_loss(out)} at step {step}.")
     if need_grad and not out.requires_grad:
         raise SaferunError(
             f"the loss at step {step} does not require grad, so backward() cannot train anything. "
             f"Was it computed under torch.no_grad(), detached, or from frozen parameters only?")
     return out, logs
+
+
+def _not_a_loss(out: Any) -> str:
+    """What training_step returned instead of a scalar tensor, and the likely fix."""
+    if out is None:
+        return "None: did training_step forget to `return loss`?"
+    if isinstance(out, (int, float)):
+        return (f"a Python {type(out).__name__} ({out!r}): .item() or float() detached it from "
+                f"the graph, so there is nothing to backpropagate. Return the loss tensor itself "
+                f"(log values with .detach(); saferun reads them at log points)")
+    if isinstance(out, torch.Tensor):
+        return (f"a tensor of shape {tuple(out.shape)}: reduce it over the batch, e.g. "
+                f"loss.mean() (or reduction='mean' in the loss function)")
+    return f"{type(out).__name__}: return the loss tensor, or a dict with 'loss'"
 
 
 def explained(exc: BaseException, step: int) -> Optional[SaferunError]:
@@ -73,14 +89,19 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Warn (once, at setup) if the optimizer also holds frozen parameters: harmless while they
+    get no gradient (torch's optimizers skip a parameter whose .grad is None, and saferun zeroes
+    gradients with set_to_none=True), so it is a common fine-tuning pattern, not an error."""
     frozen = {id(p): name for name, p in model.named_parameters() if not p.requires_grad}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in frozen:
-                raise SaferunError(
-                    f"the optimizer holds frozen parameter '{frozen[id(p)]}'; weight decay or "
-                    f"momentum would still move it. Build the optimizer from the params "
-                    f"argument of build_optimizer(params), which excludes frozen parameters.")
+    held = [frozen[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in frozen]
+    if held:
+        log.warning(
+            "the optimizer also holds %d frozen parameters (%s). They stay unchanged: they get no "
+            "gradient, and the optimizer skips parameters without one (no weight decay, no "
+            "momentum, no state for them). Only if something gave them a gradient (requires_grad "
+            "set back to True, a zero_grad(set_to_none=False)) would they move. To leave them "
+            "out, build the optimizer from build_optimizer's params argument.",
+            len(held), short(held, 3))
 
 
 def short(items: Sequence[Any], limit: int = 16) -> str:

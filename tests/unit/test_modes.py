@@ -112,14 +112,29 @@ def test_unknown_frozen_module_is_a_config_error(tmp_path):
         t.setup()
 
 
-def test_optimizer_built_with_frozen_params_is_refused(tmp_path):
-    class Leaky(ToyTrainer):
+@pytest.mark.parametrize("optim", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.5)])
+def test_optimizer_over_all_parameters_with_a_frozen_part_warns_and_keeps_them(tmp_path, caplog, optim):
+    """torch 2.13's optimizers skip parameters whose grad is None: a frozen part in the
+    optimizer is harmless (a warning, not a refusal), and the frozen weights stay bitwise."""
+    class AllParams(ToyTrainer):
         def build_optimizer(self, params):
-            return torch.optim.SGD(self.model.parameters(), lr=0.1)
+            return optim(self.model.parameters())
 
-    t = make(Leaky, tmp_path, frozen_modules=["backbone"])
-    with pytest.raises(saferun.SaferunError, match="frozen parameter 'backbone.0.weight'"):
-        t.setup()
+    t = make(AllParams, tmp_path, frozen_modules=["backbone"], max_steps=6)
+    t.setup()
+    before = {k: v.clone() for k, v in t.model.backbone.state_dict().items()}
+    head = t.model.head.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    said = [r.getMessage() for r in caplog.records if "frozen parameters" in r.getMessage()]
+    assert len(said) == 1 and "backbone.0.weight" in said[0] and "stay unchanged" in said[0]
+    after = t.model.backbone.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and BN buffers
+    assert not torch.equal(head, t.model.head.weight)  # the rest trained
+    frozen = {id(p) for p in t.model.backbone.parameters()}
+    assert not any(id(p) in frozen for p in t.optimizer.state)  # no momentum/Adam state for them
 
 
 def test_randomness_in_validation_does_not_change_training(tmp_path):
