@@ -255,7 +255,10 @@ def _describe_omegaconf_error(e: Exception) -> str:
     key = getattr(e, "full_key", None) or "?"
     first_line = str(e).splitlines()[0]
     if type(e).__name__ == "ConfigKeyError":
-        return f"unknown config key '{key}': {first_line}. Check the spelling against saferun.config."
+        from .suggest import did_you_mean
+
+        return (f"unknown config key '{key}': {first_line}.{did_you_mean(key)} Check the spelling "
+                f"against saferun.config.")
     return f"config key '{key}': {first_line}."
 
 

@@ -18,6 +18,12 @@ def check(args: list[str]) -> None:
     quiet.setLevel(logging.WARNING)
     logging.getLogger("saferun").addHandler(quiet)
     dirs, overrides = _config_dirs(args)
+    from ..suggest import unknown_override
+
+    problem = unknown_override(overrides, dirs)
+    if problem is not None:
+        print(f"saferun check: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         config = compose_config(overrides, dirs)
         results = run_checks(make_factory(config.task), config)

@@ -23,6 +23,7 @@ def run(args: list[str]) -> None:
 
     _register_with_hydra()
     _check_run_dir_arg(args)
+    _check_override_keys(args)
     for config_dir in _config_dirs(args)[0]:
         # A copied recipe (saferun new) keeps its Python file next to its configs.
         sys.path.insert(0, os.path.abspath(config_dir))
@@ -48,6 +49,18 @@ def _check_run_dir_arg(args: list[str]) -> None:
             if problem is not None:
                 print(f"saferun: error: {problem}", file=sys.stderr)
                 raise SystemExit(1)
+
+
+def _check_override_keys(args: list[str]) -> None:
+    """A misspelt key: name the closest valid one before Hydra suggests '+key' (which the
+    schema then refuses anyway)."""
+    from ..suggest import unknown_override
+
+    dirs, overrides = _config_dirs(args)
+    problem = unknown_override(overrides, dirs)
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:

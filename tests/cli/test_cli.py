@@ -93,8 +93,9 @@ def test_list_shows_recipes_and_groups(tmp_path):
 
 @pytest.mark.parametrize("override, words", [
     ("trainer.max_steps=abc", ["trainer.max_steps", "Integer"]),
-    ("trainer.max_stepz=5", ["trainer.max_stepz"]),
-    ("+trainer.max_stepz=5", ["trainer.max_stepz"]),
+    ("trainer.max_stepz=5", ["trainer.max_stepz", "Did you mean trainer.max_steps?"]),
+    ("+trainer.max_stepz=5", ["trainer.max_stepz", "Did you mean trainer.max_steps?"]),
+    ("trainr.max_steps=5", ["trainr.max_steps", "Did you mean trainer.max_steps?"]),
     ("optim.lr=-0.1", ["optim.lr", ">= 0"]),
     ("trainer.max_grad_norm=0", ["trainer.max_grad_norm", "> 0"]),
     ("trainer.log_every_n_steps=0", ["trainer.log_every_n_steps", "> 0"]),

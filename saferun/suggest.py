@@ -1,0 +1,65 @@
+"""The closest valid config key to a misspelt one, for config errors and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+from typing import Optional, Sequence
+
+from .config import Config, GuardsConfig, TrainerConfig
+
+
+def typed_keys() -> list[str]:
+    """Every key the schema types: the top-level fields, and trainer.* and guards.*."""
+    keys = [f.name for f in dataclasses.fields(Config)]
+    for node, cls in (("trainer", TrainerConfig), ("guards", GuardsConfig)):
+        keys += [f"{node}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def did_you_mean(key: str) -> str:
+    """' Did you mean trainer.max_steps?' for the closest valid key to `key`, or ''."""
+    parts = key.split(".")
+    depth = min(len(parts) - 1, 1)
+    candidates = [k for k in typed_keys() if k.count(".") == depth]
+    found = difflib.get_close_matches(".".join(parts[:2]), candidates, n=1, cutoff=0.6)
+    return f" Did you mean {found[0]}?" if found else ""
+
+
+def unknown_override(args: Sequence[str], config_dirs: Sequence[str] = ()) -> Optional[str]:
+    """The first command-line override `key=value` whose key the schema cannot have, with the
+    closest valid key; None if all may be valid. Only keys that are certainly wrong are
+    named: a misspelt trainer.* or guards.* field, or a first part that is neither a config
+    field nor a config group (the free nodes, optim.*, model.*, ..., are checked by their
+    `_target_`'s signature later)."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    groups = _group_names(config_dirs)
+    typed = {"trainer": TrainerConfig, "guards": GuardsConfig}
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "~", "++")):
+            continue
+        key = arg.split("=", 1)[0].lstrip("+").split("@", 1)[0]
+        parts = key.split(".")
+        if parts[0] == "hydra":
+            continue
+        if parts[0] in typed and len(parts) > 1:
+            known = {f.name for f in dataclasses.fields(typed[parts[0]])}
+            if parts[1] in known:
+                continue
+        elif parts[0] in fields or parts[0] in groups:
+            continue
+        return (f"unknown config key '{key}' in the override '{arg}'.{did_you_mean(key)} "
+                f"(Hydra's '+{key}' would add a key that saferun's schema refuses; "
+                f"`saferun run --cfg job` prints every key.)")
+    return None
+
+
+def _group_names(config_dirs: Sequence[str]) -> set[str]:
+    import os
+
+    names = {p.name for p in importlib.resources.files("saferun.conf").iterdir() if p.is_dir()}
+    for d in config_dirs:
+        if os.path.isdir(d):
+            names |= {n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))}
+    return names
