@@ -27,6 +27,7 @@ from .config import Config, load_config
 from .data import check_dataset, check_training_loader, make_loaders, set_loader_epoch
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
+from .guards.explain import explain_failure
 from .guards.preflight import preflight
 from .guards.unused import report_unused_parameters
 from .loggers import ensure_log_handler
@@ -248,7 +249,8 @@ class Trainer:
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
             with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
-                error = self._preempted(exc) or explained(exc, state.step + 1) or exc
+                error = (self._preempted(exc) or explained(exc, state.step + 1)
+                         or explain_failure(exc, self) or exc)
                 cbs.on_exception(self.view, error)
             if error is exc:
                 raise

@@ -26,6 +26,7 @@ from ..errors import NonFiniteError
 from ..loop.steps import short
 from ..parallel import distributed
 from .buffers import BufferSnapshot
+from .explain import nonfinite_inputs
 from .replay import first_nonfinite, replay
 from .spikes import SpikeDetector
 
@@ -45,6 +46,7 @@ class LoopOwner(Protocol):
     _schedule: Any  # Schedule
     _running: Any  # RunningTrainMetrics
     _batches: Any  # BatchStream
+    train_loader: Any
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
     def train_step(self, micro_batches: Any) -> StepOutput: ...
@@ -166,11 +168,13 @@ class BadStepPolicy:
             f"a loss spike or gradient explosion (guards.spikes, threshold "
             f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
         report = f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm {norm}; {samples}."
+        bad_input = nonfinite_inputs(tr.train_loader, indices) if kind == "non-finite" else ""
+        report += bad_input  # checked first: a NaN in the data is not a layer's fault
         if policy == "rollback":
             self._roll_back(report, bad_step)
             return
         replayed = ("\n" + self._anomaly_replay(bad_step)
-                    if g.anomaly_replay and kind == "non-finite" else "")
+                    if g.anomaly_replay and kind == "non-finite" and not bad_input else "")
         raise NonFiniteError(
             f"{report} The check runs at log points, validations and saves (no host sync per "
             f"step), so that update and any after it were applied; the last checkpoint predates "

@@ -1,0 +1,382 @@
+"""Errors raised in the user's code (training_step, validation_step, the model's forward),
+explained in the user's terms: the step, the batch's fields, the module and the fix.
+
+Nothing here runs until a step has already failed. The failing batch is read from the
+traceback's frames (the loop's own locals, so no per-step bookkeeping), and the module is
+found by replaying that batch's forward once with forward hooks installed only then. The
+replay runs in the step's modes under `torch.no_grad()` (forward only: no gradient and no
+optimizer touched) with every RNG and every buffer (BatchNorm statistics) restored after it,
+so the training state is as the failure left it. An in-place autograd error is replayed with
+backward under anomaly mode instead (gradients restored after it) to name the forward line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import warnings
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+from torch import nn
+
+from ..errors import SaferunError
+from ..loop.seeding import preserved_rng
+from .replay import _forward_trace
+
+_SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class UserCodeError(SaferunError):
+    """An exception raised in the user's code, re-raised with an explanation. The original
+    is its `__cause__` (and `original`); for the common builtin types the explained error is
+    also an instance of that type, so `except RuntimeError` still catches it."""
+
+    original: BaseException
+
+
+class ExplainedRuntimeError(UserCodeError, RuntimeError):
+    pass
+
+
+class ExplainedValueError(UserCodeError, ValueError):
+    pass
+
+
+class ExplainedTypeError(UserCodeError, TypeError):
+    pass
+
+
+class ExplainedIndexError(UserCodeError, IndexError):
+    pass
+
+
+_TYPED = {RuntimeError: ExplainedRuntimeError, ValueError: ExplainedValueError,
+          TypeError: ExplainedTypeError, IndexError: ExplainedIndexError}
+
+
+class FailureOwner(Protocol):
+    """The part of the Trainer an explanation reads (no import of the trainer: no cycle)."""
+
+    model: nn.Module
+    state: Any
+    train_loader: Any
+    cfg: Any
+    _evaluator: Any
+    _autocast: Callable[[], Any]
+
+    def training_step(self, batch: Any) -> Any: ...
+    def validation_step(self, batch: Any) -> Any: ...
+
+
+def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCodeError]:
+    """If `exc` was raised while a training or validation step ran, the explained error
+    (raise it `from exc`); else None. Never raises itself."""
+    if not isinstance(exc, Exception) or isinstance(exc, SaferunError):
+        return None
+    try:
+        found = _failing_step(exc, owner)
+        if found is None:
+            return None
+        return _explain(exc, owner, *found)
+    except Exception:  # an explanation must never hide the user's error
+        return None
+
+
+def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:
+    """('training' or 'validation', the batch on the device) from the traceback's frames."""
+    tb = exc.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        me = f.f_locals.get("self")
+        if f.f_code.co_name == "_forward_backward" and me is owner and "batch" in f.f_locals:
+            return "training", f.f_locals["batch"]
+        if f.f_code.co_name == "validate" and me is getattr(owner, "_evaluator", None) \
+                and "batch" in f.f_locals:
+            from ..loop.transfer import move_to_device
+
+            return "validation", move_to_device(f.f_locals["batch"], f.f_locals["self"]._device,
+                                                False)
+        tb = tb.tb_next
+    return None
+
+
+def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) -> UserCodeError:
+    model = _plain(owner.model)
+    step = owner.state.step + 1 if phase == "training" else owner.state.step
+    hook = "training_step" if phase == "training" else "validation_step"
+    fields = describe_batch(batch)
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    module, inputs, replayed = _locate(owner, model, phase, batch)
+    what, fix = _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs)
+    lines = [f"{hook} failed at step {step}: {what}"]
+    if fix:
+        lines.append(f"  what to do: {fix}")
+    if module is not None:
+        lines.append(f"  in module: {module} received {inputs or '(no tensor inputs)'}")
+    line = user_line(exc)
+    if line:
+        lines.append(f"  raised from: {line}")
+    lines.append(f"  batch: {'; '.join(fields) or type(batch).__name__}")
+    bad = nonfinite_fields(batch)
+    if bad:
+        lines.append(f"  note: the batch already holds NaN/Inf: {'; '.join(bad)}")
+    if replayed:
+        lines.append(f"  (module found by {replayed}; the training state is as the failure "
+                     f"left it)")
+    lines.append(f"  original error: {type(exc).__name__}: {message}")
+    error = _TYPED.get(type(exc), UserCodeError)("\n".join(lines))
+    error.original = exc
+    return error
+
+
+# ------------------------------------------------------------------ what went wrong
+
+_DEVICE = re.compile(r"same device|expected device|is on .* device|device type|"
+                     r"Input type \(torch\.(cuda\.)?\w+\) and weight type \(torch\.cuda", re.I)
+_DTYPE = re.compile(r"same dtype|expected scalar type|should be the same|dtype|"
+                    r"type \(\w+\) and \w+ type", re.I)
+_SHAPE = re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|shape '|"
+                    r"expected input|The size of tensor|Given groups|batch_size|to have \d+ "
+                    r"channels|Expected \d+D|dimension|size of|shape", re.I)
+_BN_ONE = "Expected more than 1 value per channel when training"
+_INPLACE = "modified by an inplace operation"
+
+
+def _diagnose(message: str, exc: BaseException, owner: FailureOwner, model: nn.Module, phase: str,
+              batch: Any, fields: list[str], module: Optional[str], inputs: Optional[str]
+              ) -> tuple[str, str]:
+    """(what went wrong, what to do), in the user's terms."""
+    params = [p for p in model.parameters()]
+    where = f"module {module}" if module else "the code named below"
+    if _INPLACE in message:
+        trace = _inplace_trace(owner, model, batch) if phase == "training" else None
+        what = ("an in-place operation changed a tensor that autograd had saved for backward "
+                f"({message.split(':', 1)[-1].split('; expected')[0].strip()}).")
+        if trace:
+            what += f" Anomaly-mode replay: that tensor was saved by this forward line:\n{trace}"
+        return what, ("make the in-place operation that follows that line out of place "
+                      "(x = x * 2 instead of x *= 2 or x.mul_(2); inplace=False in ReLU/Dropout), "
+                      "or .clone() the tensor before changing it.")
+    if _BN_ONE in message:
+        return (f"a BatchNorm in training mode got a batch of one sample ({where}); it cannot "
+                f"compute a variance from one value per channel."), _bn_one_fix(owner, phase)
+    if _DEVICE.search(message):
+        devices = sorted({str(p.device) for p in params})
+        return (f"tensors on different devices met in {where}: the model's parameters are on "
+                f"{', '.join(devices) or '?'}."), (
+                "a tensor created inside forward without device= lands on the CPU (and one "
+                "stored as a plain attribute is not moved by .to(device)): create it with "
+                "device=x.device (torch.zeros(n, device=x.device)), or register it with "
+                "self.register_buffer so that the Trainer moves it with the model.")
+    if _DTYPE.search(message) and "dimension" not in message:
+        pdtype = _param_dtype(params)
+        odd = [f for f, t in _tensors(batch) if t.is_floating_point() and t.dtype != pdtype]
+        if odd:
+            return (f"batch field {', '.join(odd)} is {_dtype_of(batch, odd[0])} but the model's "
+                    f"parameters are {pdtype} (NumPy arrays are float64 by default)."), (
+                    f"convert in the dataset (torch.as_tensor(a, dtype={pdtype}) or "
+                    f"a.astype(numpy.float32) in __getitem__), so every batch arrives as {pdtype}.")
+        return (f"a dtype mismatch in {where}: the model's parameters are {pdtype}."), (
+                "cast the tensor created in your code to the parameters' dtype "
+                "(x.to(self.weight.dtype)); targets of cross_entropy must be int64 (.long()).")
+    if _SHAPE.search(message):
+        return (f"a shape mismatch in {where}."), (
+                "compare the shapes it received (above) with what its layer expects: a "
+                "missing flatten, a wrong in_features/num_classes, or the batch's fields in "
+                "another order than training_step unpacks them.")
+    return f"{type(exc).__name__} in {where}.", ""
+
+
+def _bn_one_fix(owner: FailureOwner, phase: str) -> str:
+    loader = owner.train_loader
+    sampler = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+    n = len(sampler.sampler) if sampler is not None and hasattr(sampler.sampler, "__len__") else None
+    bs = owner.cfg.trainer.batch_size
+    numbers = f" ({n} samples per epoch here, batch_size={bs}: {n} % {bs} == 1)" if n else ""
+    return (f"the last batch of each epoch has one sample when the number of samples "
+            f"% batch_size == 1{numbers}: set trainer.drop_last=true, or change "
+            f"trainer.batch_size.")
+
+
+# ------------------------------------------------------------------ where it went wrong
+
+def _locate(owner: FailureOwner, model: nn.Module, phase: str, batch: Any
+            ) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(module path and type, its inputs, how found) by replaying the batch's forward with
+    pre- and post-forward hooks: a module entered and never left raised."""
+    names = {id(m): (n or "(model)", type(m).__name__) for n, m in model.named_modules()}
+    open_calls: list[tuple[str, str]] = []
+    last_failed: list[tuple[str, str]] = []
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        name, kind = names[id(mod)]
+        open_calls.append((f"'{name}' ({kind})", "; ".join(describe_batch(args, "input"))))
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        open_calls.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
+    step_fn = owner.training_step if phase == "training" else owner.validation_step
+    modes = (contextlib.nullcontext() if phase == "training" else owner._evaluator.evaluating())
+    try:
+        with _state_kept(model), preserved_rng(), modes, torch.no_grad(), owner._autocast():
+            try:
+                step_fn(batch)
+            except Exception:
+                last_failed = list(open_calls)
+    finally:
+        for h in handles:
+            h.remove()
+    if last_failed:
+        name, inputs = last_failed[-1]
+        return name, inputs or None, ("one replay of the batch's forward under torch.no_grad() "
+                                      "with RNG and buffers restored")
+    return None, None, None
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Restore every buffer (BatchNorm statistics) and gradient after the block."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+
+
+def _inplace_trace(owner: FailureOwner, model: nn.Module, batch: Any) -> Optional[str]:
+    """The forward line that saved the tensor an in-place operation later changed: one
+    replay of forward and backward under anomaly mode (RNG, buffers, gradients restored)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _state_kept(model), preserved_rng(), owner._autocast():
+            with torch.autograd.detect_anomaly(check_nan=False):
+                try:
+                    out = owner.training_step(batch)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    loss.backward()
+                except RuntimeError:
+                    pass
+    trace = _forward_trace([str(w.message) for w in caught])
+    if not trace:
+        return None
+    frames = re.split(r"\n(?=\s*File \")", trace)
+    kept = [f for f in frames if not _in_saferun(f)]
+    return "\n".join("    " + f.strip().replace("\n", "\n    ") for f in kept[-2:]) or None
+
+
+def _in_saferun(frame: str) -> bool:
+    m = re.match(r'\s*File "([^"]+)"', frame)
+    return bool(m) and os.path.abspath(m.group(1)).startswith(_SAFERUN_DIR)
+
+
+def user_line(exc: BaseException) -> Optional[str]:
+    """The deepest frame of the traceback in the user's code (not torch, not saferun)."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith((_TORCH_DIR, _SAFERUN_DIR)) and "<frozen" not in path:
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return None
+    import linecache
+
+    code = found.tb_frame.f_code
+    text = linecache.getline(code.co_filename, found.tb_lineno).strip()
+    return f"{code.co_filename}:{found.tb_lineno} in {code.co_name}: {text}"
+
+
+# ------------------------------------------------------------------ the batch
+
+def describe_batch(batch: Any, root: str = "batch", limit: int = 12) -> list[str]:
+    """'batch[0]: float32 (32, 8) cpu' for each tensor (and 'name: type' for the rest)."""
+    out = []
+    for name, value in _leaves(batch, root):
+        if isinstance(value, torch.Tensor):
+            out.append(f"{name}: {str(value.dtype).replace('torch.', '')} "
+                       f"{tuple(value.shape)} {value.device}")
+        else:
+            out.append(f"{name}: {type(value).__name__}")
+        if len(out) == limit:
+            out.append("...")
+            break
+    return out
+
+
+def nonfinite_fields(batch: Any, indices: Optional[list[int]] = None) -> list[str]:
+    """'batch[0] in samples [3, 17] (2 in all)' for each float field holding NaN or Inf
+    (samples: positions along the first dimension, or dataset indices if given)."""
+    from ..loop.steps import short
+
+    found = []
+    for name, t in _tensors(batch):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            rows = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(1) if t.ndim else None
+            at = rows.nonzero().flatten().tolist() if rows is not None else []
+            if indices is not None and len(indices) == len(rows if rows is not None else ()):
+                at = [indices[i] for i in at]
+            found.append(f"{name} in {'dataset ' if indices else ''}samples {short(at)}"
+                         if at else name)
+    return found
+
+
+def nonfinite_inputs(loader: Any, indices: list[int]) -> str:
+    """After a non-finite step: do the step's samples already hold NaN/Inf? The sentence that
+    says so (field, dataset indices), or ''. Fetched again from the dataset, only then."""
+    dataset = getattr(loader, "dataset", None)
+    if not indices or dataset is None or not hasattr(dataset, "__getitem__"):
+        return ""
+    try:
+        batch = loader.collate_fn([dataset[i] for i in indices])
+        bad = nonfinite_fields(batch, list(indices))
+    except Exception:  # an odd dataset: no finding rather than a second error
+        return ""
+    if not bad:
+        return ""
+    return (f" The input data already holds NaN/Inf: {'; '.join(bad)}. The model is not at "
+            f"fault: clean or filter those samples in the dataset (e.g. torch.nan_to_num, or "
+            f"drop rows with missing values).")
+
+
+def _tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(n, v) for n, v in _leaves(batch, "batch") if isinstance(v, torch.Tensor)]
+
+
+def _leaves(obj: Any, name: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{name}[{k!r}]")
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for k in obj._fields:
+            yield from _leaves(getattr(obj, k), f"{name}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{name}[{i}]")
+    else:
+        yield name, obj
+
+
+def _dtype_of(batch: Any, field: str) -> str:
+    return next(str(t.dtype) for n, t in _tensors(batch) if n == field)
+
+
+def _param_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    return params[0].dtype if params else torch.get_default_dtype()
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" \
+        else model
