@@ -27,6 +27,7 @@ from .config import Config, load_config
 from .data import check_dataset, check_training_loader, make_loaders, set_loader_epoch
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
+from .guards.datachecks import setup_warnings
 from .guards.explain import explain_failure
 from .guards.preflight import preflight
 from .guards.unused import report_unused_parameters
@@ -178,6 +179,7 @@ class Trainer:
             check_dataset(val_set, "validation", self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
+        setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
         check_optimizer_params(self.optimizer, model)

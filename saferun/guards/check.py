@@ -19,6 +19,11 @@ from torch.utils.data import DataLoader, Subset
 
 from ..config import Config
 from ..errors import SaferunError
+from .. import modes
+from ..loop.batches import first_batch
+from ..loop.seeding import preserved_rng
+from ..loop.steps import loss_and_logs
+from . import datachecks
 from .preflight import check_loader, find_rng_objects, find_unpicklable
 from .syncs import HostSyncCounter
 from ..trainer import Trainer
@@ -47,7 +52,8 @@ def run_checks(make: Factory, cfg: Config, only: Optional[Sequence[str]] = None
     with tempfile.TemporaryDirectory(prefix="saferun-check-") as tmp:
         base = _short_session(cfg, tmp)
         checks = [_pickling, _worker_seeding, _eval_purity, _declared_modes, _unused_parameters,
-                  _host_syncs, _overfit_one_batch, _determinism]
+                  _host_syncs, _overfit_one_batch, _determinism, _data_overlap, _initial_loss,
+                  _batch_independence, _input_baseline]
         if cfg.trainer.compile:
             checks.append(_compile_parity)
         if only is not None:
@@ -217,6 +223,63 @@ def _determinism(make: Factory, cfg: Config) -> CheckResult:
                            f"...): something draws randomness saferun does not seed, or uses "
                            f"non-deterministic kernels")
     return CheckResult("determinism", "pass", f"two {STEPS}-step runs with one seed: identical weights")
+
+
+def _data_overlap(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    train, val = trainer.build_datasets()
+    if val is None or not all(hasattr(d, "__len__") for d in (train, val)):
+        return CheckResult("data overlap", "pass", "no map-style validation set: not checked")
+    with preserved_rng():
+        return CheckResult("data overlap", *datachecks.overlap(train, val))
+
+
+def _first_batch(make: Factory, cfg: Config) -> tuple[Trainer, Any]:
+    trainer = make(cfg)
+    trainer.setup()
+    assert trainer.train_loader is not None
+    return trainer, first_batch(trainer.train_loader, cfg.seed, 0, trainer.device, False)
+
+
+def _initial_loss(make: Factory, cfg: Config) -> CheckResult:
+    trainer, batch = _first_batch(make, cfg)
+    outputs: list[Any] = []
+    handle = trainer.model.register_forward_hook(lambda m, a, out: outputs.append(out))
+    try:
+        with modes.training(trainer.model, trainer._frozen), torch.no_grad():
+            loss, _ = loss_and_logs(trainer.training_step(batch), 0, need_grad=False)
+    finally:
+        handle.remove()
+    out = outputs[0] if outputs and isinstance(outputs[0], torch.Tensor) else None
+    expected = datachecks.expected_initial_loss(batch, out) if out is not None else None
+    return CheckResult("initial loss", *datachecks.initial_loss_finding(float(loss), expected))
+
+
+def _batch_independence(make: Factory, cfg: Config) -> CheckResult:
+    trainer, batch = _first_batch(make, cfg)
+    rows = trainer.batch_size(batch)
+    with modes.evaluating(trainer.model, "no_grad"), torch.enable_grad():
+        call = (lambda: trainer.predict_step(batch))
+        return CheckResult("batch independence", *datachecks.batch_dependence(trainer.model, call, rows))
+
+
+def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
+    """Fit one repeated batch twice, with real and with zeroed inputs: only a model that uses
+    its inputs gets clearly lower (zeroed, it can only learn the targets' average)."""
+    steps, losses, zeroed_calls = 4 * STEPS, [], [0]
+    for zeroed in (False, True):
+        trainer, batch = _first_batch(make, copy.deepcopy(cfg))
+        handle = datachecks.zeroing_inputs(trainer.model, zeroed_calls) if zeroed else None
+        try:
+            with modes.training(trainer.model, trainer._frozen):
+                losses.append([float(trainer.train_step([batch]).loss) for _ in range(steps)][-1])
+        finally:
+            if handle is not None:
+                handle.remove()
+    if not zeroed_calls[0]:
+        return CheckResult("input baseline", "pass", "training_step does not call the model "
+                           "itself (only its submodules): not checked")
+    return CheckResult("input baseline", *datachecks.baseline_finding(losses[0], losses[1], steps))
 
 
 def _compile_parity(make: Factory, cfg: Config) -> CheckResult:
