@@ -168,8 +168,11 @@ class BadStepPolicy:
             f"a loss spike or gradient explosion (guards.spikes, threshold "
             f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
         report = f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm {norm}; {samples}."
+        # checked first: a NaN already in the data is not a layer's fault
         bad_input = nonfinite_inputs(tr.train_loader, indices) if kind == "non-finite" else ""
-        report += bad_input  # checked first: a NaN in the data is not a layer's fault
+        if bad_input:
+            report = f"{what} at step {bad_step}{on_rank}: {bad_input} Loss {loss}, gradient " \
+                     f"norm {norm}; {samples}."
         if policy == "rollback":
             self._roll_back(report, bad_step)
             return

@@ -183,7 +183,8 @@ def _diagnose(message: str, exc: BaseException, owner: FailureOwner, model: nn.M
                 "cast the tensor created in your code to the parameters' dtype "
                 "(x.to(self.weight.dtype)); targets of cross_entropy must be int64 (.long()).")
     if _SHAPE.search(message):
-        return (f"a shape mismatch in {where}."), (
+        got = f", which received {inputs}" if inputs else ""
+        return (f"a shape mismatch in {where}{got}."), (
                 "compare the shapes it received (above) with what its layer expects: a "
                 "missing flatten, a wrong in_features/num_classes, or the batch's fields in "
                 "another order than training_step unpacks them.")
@@ -344,7 +345,7 @@ def nonfinite_inputs(loader: Any, indices: list[int]) -> str:
         return ""
     if not bad:
         return ""
-    return (f" The input data already holds NaN/Inf: {'; '.join(bad)}. The model is not at "
+    return (f"the input data already holds NaN/Inf: {'; '.join(bad)}. The model is not at "
             f"fault: clean or filter those samples in the dataset (e.g. torch.nan_to_num, or "
             f"drop rows with missing values).")
 

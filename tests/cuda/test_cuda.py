@@ -167,3 +167,26 @@ def test_fp16_skip_keeps_a_nan_batch_out_of_the_batchnorm_statistics(tmp_path):
     metrics = t.fit()
     assert t.state.step == 8 and metrics["val/loss"] == metrics["val/loss"]  # not NaN
     assert all(torch.isfinite(b.float()).all() for b in t.model.buffers())
+
+
+class _ZerosOnTheCpu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(x) + torch.zeros(3)  # the planted bug: no device=, so on the CPU
+
+
+def test_tensor_created_in_forward_without_device_names_the_module(tmp_path):
+    """Issue 16, on a real GPU (the CPU suite plants the same mistake with the meta device)."""
+    class Planted(ToyTrainer):
+        def build_model(self):
+            return torch.nn.Sequential(torch.nn.Linear(8, 8), _ZerosOnTheCpu())
+
+    with pytest.raises(saferun.SaferunError) as info:
+        Planted(toy_config(tmp_path, device="cuda", max_steps=2)).fit()
+    message = str(info.value)
+    assert "different devices" in message and "'1' (_ZerosOnTheCpu)" in message
+    assert "torch.zeros(3)" in message and "device=x.device" in message
+    assert "batch[0]: float32 (32, 8) cuda:0" in message

@@ -21,7 +21,8 @@ def results(cls, tmp_path, **kw):
 def test_a_clean_trainer_passes_every_check(tmp_path):
     found = results(ToyTrainer, tmp_path)
     assert set(found) == {"pickling", "worker seeding", "eval purity", "declared modes",
-                          "unused parameters", "host syncs", "one-batch overfit", "determinism"}
+                          "unused parameters", "host syncs", "one-batch overfit", "determinism",
+                          "data overlap", "initial loss", "batch independence", "input baseline"}
     assert all(r.status == "pass" for r in found.values()), found
 
 
@@ -115,4 +116,4 @@ def test_every_shipped_recipe_passes_every_check(tmp_path, recipe):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert good.returncode == 0, good.stdout + good.stderr
-    assert "8 checks: 8 passed, 0 warned, 0 failed." in good.stdout
+    assert "12 checks: 12 passed, 0 warned, 0 failed." in good.stdout
