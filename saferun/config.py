@@ -257,7 +257,7 @@ def _describe_omegaconf_error(e: Exception) -> str:
     if type(e).__name__ == "ConfigKeyError":
         from .suggest import did_you_mean
 
-        return (f"unknown config key '{key}': {first_line}.{did_you_mean(key)} Check the spelling "
+        return (f"unknown config key '{key}': {first_line}.{did_you_mean(key, Config)} Check the spelling "
                 f"against saferun.config.")
     return f"config key '{key}': {first_line}."
 

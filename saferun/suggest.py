@@ -7,35 +7,53 @@ import difflib
 import importlib.resources
 from typing import Optional, Sequence
 
-from .config import Config, GuardsConfig, TrainerConfig
+
+def typed_nodes(schema: type) -> dict[str, type]:
+    """The fields of `schema` (saferun.Config) that are dataclasses themselves: trainer, guards."""
+    found = {}
+    for f in dataclasses.fields(schema):
+        factory = f.default_factory  # type: ignore[misc]
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            found[f.name] = factory
+    return found  # type: ignore[return-value]
 
 
-def typed_keys() -> list[str]:
+def typed_keys(schema: type) -> list[str]:
     """Every key the schema types: the top-level fields, and trainer.* and guards.*."""
-    keys = [f.name for f in dataclasses.fields(Config)]
-    for node, cls in (("trainer", TrainerConfig), ("guards", GuardsConfig)):
+    keys = [f.name for f in dataclasses.fields(schema)]
+    for node, cls in typed_nodes(schema).items():
         keys += [f"{node}.{f.name}" for f in dataclasses.fields(cls)]
     return keys
 
 
-def did_you_mean(key: str) -> str:
-    """' Did you mean trainer.max_steps?' for the closest valid key to `key`, or ''."""
+def did_you_mean(key: str, schema: type) -> str:
+    """' Did you mean trainer.max_steps?' for the closest valid key of `schema` (saferun.Config)
+    to `key`, or ''. (The schema is passed in: config.py imports this module.)"""
     parts = key.split(".")
-    depth = min(len(parts) - 1, 1)
-    candidates = [k for k in typed_keys() if k.count(".") == depth]
+    fields = [f.name for f in dataclasses.fields(schema)]
+    nodes = typed_nodes(schema)
+    if parts[0] not in fields:  # a misspelt first part: the closest node, with the rest if valid
+        top = difflib.get_close_matches(parts[0], fields, n=1, cutoff=0.6)
+        if not top:
+            return ""
+        rest = ".".join(parts[1:2])
+        valid = top[0] in nodes and rest in {f.name for f in dataclasses.fields(nodes[top[0]])}
+        return f" Did you mean {top[0]}.{rest}?" if valid else f" Did you mean {top[0]}?"
+    candidates = [k for k in typed_keys(schema) if k.startswith(parts[0] + ".")]
     found = difflib.get_close_matches(".".join(parts[:2]), candidates, n=1, cutoff=0.6)
     return f" Did you mean {found[0]}?" if found else ""
 
 
-def unknown_override(args: Sequence[str], config_dirs: Sequence[str] = ()) -> Optional[str]:
+def unknown_override(args: Sequence[str], schema: type, config_dirs: Sequence[str] = ()
+                     ) -> Optional[str]:
     """The first command-line override `key=value` whose key the schema cannot have, with the
     closest valid key; None if all may be valid. Only keys that are certainly wrong are
     named: a misspelt trainer.* or guards.* field, or a first part that is neither a config
     field nor a config group (the free nodes, optim.*, model.*, ..., are checked by their
     `_target_`'s signature later)."""
-    fields = {f.name for f in dataclasses.fields(Config)}
+    fields = {f.name for f in dataclasses.fields(schema)}
     groups = _group_names(config_dirs)
-    typed = {"trainer": TrainerConfig, "guards": GuardsConfig}
+    typed = typed_nodes(schema)
     for arg in args:
         if "=" not in arg or arg.startswith(("-", "~", "++")):
             continue
@@ -49,7 +67,7 @@ def unknown_override(args: Sequence[str], config_dirs: Sequence[str] = ()) -> Op
                 continue
         elif parts[0] in fields or parts[0] in groups:
             continue
-        return (f"unknown config key '{key}' in the override '{arg}'.{did_you_mean(key)} "
+        return (f"unknown config key '{key}' in the override '{arg}'.{did_you_mean(key, schema)} "
                 f"(Hydra's '+{key}' would add a key that saferun's schema refuses; "
                 f"`saferun run --cfg job` prints every key.)")
     return None

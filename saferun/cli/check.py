@@ -18,9 +18,10 @@ def check(args: list[str]) -> None:
     quiet.setLevel(logging.WARNING)
     logging.getLogger("saferun").addHandler(quiet)
     dirs, overrides = _config_dirs(args)
+    from ..config import Config
     from ..suggest import unknown_override
 
-    problem = unknown_override(overrides, dirs)
+    problem = unknown_override(overrides, Config, dirs)
     if problem is not None:
         print(f"saferun check: error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -54,10 +54,11 @@ def _check_run_dir_arg(args: list[str]) -> None:
 def _check_override_keys(args: list[str]) -> None:
     """A misspelt key: name the closest valid one before Hydra suggests '+key' (which the
     schema then refuses anyway)."""
+    from ..config import Config
     from ..suggest import unknown_override
 
     dirs, overrides = _config_dirs(args)
-    problem = unknown_override(overrides, dirs)
+    problem = unknown_override(overrides, Config, dirs)
     if problem is not None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)

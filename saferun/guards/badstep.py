@@ -26,7 +26,7 @@ from ..errors import NonFiniteError
 from ..loop.steps import short
 from ..parallel import distributed
 from .buffers import BufferSnapshot
-from .explain import nonfinite_inputs
+from .batchinfo import nonfinite_inputs
 from .replay import first_nonfinite, replay
 from .spikes import SpikeDetector
 

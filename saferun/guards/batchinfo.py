@@ -1,0 +1,80 @@
+"""A batch described in the user's terms: its fields (`batch[0]`, `batch['image']`,
+`batch.label`) with shape, dtype and device, and the fields and samples holding NaN/Inf."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+def describe_batch(batch: Any, root: str = "batch", limit: int = 12) -> list[str]:
+    """'batch[0]: float32 (32, 8) cpu' for each tensor (and 'name: type' for the rest)."""
+    out = []
+    for name, value in _leaves(batch, root):
+        if isinstance(value, torch.Tensor):
+            out.append(f"{name}: {str(value.dtype).replace('torch.', '')} "
+                       f"{tuple(value.shape)} {value.device}")
+        else:
+            out.append(f"{name}: {type(value).__name__}")
+        if len(out) == limit:
+            out.append("...")
+            break
+    return out
+
+
+def nonfinite_fields(batch: Any, indices: Optional[list[int]] = None) -> list[str]:
+    """'batch[0] in samples [3, 17] (2 in all)' for each float field holding NaN or Inf
+    (samples: positions along the first dimension, or dataset indices if given)."""
+    from ..loop.steps import short
+
+    found = []
+    for name, t in tensors(batch):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            rows = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(1) if t.ndim else None
+            at = rows.nonzero().flatten().tolist() if rows is not None else []
+            if indices is not None and len(indices) == len(rows if rows is not None else ()):
+                at = [indices[i] for i in at]
+            found.append(f"{name} in {'dataset ' if indices else ''}samples {short(at)}"
+                         if at else name)
+    return found
+
+
+def nonfinite_inputs(loader: Any, indices: list[int]) -> str:
+    """After a non-finite step: do the step's samples already hold NaN/Inf? The sentence that
+    says so (field, dataset indices), or ''. Fetched again from the dataset, only then."""
+    dataset = getattr(loader, "dataset", None)
+    if not indices or dataset is None or not hasattr(dataset, "__getitem__"):
+        return ""
+    try:
+        batch = loader.collate_fn([dataset[i] for i in indices])
+        bad = nonfinite_fields(batch, list(indices))
+    except Exception:  # an odd dataset: no finding rather than a second error
+        return ""
+    if not bad:
+        return ""
+    return (f"the input data already holds NaN/Inf: {'; '.join(bad)}. The model is not at "
+            f"fault: clean or filter those samples in the dataset (e.g. torch.nan_to_num, or "
+            f"drop rows with missing values).")
+
+
+def tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(n, v) for n, v in _leaves(batch, "batch") if isinstance(v, torch.Tensor)]
+
+
+def _leaves(obj: Any, name: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{name}[{k!r}]")
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for k in obj._fields:
+            yield from _leaves(getattr(obj, k), f"{name}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{name}[{i}]")
+    else:
+        yield name, obj
+
+
