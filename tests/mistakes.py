@@ -198,7 +198,7 @@ CORPUS = [
     Mistake("NaN in the input, with anomaly replay on", NanInInput, "fit",
             ["input data already holds NaN/Inf", "batch[0] in dataset samples"],
             {"guards": {"anomaly_replay": True}}),
-    Mistake("training_step forgets `return`", ForgotReturn, "fit", ["forget to `return loss`"]),
+    Mistake("training_step forgets `return`", ForgotReturn, "fit", ["got None", "forget to `return loss`"]),
     Mistake("training_step returns loss.item()", ItemLoss, "fit",
             ["a Python float", "Return the loss tensor itself"]),
     Mistake("validation_step casts to float64", ValidationDtype, "fit",

@@ -27,8 +27,9 @@ def loss_and_logs(out: Any, step: int, need_grad: bool = True
         logs = {k: v.detach() for k, v in scalar_dict(out, "training_step").items() if k != "loss"}
         out = out["loss"]
     if not isinstance(out, torch.Tensor) or out.ndim != 0:
-        raise SaferunError(f"training_step must return a scalar loss tensor; got "
-                           f"{_not_a_loss(out)} at step {step}.")
+        got, fix = _not_a_loss(out)
+        raise SaferunError(f"training_step must return a scalar loss tensor; got {got} at step "
+                           f"{step}. {fix}")
     if need_grad and not out.requires_grad:
         raise SaferunError(
             f"the loss at step {step} does not require grad, so backward() cannot train anything. "
@@ -36,18 +37,19 @@ def loss_and_logs(out: Any, step: int, need_grad: bool = True
     return out, logs
 
 
-def _not_a_loss(out: Any) -> str:
-    """What training_step returned instead of a scalar tensor, and the likely fix."""
+def _not_a_loss(out: Any) -> tuple[str, str]:
+    """(what training_step returned instead of a scalar tensor, the likely fix)."""
     if out is None:
-        return "None: did training_step forget to `return loss`?"
+        return "None", "Did training_step forget to `return loss`?"
     if isinstance(out, (int, float)):
-        return (f"a Python {type(out).__name__} ({out!r}): .item() or float() detached it from "
-                f"the graph, so there is nothing to backpropagate. Return the loss tensor itself "
-                f"(log values with .detach(); saferun reads them at log points)")
+        return (f"a Python {type(out).__name__} ({out!r})",
+                ".item() or float() detached it from the graph, so there is nothing to "
+                "backpropagate. Return the loss tensor itself (log values with .detach(); "
+                "saferun reads them at log points).")
     if isinstance(out, torch.Tensor):
-        return (f"a tensor of shape {tuple(out.shape)}: reduce it over the batch, e.g. "
-                f"loss.mean() (or reduction='mean' in the loss function)")
-    return f"{type(out).__name__}: return the loss tensor, or a dict with 'loss'"
+        return (f"shape {tuple(out.shape)}", "Reduce it over the batch, e.g. loss.mean() (or "
+                "reduction='mean' in the loss function).")
+    return type(out).__name__, "Return the loss tensor, or a dict with 'loss'."
 
 
 def explained(exc: BaseException, step: int) -> Optional[SaferunError]:
