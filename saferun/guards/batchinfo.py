@@ -25,18 +25,24 @@ def describe_batch(batch: Any, root: str = "batch", limit: int = 12) -> list[str
 
 def nonfinite_fields(batch: Any, indices: Optional[list[int]] = None) -> list[str]:
     """'batch[0] in samples [3, 17] (2 in all)' for each float field holding NaN or Inf
-    (samples: positions along the first dimension, or dataset indices if given)."""
+    (samples: positions along the first dimension, or dataset indices if given). One host
+    read for all fields, one more per field that has them."""
     from ..loop.steps import short
 
+    floats = [(n, t) for n, t in tensors(batch) if t.is_floating_point() and t.numel()]
+    if not floats:
+        return []
+    device = floats[0][1].device
+    finite = torch.stack([torch.isfinite(t).all().to(device) for _, t in floats]).tolist()
     found = []
-    for name, t in tensors(batch):
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            rows = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(1) if t.ndim else None
-            at = rows.nonzero().flatten().tolist() if rows is not None else []
-            if indices is not None and len(indices) == len(rows if rows is not None else ()):
-                at = [indices[i] for i in at]
-            found.append(f"{name} in {'dataset ' if indices else ''}samples {short(at)}"
-                         if at else name)
+    for (name, t), ok in zip(floats, finite):
+        if ok:
+            continue
+        at = ((~torch.isfinite(t)).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()
+              if t.ndim else [])
+        if indices is not None and t.ndim and len(indices) == t.shape[0]:
+            at = [indices[i] for i in at]
+        found.append(f"{name} in {'dataset ' if indices else ''}samples {short(at)}" if at else name)
     return found
 
 
