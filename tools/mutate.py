@@ -474,7 +474,7 @@ mutation("anomaly replay keeps a step-0 checkpoint", T,
          '        if self.cfg.guards.nonfinite == "rollback":',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("anomaly replay", BADSTEP,
-         '                    if g.anomaly_replay and kind == "non-finite" else "")',
+         '                    if g.anomaly_replay and kind == "non-finite" and not bad_input else "")',
          '                    if False else "")',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
@@ -624,6 +624,34 @@ mutation("a second Ctrl-C aborts at once", "saferun/preemption.py",
          "        elif signum == signal.SIGINT:\n            self._abort()",
          "        elif False:\n            self._abort()",
          f"{RESUME}::test_second_sigint_aborts_at_once")
+MISTAKES = "tests/guards/test_mistakes.py"
+EXPLAIN = "saferun/guards/explain.py"
+DATA = "saferun/guards/datachecks.py"
+mutation("errors in user code are explained", T,
+         "or explain_failure(exc, self) or exc)", "or exc)", MISTAKES)
+mutation("the explanation's replay finds the module", EXPLAIN,
+         "    if last_failed:\n", "    if False:\n", MISTAKES)
+mutation("the explanation's replay restores buffers and gradients", EXPLAIN,
+         "            for b, saved in buffers:\n                b.copy_(saved)", "            pass",
+         f"{MISTAKES}::test_the_replay_that_finds_the_module_leaves_buffers_rng_and_grads_as_the_failure_left_them")
+mutation("an in-place autograd error is replayed under anomaly mode", EXPLAIN,
+         "    trace = _forward_trace([str(w.message) for w in caught])\n", "    trace = None\n",
+         MISTAKES)
+mutation("a NaN already in the input is named before any layer", "saferun/guards/batchinfo.py",
+         "    if not bad:\n        return \"\"", "    if True:\n        return \"\"", MISTAKES)
+mutation("setup warns of a BatchNorm's last batch of one", DATA,
+         "    if n % size != 1:\n", "    if True:\n", MISTAKES)
+mutation("setup warns of a module frozen by hand", DATA, "        if moving:\n",
+         "        if False:\n", MISTAKES)
+mutation("check: train/validation overlap", DATA, "    if hits:\n", "    if False:\n", MISTAKES)
+mutation("check: loss at initialisation", DATA, "    if loss > 2.0 * ln_c + 1.0:\n",
+         "    if False:\n", MISTAKES)
+mutation("check: batch independence", DATA, "    if others:\n", "    if False:\n", MISTAKES)
+mutation("check: input-independent baseline", DATA, "    if not real < 0.98 * zeroed:\n",
+         "    if False:\n", MISTAKES)
+mutation("a misspelt config key gets the closest valid one", "saferun/suggest.py",
+         "    return f\" Did you mean {found[0]}?\" if found else \"\"", "    return \"\"",
+         "tests/unit/test_suggest.py")
 
 
 # ---------------------------------------------------------------- saferun.testing (issue 14)
