@@ -647,7 +647,7 @@ mutation("check: train/validation overlap", DATA, "    if hits:\n", "    if Fals
 mutation("check: loss at initialisation", DATA, "    if loss > 2.0 * ln_c + 1.0:\n",
          "    if False:\n", MISTAKES)
 mutation("check: batch independence", DATA, "    if others:\n", "    if False:\n", MISTAKES)
-mutation("check: input-independent baseline", DATA, "    if not real < 0.98 * zeroed:\n",
+mutation("check: input-independent baseline", DATA, "    if not real < 0.99 * zeroed:\n",
          "    if False:\n", MISTAKES)
 mutation("a misspelt config key gets the closest valid one", "saferun/suggest.py",
          "    return f\" Did you mean {found[0]}?\" if found else \"\"", "    return \"\"",

@@ -218,10 +218,11 @@ def batch_dependence(model: nn.Module, call: Callable[[], Any], rows: int) -> tu
 
 
 def baseline_finding(real: float, zeroed: float, steps: int) -> tuple[str, str]:
-    """(status, finding) comparing the training loss reached on real and on zeroed inputs."""
-    # A model that ignores its inputs gives the same loss both times (same seed, same batch);
-    # one that uses them fits the batch further than the targets' average allows.
-    if not real < 0.98 * zeroed:
+    """(status, finding) comparing the eval-mode loss on one batch fitted for `steps` steps
+    with its real inputs and with them zeroed."""
+    # A model that ignores its inputs gives the very same loss both times (same seed, same
+    # batch, eval mode); one that uses them fits the batch further than the targets' average.
+    if not real < 0.99 * zeroed:
         return "warn", (f"fitting one batch for {steps} steps, the model got to a loss of "
                         f"{real:.4g} on its real inputs and {zeroed:.4g} with all inputs zeroed: "
                         f"it does not seem to use its inputs (inputs detached, overwritten, or "
