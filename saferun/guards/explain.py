@@ -32,10 +32,14 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 class UserCodeError(SaferunError):
     """An exception raised in the user's code, re-raised with an explanation. The original
-    is its `__cause__` (and `original`); for the common builtin types the explained error is
-    also an instance of that type, so `except RuntimeError` still catches it."""
+    is its `__cause__` (and `original`), and the explained error is also an instance of the
+    original's type, so `except RuntimeError` (KeyError, ...) still catches it. Only the
+    common builtin types are explained; any other exception propagates unchanged."""
 
     original: BaseException
+
+    def __str__(self) -> str:  # KeyError's own __str__ would show the message's repr
+        return str(self.args[0]) if self.args else ""
 
 
 class ExplainedRuntimeError(UserCodeError, RuntimeError):
@@ -54,8 +58,22 @@ class ExplainedIndexError(UserCodeError, IndexError):
     pass
 
 
-_TYPED = {RuntimeError: ExplainedRuntimeError, ValueError: ExplainedValueError,
-          TypeError: ExplainedTypeError, IndexError: ExplainedIndexError}
+class ExplainedKeyError(UserCodeError, KeyError):
+    pass
+
+
+class ExplainedAttributeError(UserCodeError, AttributeError):
+    pass
+
+
+class ExplainedAssertionError(UserCodeError, AssertionError):
+    pass
+
+
+_TYPED: dict[type, type[UserCodeError]] = {
+    RuntimeError: ExplainedRuntimeError, ValueError: ExplainedValueError,
+    TypeError: ExplainedTypeError, IndexError: ExplainedIndexError, KeyError: ExplainedKeyError,
+    AttributeError: ExplainedAttributeError, AssertionError: ExplainedAssertionError}
 
 
 class FailureOwner(Protocol):
@@ -75,7 +93,7 @@ class FailureOwner(Protocol):
 def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCodeError]:
     """If `exc` was raised while a training or validation step ran, the explained error
     (raise it `from exc`); else None. Never raises itself."""
-    if not isinstance(exc, Exception) or isinstance(exc, SaferunError):
+    if type(exc) not in _TYPED:  # e.g. a user's own exception class: left exactly as raised
         return None
     try:
         found = _failing_step(exc, owner)
@@ -128,7 +146,7 @@ def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) ->
         lines.append(f"  (module found by {replayed}; the training state is as the failure "
                      f"left it)")
     lines.append(f"  original error: {type(exc).__name__}: {message}")
-    error = _TYPED.get(type(exc), UserCodeError)("\n".join(lines))
+    error = _TYPED[type(exc)]("\n".join(lines))
     error.original = exc
     return error
 
@@ -189,7 +207,7 @@ def _diagnose(message: str, exc: BaseException, owner: FailureOwner, model: nn.M
                 "compare the shapes it received (above) with what its layer expects: a "
                 "missing flatten, a wrong in_features/num_classes, or the batch's fields in "
                 "another order than training_step unpacks them.")
-    return f"{type(exc).__name__} in {where}.", ""
+    return f"{type(exc).__name__} raised in {where}.", ""
 
 
 def _bn_one_fix(owner: FailureOwner, phase: str) -> str:

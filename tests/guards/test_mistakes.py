@@ -97,3 +97,22 @@ def test_no_false_alarm_at_setup_and_first_steps_of_the_recipes(recipe, tmp_path
     with caplog.at_level(logging.WARNING, logger="saferun"):
         get_class(task.pop("_target_"))(cfg, **task).fit()
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+class Custom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raised", [KeyError("label"), Custom("mine")])
+def test_any_exception_keeps_its_type_and_a_users_own_class_is_left_as_raised(tmp_path, raised):
+    class Raises(ToyTrainer):
+        def training_step(self, batch):
+            raise raised
+
+    with pytest.raises(type(raised)) as info:
+        Raises(toy_config(tmp_path)).fit()
+    if type(raised) is KeyError:  # a builtin type: explained, and still a KeyError
+        assert "training_step failed at step 1" in str(info.value)
+        assert "raise raised" in str(info.value) and info.value.__cause__ is raised
+    else:  # the user's own class: untouched
+        assert info.value is raised
