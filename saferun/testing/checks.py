@@ -15,7 +15,8 @@ def assert_checks_pass(job: Job, warn_ok: Sequence[str] = (), only: Optional[Seq
 
     The checks (each runs a fresh Trainer for 8 steps, as `saferun check` does): pickling,
     worker seeding, eval purity, declared modes, unused parameters, host syncs, one-batch
-    overfit, determinism (and compile parity with `trainer.compile`). `only` runs some of
+    overfit, determinism, data overlap, initial loss, batch independence, input baseline
+    (and compile parity with `trainer.compile`). `only` runs some of
     them; `trainer` overrides `trainer.` settings for the runs (e.g. `num_workers=2`).
     """
     with one_thread(), work_dir(None, "saferun-checks-") as tmp:

@@ -44,7 +44,8 @@ Each test trains the recipe for a few steps in a temporary directory (one torch 
 saferun.testing, and fails with a message that says what is wrong and where:
 
 - the `saferun check` report (pickling, worker seeding, eval purity, declared modes, unused
-  parameters, host syncs, one-batch overfit, determinism) passes;
+  parameters, host syncs, one-batch overfit, determinism, data overlap, initial loss, batch
+  independence, input baseline) passes;
 - a run stopped by SIGTERM mid-epoch, at an epoch's end and during validation, then
   resumed, ends bitwise equal to an uninterrupted run;
 - the first 5 training losses match tests/golden/{name}.json (after an intended change:
