@@ -16,6 +16,8 @@ import random
 
 import torch
 import torch.nn.functional as F
+import torchmetrics
+from torchmetrics.classification import MulticlassF1Score
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -76,7 +78,16 @@ class DigitsCNN(nn.Module):
 
 
 class DigitsTrainer(saferun.Trainer):
-    """Cross-entropy training; validation reports loss and accuracy."""
+    """Cross-entropy training; validation reports loss, accuracy and macro-F1.
+
+    Loss and accuracy are means over samples, which saferun averages over batches. Macro-F1
+    (the unweighted mean of the ten classes' F1) is not: a torchmetrics metric accumulates
+    the counts it needs, and saferun resets and computes it once per validation (val/f1).
+    """
+
+    def build_metrics(self) -> dict[str, torchmetrics.Metric]:
+        # validate_args=False: the argument checks read tensor values (a host sync per batch).
+        return {"f1": MulticlassF1Score(num_classes=10, average="macro", validate_args=False)}
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch
@@ -85,5 +96,6 @@ class DigitsTrainer(saferun.Trainer):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         images, labels = batch
         logits = self.model(images)
+        self.metrics["f1"].update(logits, labels)
         return {"loss": F.cross_entropy(logits, labels),
                 "acc": (logits.argmax(dim=1) == labels).float().mean()}

@@ -21,6 +21,25 @@ EVAL_GRAD_MODES = ("inference_mode", "no_grad")
 
 
 @dataclass
+class EmaConfig:
+    """trainer.ema: an exponential moving average of the weights, off by default."""
+
+    decay: Optional[float] = None
+    """Weight of the old average at each optimizer step: ema = decay * ema + (1 - decay) * weights
+    (e.g. 0.999; null: off). The averaged weights are validated beside the raw ones (val_ema/...:
+    save_best, sched_metric and early stopping may watch either), checkpointed, and exported as
+    <run_dir>/model_ema.pt."""
+    use_buffers: bool = True
+    """Average the floating buffers too (BatchNorm's running statistics); false: copy the model's
+    buffers. Integer buffers are always copied."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.decay, (int, float)) and not 0.0 < self.decay < 1.0:
+            raise ConfigError(f"trainer.ema.decay must be between 0 and 1 (e.g. 0.999), or null "
+                              f"for no average; got {self.decay}.")
+
+
+@dataclass
 class TrainerConfig:
     """Knobs of the training loop. Every field is checked in `__post_init__`."""
 
@@ -89,6 +108,8 @@ class TrainerConfig:
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
     """Directory for this run's outputs (None: runs/<timestamp>)."""
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    """Weight averaging (see EmaConfig)."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",
@@ -196,6 +217,10 @@ class Config:
     """Named callback `_target_` nodes ({name: node}), called in this order."""
     logger: Any = field(default_factory=_tensorboard)
     """Named logger `_target_` nodes (callbacks that write metrics), called after callbacks."""
+    metrics: Any = None
+    """Named stateful validation metrics ({name: `_target_` node of a torchmetrics.Metric}), built
+    by the default `Trainer.build_metrics`; validation_step updates them (self.metrics[name]),
+    saferun resets them before each validation and reports val/<name>."""
     task: Any = None
     """The Trainer subclass the command line runs: `_target_` plus its extra arguments."""
     name: str = "run"
@@ -215,7 +240,7 @@ class Config:
         for key in ("optim", "sched", "model", "data", "collate_fn"):
             _check_target_node(key, getattr(self, key), required=(key == "optim"))
         _check_partial_function("collate_fn", self.collate_fn)
-        for key in ("callbacks", "logger"):
+        for key in ("callbacks", "logger", "metrics"):
             nodes = getattr(self, key) or {}
             if not isinstance(nodes, Mapping):
                 raise ConfigError(f"{key} must map names to _target_ nodes, got {nodes!r}.")

@@ -3,7 +3,7 @@
 Users subclass `Trainer` and override the task hooks (`build_model`,
 `build_datasets`, `training_step`, `validation_step`, and optionally
 `build_collate_fn`, `build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
-`after_fit`, `predict_step`, `batch_size`). The loop itself (`fit`, `train_step`, `validate`) is not an
+`after_fit`, `predict_step`, `batch_size`, `build_metrics`). The loop itself (`fit`, `train_step`, `validate`) is not an
 override point; callbacks observe it (see `saferun.callbacks`).
 """
 
@@ -40,6 +40,7 @@ from .loop.metrics import RunningTrainMetrics
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device
+from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
                          resolve_device, trainable_parameters)
@@ -125,6 +126,10 @@ class Trainer:
             return None
         return instantiate_node("sched", self.cfg.sched, optimizer=optimizer)
 
+    def build_metrics(self) -> Mapping[str, Any]:
+        """{name: torchmetrics.Metric}: validation_step updates self.metrics[name]; val/<name>."""
+        return {k: instantiate_node(f"metrics.{k}", n) for k, n in (self.cfg.metrics or {}).items() if n}
+
     def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """Return the scalar loss, or a dict with 'loss' plus other scalars to log."""
         raise SaferunError(f"{type(self).__name__} must override training_step(batch) "
@@ -184,13 +189,15 @@ class Trainer:
         self.optimizer = self.build_optimizer(self._params)
         check_optimizer_params(self.optimizer, model)
         self.scheduler = self.build_scheduler(self.optimizer)
+        self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._schedule = Schedule(self.optimizer, self.scheduler, t.sched_metric,
                                   validates=self.val_loader is not None)
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
+        self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
-                                    t.eval_grad_mode, self.cfg.guards.eval_purity)
+                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics)
         self.state.run_dir = t.run_dir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
@@ -314,14 +321,19 @@ class Trainer:
         self._checkpointer.check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
+        metrics = {f"val/{k}": v for k, v in self._validation_pass(self._evaluator).items()}
+        if self._ema is not None:  # the same pass over the averaged weights: val_ema/...
+            metrics.update(self._ema.validate(self, self._validation_pass, self._evaluator))
+        self.state.metrics.update(metrics)
+        return metrics
+
+    def _validation_pass(self, evaluator: Evaluator) -> dict[str, float]:
         set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
-        values = self._evaluator.validate(
+        values = evaluator.validate(
             self.val_loader, self.validation_step, self.batch_size, self.cfg.trainer.limit_val_batches,
             lambda: self.ranks.world_size == 1 and self._stop_signals.received is not None,
             self.state.step)
-        metrics = {f"val/{k}": v for k, v in self.finish_validation(values).items()}
-        self.state.metrics.update(metrics)
-        return metrics
+        return self.finish_validation(values)
 
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.

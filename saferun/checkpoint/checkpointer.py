@@ -52,6 +52,7 @@ class Owner(Protocol):
     _batches: Any  # BatchStream: the data position and the RNG states to restore
     _owed: Any  # a step's end that a stop interrupted (its validation), or None
     _validated_at: int
+    _ema: Any  # trainer.ema's WeightAverage, or None
 
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
@@ -87,6 +88,7 @@ class Checkpointer:
             "optimizer": o.optimizer.state_dict(),
             "scheduler": o.scheduler.state_dict() if o.scheduler is not None else None,
             "scaler": o._scaler.state_dict(),
+            "ema": o._ema.state_dict() if o._ema is not None else None,  # the same on every rank
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self.best) if self.best else None,
@@ -110,6 +112,8 @@ class Checkpointer:
             o.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             o._scaler.load_state_dict(state["scaler"])
+        if o._ema is not None:  # absent (a run without trainer.ema): starts from the weights
+            o._ema.load_state_dict(state.get("ema"))
         loop = state["loop"]
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, loop[key])
@@ -157,6 +161,8 @@ class Checkpointer:
         check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
                             keys=("model", "task"), purpose="use the checkpoint's weights")
         self.load_model(state["model"])
+        if o._ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
+            o._ema.load_state_dict(state.get("ema"))
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, state["loop"][key])
         self.pending_resume = found
@@ -249,8 +255,11 @@ class Checkpointer:
     def save_final(self) -> None:
         # Always: the final validation may have changed callback state since the last save.
         self.save()
-        if self._owner.ranks.is_main:
-            save_weights(Path(self._owner.state.run_dir) / "model.pt", self._owner.model.state_dict())
+        o = self._owner
+        if o.ranks.is_main:
+            save_weights(Path(o.state.run_dir) / "model.pt", o.model.state_dict())
+            if o._ema is not None:  # loads into the same model class as model.pt
+                save_weights(Path(o.state.run_dir) / "model_ema.pt", o._ema.module.state_dict())
 
     def save_due(self) -> bool:
         every = self._owner.cfg.trainer.save_every_n_steps

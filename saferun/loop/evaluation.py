@@ -5,7 +5,7 @@ checked to be left as evaluation found it."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from ..guards.purity import changed as purity_changed
 from ..guards.purity import check_purity, fingerprint
 from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
+from .stateful import compute_all, reset_all
 from .seeding import preserved_rng
 from .transfer import move_to_device, to_host
 
@@ -25,9 +26,15 @@ class Evaluator:
 
     def __init__(self, model: nn.Module, device: torch.device, non_blocking: bool,
                  autocast: Callable[[], ContextManager[Any]], eval_grad_mode: str,
-                 purity: bool) -> None:
+                 purity: bool, metrics: Mapping[str, Any] = {}) -> None:
         self._model, self._device, self._non_blocking = model, device, non_blocking
         self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
+        self._metrics = metrics  # stateful (torchmetrics): reset before a pass, computed after
+
+    def for_model(self, model: nn.Module) -> "Evaluator":
+        """The same evaluation of another model (the averaged weights, trainer.ema)."""
+        return Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
+                         self._purity, self._metrics)
 
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -39,8 +46,10 @@ class Evaluator:
     def validate(self, loader: DataLoader, step_fn: Callable[[Any], Any],
                  batch_size: Callable[[Any], int], limit: Optional[int],
                  stopped: Callable[[], bool], step: int) -> dict[str, float]:
-        """The batch-size-weighted means of `step_fn`'s values over `loader` (one host read)."""
+        """The batch-size-weighted means of `step_fn`'s values over `loader` and the stateful
+        metrics' values (one host read)."""
         means = WeightedMeans()
+        reset_all(self._metrics)
         before = fingerprint(self._model) if self._purity else None
         # preserved_rng: randomness in validation must not shift training's random streams,
         # or the training results would depend on how often you validate.
@@ -53,7 +62,9 @@ class Evaluator:
                 out = step_fn(move_to_device(batch, self._device, self._non_blocking))
                 means.add(scalar_dict(out, "validation_step"), batch_size(batch))
         probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
-        values, flags = means.read(probe, self._device)  # one read: the means and the purity flag
+        computed = compute_all(self._metrics)  # under torchrun: gathers every rank's state
+        # one read: the means, the metrics and the purity flag
+        values, flags = means.read(probe, self._device, computed)
         check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)
         return values
 

@@ -147,28 +147,38 @@ class WeightedMeans:
             else:
                 self.sums[k], self.counts[k] = weighted, n
 
-    def read(self, extra: Mapping[str, torch.Tensor] = {}, device: Optional[torch.device] = None
-             ) -> tuple[dict[str, float], dict[str, float]]:
-        """(means, sums of `extra`), over every rank's batches: one collective, one host read.
+    def read(self, extra: Mapping[str, torch.Tensor] = {}, device: Optional[torch.device] = None,
+             synced: Mapping[str, torch.Tensor] = {}) -> tuple[dict[str, float], dict[str, float]]:
+        """(means and `synced`, sums of `extra`), over every rank's batches: one collective, one
+        host read. `synced`: values already the same on every rank (computed metrics), read as is.
 
         Under torchrun the ranks first agree on the keys (a rank may have seen none of
         some key's batches), so that every rank reduces the same columns.
         """
         keys = distributed.union(list(self.sums))
-        if not keys and not extra:
+        clash = sorted(set(keys) & set(synced))  # the same on every rank: all raise, none hangs
+        if clash:
+            raise SaferunError(f"validation_step returns {clash}, which a metric of build_metrics() "
+                               f"also reports: rename one of them.")
+        if not keys and not extra and not synced:
             return {}, {}
-        tensors = [*self.sums.values(), *extra.values()]
+        tensors = [*self.sums.values(), *extra.values(), *synced.values()]
         device = device or (tensors[0].device if tensors else torch.device("cpu"))
         zero = torch.zeros((), device=device)
         # The per-key sample counts ride along, made on the device (no host-to-device copy).
         columns = [self.sums.get(k, zero) for k in keys]
         columns += [torch.full((), float(self.counts.get(k, 0)), device=device) for k in keys]
         columns += [v.float() for v in extra.values()]
-        values = distributed.all_reduce(torch.stack([c.to(device) for c in columns])).tolist()
-        n = len(keys)
+        reduced = distributed.all_reduce(torch.stack([c.to(device) for c in columns])) \
+            if columns else torch.zeros(0, device=device)
+        if synced:
+            reduced = torch.cat([reduced, torch.stack([v.to(device) for v in synced.values()])])
+        values = reduced.tolist()
+        n, m = len(keys), len(columns)
         means = {k: total / count for k, total, count in zip(keys, values[:n], values[n:2 * n])
                  if count > 0}
-        return means, dict(zip(extra, values[2 * n:]))
+        means.update(zip(synced, values[m:]))
+        return means, dict(zip(extra, values[2 * n:m]))
 
 
 def scalar_dict(out: object, where: str) -> dict[str, torch.Tensor]:

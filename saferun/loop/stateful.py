@@ -1,0 +1,69 @@
+"""Stateful validation metrics (torchmetrics): AUROC, F1, per-class accuracy, anything that is
+not a mean of per-batch values.
+
+A Trainer declares them (`build_metrics`, or the `metrics` config nodes); `validation_step`
+updates them; the Evaluator resets them before each validation pass and computes them after
+it, on every rank (torchmetrics gathers the ranks' states inside `compute`: a collective, once
+per validation). The computed values ride along with the batch-weighted means' one host read.
+
+Their state lives only inside one validation pass (reset before it, computed after it), so a
+checkpoint needs none of it: the computed values are kept with the loop's metrics, and a run
+resumed from a stop during validation redoes that validation from the start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import SaferunError
+
+
+def prepared_metrics(metrics: Any, device: torch.device) -> dict[str, Any]:
+    """Check `build_metrics()`'s result and move each metric to `device`."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise SaferunError(f"build_metrics() must return a dict {{name: torchmetrics.Metric}}, "
+                           f"got {type(metrics).__name__}.")
+    prepared = {}
+    for name, metric in metrics.items():
+        if not all(callable(getattr(metric, m, None)) for m in ("update", "compute", "reset", "to")):
+            raise SaferunError(
+                f"metric {name!r} is a {type(metric).__name__}, not a torchmetrics.Metric (it needs "
+                f"update, compute, reset and to). Return e.g. {{'f1': MulticlassF1Score(10, "
+                f"average='macro')}} from build_metrics(), or use a metrics.{name}._target_ node.")
+        prepared[str(name)] = metric.to(device)
+    return prepared
+
+
+def reset_all(metrics: Mapping[str, Any]) -> None:
+    for metric in metrics.values():
+        metric.reset()
+
+
+def compute_all(metrics: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every metric's value over the whole pass (all ranks), as 0-d tensors on the device, no host
+    read: a 1-D result becomes name/0, name/1, ...; a dict result name/key."""
+    values: dict[str, torch.Tensor] = {}
+    for name, metric in metrics.items():
+        _flatten(name, metric.compute(), values)
+    return values
+
+
+def _flatten(name: str, value: Any, into: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, Mapping):
+        for key, v in value.items():
+            _flatten(f"{name}/{key}", v, into)
+    elif isinstance(value, torch.Tensor) and value.ndim <= 1:
+        if value.ndim == 0:
+            into[name] = value.detach().float()
+        else:
+            into.update({f"{name}/{i}": v for i, v in enumerate(value.detach().float().unbind())})
+    else:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise SaferunError(f"metric {name!r} computed {shape}: saferun logs scalars, vectors "
+                           f"(one value per class) and dicts of them. Curves (ROC, PR) are not "
+                           f"logged: report their area (AUROC, AveragePrecision) instead.")
