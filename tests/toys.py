@@ -59,6 +59,8 @@ class ToyTrainer(saferun.Trainer):
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         x, y = batch
         logits = self.model(x)
+        for metric in self.metrics.values():  # the config's `metrics` nodes, if any
+            metric.update(logits, y)
         return {"loss": F.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
 
 
@@ -73,6 +75,11 @@ class ScaledOnCpu(ToyTrainer):
             self._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
 
+# stateful validation metrics as config nodes (ToyTrainer.validation_step updates them)
+METRICS = {"f1": {"_target_": "torchmetrics.classification.MulticlassF1Score", "num_classes": 3,
+                  "average": "macro", "validate_args": False},
+           "auroc": {"_target_": "torchmetrics.classification.MulticlassAUROC", "num_classes": 3,
+                     "validate_args": False}}
 TENSORBOARD = {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
 
 
@@ -127,11 +134,11 @@ class SelfSignalling(AugmentedTrainer):
 
     def __init__(self, cfg: Any, signal_at: int = -1, signum: int = 0, in_validation: bool = False,
                  on_rank: int = -1, fail_at: int = -1, nan_at: int = -1, plain: bool = False,
-                 spike_at: int = -1, hold_at: int = -1, **kw: Any) -> None:
+                 spike_at: int = -1, hold_at: int = -1, val_size: int = 64, **kw: Any) -> None:
         super().__init__(cfg, **kw)
         self.signal_at, self.signum, self.in_validation = signal_at, signum, in_validation
         self.on_rank, self.fail_at, self.nan_at, self.plain = on_rank, fail_at, nan_at, plain
-        self.spike_at, self.hold_at = spike_at, hold_at
+        self.spike_at, self.hold_at, self.val_size = spike_at, hold_at, val_size
 
     def build_model(self) -> nn.Module:
         if self.plain:  # no BatchNorm or Dropout: results do not depend on the per-rank batch
@@ -139,7 +146,7 @@ class SelfSignalling(AugmentedTrainer):
         return super().build_model()
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        x, y = make_classification(64, seed=1)
+        x, y = make_classification(self.val_size, seed=1)
         if self.plain:
             return TensorDataset(*make_classification(256)), TensorDataset(x, y)
         return AugmentedDataset(), TensorDataset(x, y)
@@ -186,8 +193,9 @@ def main() -> None:
     """`python tests/toys.py CONFIG_JSON [PLANT_JSON]` (or under torchrun): train, save weights.
 
     PLANT_JSON holds SelfSignalling's keyword arguments. Each rank writes its final weights
-    to <run_dir>/final_weights_rank<R>.pt, and the state of its spike detectors (if on) to
-    <run_dir>/spikes_rank<R>.pt.
+    to <run_dir>/final_weights_rank<R>.pt, its final metrics to final_metrics_rank<R>.json, its
+    weight average (trainer.ema, if on) to final_ema_rank<R>.pt, and the state of its spike
+    detectors (if on) to <run_dir>/spikes_rank<R>.pt.
     """
     import json
     import sys
@@ -198,6 +206,12 @@ def main() -> None:
     trainer.fit()
     torch.save(weights(trainer), os.path.join(cfg["trainer"]["run_dir"],
                                               f"final_weights_rank{trainer.ranks.rank}.pt"))
+    if trainer._ema is not None:
+        torch.save(trainer._ema.state_dict(), os.path.join(cfg["trainer"]["run_dir"],
+                                                           f"final_ema_rank{trainer.ranks.rank}.pt"))
+    with open(os.path.join(cfg["trainer"]["run_dir"], f"final_metrics_rank{trainer.ranks.rank}.json"),
+              "w") as f:
+        json.dump(trainer.state.metrics, f)
     if trainer._spikes:
         torch.save({k: d.state_dict() for k, d in trainer._spikes.items()},
                    os.path.join(cfg["trainer"]["run_dir"], f"spikes_rank{trainer.ranks.rank}.pt"))

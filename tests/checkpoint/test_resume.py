@@ -14,14 +14,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import saferun
 from saferun.checkpoint import list_checkpoints, load_checkpoint
-from toys import TOYS_PATH, ToyTrainer, toy_config
+from toys import METRICS, TOYS_PATH, ToyTrainer, toy_config
 
 # 128 samples / 16 = 8 steps per epoch: 20 steps cross two epoch boundaries, and step 13
 # (where the run is killed) is mid-epoch, between the checkpoints at steps 10 and 15.
+# With a weight average (trainer.ema) and stateful metrics: they resume exactly too.
 def config(run_dir, **kw):
     cfg = toy_config(run_dir.parent, max_steps=20, batch_size=16, num_workers=2,
-                     save_every_n_steps=5, log_every_n_steps=3, val_every_n_steps=6, **kw)
+                     save_every_n_steps=5, log_every_n_steps=3, val_every_n_steps=6,
+                     ema={"decay": 0.8}, **kw)
     cfg["trainer"]["run_dir"] = str(run_dir)
+    cfg["metrics"] = METRICS
     return cfg
 
 
@@ -78,6 +81,9 @@ def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path,
     assert resumed.returncode == 0, resumed.stderr
     assert "Resumed from" in resumed.stdout and "step 10, epoch 1, batch 2" in resumed.stdout
     assert_bitwise_equal(final_weights(run_dir), uninterrupted)
+    ema = [torch.load(d / "final_ema_rank0.pt", weights_only=True) for d in (run_dir, straight_run)]
+    assert_bitwise_equal(*ema)  # the weight average: checkpointed and resumed exactly
+    assert_bitwise_equal(torch.load(run_dir / "model_ema.pt"), torch.load(straight_run / "model_ema.pt"))
     # TensorBoard: the killed run's events after step 10 are gone, every tag holds each step
     # once (two event files), and the curves are the uninterrupted run's (but throughput)
     assert len(list((run_dir / "tensorboard").iterdir())) == 2
@@ -87,6 +93,7 @@ def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path,
     assert {t: v for t, v in scalars.items() if not t.startswith("perf/")} == \
         {t: v for t, v in straight.items() if not t.startswith("perf/")}
     assert scalars["train/loss"][-1][0] == 20 and scalars["val/acc"][1][0] == 12
+    assert {"val/f1", "val/auroc", "val_ema/acc", "val_ema/f1"} <= set(scalars)
 
 
 @pytest.mark.parametrize("signum, where, then_resume", [
