@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
-from toys import TOYS_PATH, SelfSignalling, toy_config, weights
+from toys import METRICS, TOYS_PATH, SelfSignalling, toy_config, weights
 
 TIMEOUT = 240  # a hang fails the test instead of the suite
 
@@ -46,9 +46,17 @@ def rank_weights(run_dir, rank):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    proc = torchrun(plain_config(run_dir, batch_size=16, tensorboard=True), {"plain": True})
+    # with a weight average and stateful metrics, over 61 validation samples (shards of 31, 30)
+    proc = torchrun(averaging_config(run_dir, batch_size=16, tensorboard=True),
+                    {"plain": True, "val_size": 61})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
+
+
+def averaging_config(run_dir, batch_size, **kw):
+    cfg = plain_config(run_dir, batch_size, ema={"decay": 0.5}, **kw)
+    cfg["metrics"] = METRICS
+    return cfg
 
 
 def test_ranks_agree_and_equal_one_process_over_the_same_global_batch(two_ranks, tmp_path):
@@ -65,6 +73,34 @@ def test_ranks_agree_and_equal_one_process_over_the_same_global_batch(two_ranks,
     assert len(list((two_ranks / "tensorboard").iterdir())) == 1
     assert [p.name for p in list_checkpoints(two_ranks / "checkpoints")] == ["step-00000008"]
     assert (two_ranks / "model.pt").is_file()
+
+
+def test_metrics_and_weight_average_agree_across_ranks_and_with_one_process(two_ranks, tmp_path):
+    """torchmetrics gathers both ranks' unpadded shards: val/f1 and val/auroc are sklearn's over
+    the whole validation set; every rank holds the same average, the one-process one."""
+    from sklearn.metrics import f1_score, roc_auc_score
+
+    metrics = [{k: v for k, v in json.loads((two_ranks / f"final_metrics_rank{r}.json").read_text())
+                .items() if not k.startswith("perf/")} for r in (0, 1)]  # timings differ
+    assert metrics[0] == metrics[1]
+    ema = [torch.load(two_ranks / f"final_ema_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert all(torch.equal(ema[0][k], ema[1][k]) for k in ema[0])
+    single = SelfSignalling(averaging_config(tmp_path / "one", batch_size=32), plain=True,
+                            val_size=61)
+    single.fit()
+    for k, v in single._ema.state_dict().items():
+        torch.testing.assert_close(ema[0][k], v, rtol=1e-5, atol=1e-6)
+    x, y = single.val_loader.dataset.tensors
+    for prefix, weights in (("val", rank_weights(two_ranks, 0)),
+                            ("val_ema", {k[len("module."):]: v for k, v in ema[0].items()
+                                         if k.startswith("module.")})):
+        single.model.load_state_dict(weights)
+        with torch.no_grad():
+            probs = single.model(x).softmax(dim=1)
+        assert metrics[0][f"{prefix}/f1"] == pytest.approx(
+            f1_score(y, probs.argmax(dim=1), average="macro"), rel=1e-5)
+        assert metrics[0][f"{prefix}/auroc"] == pytest.approx(
+            roc_auc_score(y, probs, multi_class="ovr", average="macro"), rel=1e-5)
 
 
 def test_two_nodes_on_localhost(two_ranks, tmp_path):
