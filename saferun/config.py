@@ -189,8 +189,10 @@ def _adamw() -> dict[str, Any]:
     return {"_target_": "torch.optim.AdamW", "lr": 1e-3}
 
 
-def _tensorboard() -> dict[str, Any]:
-    return {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
+def default_loggers() -> dict[str, Any]:
+    """The `logger` nodes of a config that names none: TensorBoard and metrics.jsonl."""
+    return {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"},
+            "jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
 
 
 @dataclass
@@ -215,8 +217,11 @@ class Config:
     importable by module name, so that spawned DataLoader workers can receive it."""
     callbacks: Any = None
     """Named callback `_target_` nodes ({name: node}), called in this order."""
-    logger: Any = field(default_factory=_tensorboard)
-    """Named logger `_target_` nodes (callbacks that write metrics), called after callbacks."""
+    logger: Any = field(default_factory=default_loggers)
+    """Named logger `_target_` nodes (callbacks that write metrics, on rank 0), called after
+    callbacks. Default: `default_loggers()`, TensorBoard and metrics.jsonl. A mapping given
+    replaces the default set: `{}` or null means no loggers; to add one, list the defaults too
+    ({**default_loggers(), "mine": {...}})."""
     metrics: Any = None
     """Named stateful validation metrics ({name: `_target_` node of a torchmetrics.Metric}), built
     by the default `Trainer.build_metrics`; validation_step updates them (self.metrics[name]),
@@ -262,17 +267,18 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
     from omegaconf.errors import OmegaConfBaseException
 
     schema = OmegaConf.structured(Config)
+    if isinstance(cfg, Config):
+        cfg = dataclasses.asdict(cfg)
     try:
-        if cfg is None:
-            merged = schema
-        elif isinstance(cfg, Config):
-            merged = OmegaConf.merge(schema, dataclasses.asdict(cfg))
-        else:
-            merged = OmegaConf.merge(schema, cfg)
+        merged = schema if cfg is None else OmegaConf.merge(schema, cfg)
         result = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe_omegaconf_error(e)) from None
     assert isinstance(result, Config)
+    # The logger mapping given is the set of loggers (`{}`: none); a merge into the default
+    # would keep TensorBoard and metrics.jsonl whatever the mapping said.
+    if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):
+        result.logger = {k: v for k, v in result.logger.items() if k in cfg["logger"]}
     return result
 
 

@@ -1,14 +1,16 @@
-"""Built-in observers: TensorBoard event files, a progress bar and log lines.
+"""Built-in observers: TensorBoard event files, metrics.jsonl, a progress bar and log lines.
 
-All three are callbacks that act at log points only, where metrics are
+All are callbacks that act at log points only, where metrics are
 already host floats, so none of them adds a host sync.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Mapping, Optional
 
 from .callbacks import Callback, TrainerView
@@ -17,27 +19,39 @@ log = logging.getLogger("saferun")
 
 
 class TensorBoardLogger(Callback):
-    """Writes every logged metric, validation metric and the resolved config as TensorBoard events.
+    """Writes every logged metric, validation metric and the resolved config as TensorBoard events,
+    and at the end of training the run's hyperparameters (the flattened config) with its final
+    metrics for the HParams view, where the jobs of a sweep compare in one table.
 
-    After a resume, what the interrupted run wrote at or after the checkpoint's step is
-    hidden (the writer's purge_step), and the scalars the checkpoint's step had when it was
-    saved are written again (they are in this callback's checkpointed state): every step
-    then holds what an uninterrupted run would show, once.
+    After a resume, and after a rollback (guards.nonfinite=rollback) too, what was written at
+    or after the checkpoint's step is hidden (the writer's purge_step), and the scalars the
+    checkpoint's step had when it was saved are written again (they are in this callback's
+    checkpointed state): every step then holds what an uninterrupted run would show, once.
     """
 
     def __init__(self, log_dir: Optional[str] = None) -> None:
         self.log_dir = log_dir
         self._writer: Any = None
+        self._view: Optional[TrainerView] = None
         self._resumed = False
         self._last_step = -1  # the latest step written, and the scalars written at it
         self._last_scalars: dict[str, float] = {}
 
     def on_fit_start(self, view: TrainerView) -> None:
         """Open the writer in `log_dir` (default: <run_dir>/tensorboard) and record the config."""
-        from torch.utils.tensorboard import SummaryWriter
         import yaml
 
-        resumed = self._resumed or view.step > 0
+        self._view = view
+        self._open(self._resumed or view.step > 0)
+        text = yaml.safe_dump(dict(view.config), sort_keys=False)
+        # Markdown code block so TensorBoard keeps the indentation.
+        self._writer.add_text("config", "    " + text.replace("\n", "\n    "), view.step)
+
+    def _open(self, resumed: bool) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        view = self._view
+        assert view is not None
         # flush_secs: events reach the disk within 10 s (and at each checkpoint and the end)
         # without a flush per log point, which would cost the loop a file write every
         # log_every_n_steps steps.
@@ -45,9 +59,6 @@ class TensorBoardLogger(Callback):
                                      flush_secs=10, purge_step=view.step if resumed else None)
         if resumed and self._last_step == view.step:
             self._write(view.step, dict(self._last_scalars))
-        text = yaml.safe_dump(dict(view.config), sort_keys=False)
-        # Markdown code block so TensorBoard keeps the indentation.
-        self._writer.add_text("config", "    " + text.replace("\n", "\n    "), view.step)
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._write(view.step, metrics)
@@ -60,6 +71,8 @@ class TensorBoardLogger(Callback):
             self._writer.flush()  # a resume from this checkpoint finds every earlier event
 
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        if self._writer is not None:
+            self._write_hparams(view, metrics)
         self.close()
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
@@ -72,6 +85,19 @@ class TensorBoardLogger(Callback):
         self._resumed = True
         self._last_step = int(state.get("step", -1))
         self._last_scalars = dict(state.get("scalars", {}))
+        if self._writer is not None:  # a rollback mid-run: hide what came after the checkpoint
+            self._writer.close()
+            self._open(resumed=True)
+
+    def _write_hparams(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        """The HParams view's entry: the config's values and the final metrics' names (their
+        values are the scalars already written under those tags), at the final step, so a
+        resumed run's purge hides an earlier entry."""
+        from torch.utils.tensorboard.summary import hparams
+
+        finals = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+        for summary in hparams(hparam_values(view.config), finals):
+            self._writer.file_writer.add_summary(summary, view.step)
 
     def _write(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._writer is None:
@@ -86,6 +112,80 @@ class TensorBoardLogger(Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def hparam_values(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The config flattened to dotted keys with the values TensorBoard's HParams accepts
+    (numbers, strings, booleans; null and lists as text)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(hparam_values(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) \
+                else str(value) if value is not None else "null"
+    return flat
+
+
+class MetricsJsonl(Callback):
+    """<run_dir>/metrics.jsonl (or `path`): one JSON object per line, per log point ("kind":
+    "train") and per validation ("kind": "val"), with step, epoch and time (Unix seconds), for
+    scripts and notebooks (`pandas.read_json(path, lines=True)`).
+
+    Written at log points only, on rank 0, each line flushed: a crashed process loses at most
+    the line it was writing. The file's length is checkpointed: after a resume or a rollback
+    the lines written after the checkpoint are cut off, so each step appears once.
+    """
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        self.path = path
+        self._file: Any = None
+        self._length: Optional[int] = None  # bytes when the checkpoint was saved (a resume)
+
+    def on_fit_start(self, view: TrainerView) -> None:
+        self.path = self.path or os.path.join(view.run_dir, "metrics.jsonl")
+        self._open()
+
+    def _open(self) -> None:
+        assert self.path is not None
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        if self._length is not None and os.path.exists(self.path) and \
+                os.path.getsize(self.path) > self._length:
+            os.truncate(self.path, self._length)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self._write("train", view, metrics)
+
+    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self._write("val", view, metrics)
+
+    def _write(self, kind: str, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        if self._file is not None:
+            record = {"kind": kind, "step": view.step, "epoch": view.epoch, "time": time.time()}
+            self._file.write(json.dumps({**record, **metrics}) + "\n")
+            self._file.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"length": self._file.tell() if self._file is not None else self._length}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._length = state.get("length")
+        if self._file is not None:  # a rollback mid-run: cut what came after the checkpoint
+            self._file.close()
+            self._open()
+
+    def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self.close()
+
+    def on_exception(self, view: TrainerView, exc: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._length = self._file.tell()
+            self._file.close()
+            self._file = None
 
 
 class ProgressBar(Callback):

@@ -368,7 +368,7 @@ class Trainer:
                             self._autocast, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
 
     def _validation_due(self, epoch_end: bool) -> bool:
-        if self.val_loader is None:
+        if self.val_loader is None or self._validated_at == self.state.step:  # rolled back to it
             return False
         every = self.cfg.trainer.val_every_n_steps
         return epoch_end if every is None else self.state.step % every == 0

@@ -1,5 +1,7 @@
 """TensorBoard event files, read back, and the progress bar."""
 
+import json
+
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -79,3 +81,87 @@ def test_after_a_resume_each_step_is_shown_once_with_the_uninterrupted_values(tm
     assert [s for s, _ in curves["train/loss"]] == [2, 4, 6, 8]
     texts = read_events(tmp_path / "a").Tensors("config/text_summary")
     assert [e.step for e in texts] == [0, 4]  # each run's config, at the step it started
+
+
+def test_an_empty_logger_mapping_means_no_loggers_from_python_and_the_command_line(tmp_path):
+    from omegaconf import OmegaConf
+
+    from saferun.cli import compose_config
+    from saferun.config import default_loggers, load_config
+    from saferun.loggers import MetricsJsonl, TensorBoardLogger
+
+    assert load_config({}).logger == {
+        "tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"},
+        "jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
+    assert load_config({"logger": {}}).logger == {}
+    assert load_config(OmegaConf.create({"logger": {}})).logger == {}
+    assert compose_config(["logger=none"]).logger == {}
+    assert set(compose_config([]).logger) == {"tensorboard", "jsonl"}
+    assert set(compose_config(["logger=tensorboard"]).logger) == {"tensorboard"}
+    cfg = toy_config(tmp_path, max_steps=4)  # toy_config: "logger": {}
+    trainer = ToyTrainer(cfg)
+    trainer.fit()
+    built = {type(c) for c in trainer._callbacks.callbacks}
+    assert not built & {TensorBoardLogger, MetricsJsonl}
+    assert not {p.name for p in (tmp_path / "run").iterdir()} & {"tensorboard", "metrics.jsonl"}
+    # a mapping is the whole set: to add a logger, list the defaults too
+    assert load_config({"logger": {"jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}}).logger \
+        == {"jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
+    both = load_config({"logger": {**default_loggers(), "lines": {"_target_": "saferun.loggers.LogLines"}}})
+    assert list(both.logger) == ["tensorboard", "jsonl", "lines"]
+    assert set(compose_config(["logger.jsonl=null"]).logger) == {"tensorboard", "jsonl"}
+    assert compose_config(["logger.jsonl=null"]).logger["jsonl"] is None  # removed
+
+
+def test_hparams_view_holds_the_config_and_the_final_metrics(tmp_path):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    cfg = toy_config(tmp_path, max_steps=8, log_every_n_steps=4, val_every_n_steps=4,
+                     tensorboard=True)
+    final = ToyTrainer(cfg).fit()
+    acc = read_events(tmp_path / "run")
+    content = acc.PluginTagToContent("hparams")
+    data = {tag: plugin_data_pb2.HParamsPluginData.FromString(raw) for tag, raw in content.items()}
+    experiment = data["_hparams_/experiment"].experiment
+    metric_names = {m.name.tag for m in experiment.metric_infos}
+    assert {"val/acc", "val/loss", "train/loss"} <= metric_names
+    assert not any(n.startswith("perf/") for n in metric_names)
+    session = data["_hparams_/session_start_info"].session_start_info
+    assert session.hparams["optim.lr"].number_value == pytest.approx(0.05)
+    assert session.hparams["optim._target_"].string_value == "torch.optim.SGD"
+    assert session.hparams["trainer.max_steps"].number_value == 8
+    assert session.hparams["sched"].string_value == "null"
+    # each metric's value in the table is its scalar's last point: the final metrics
+    assert acc.Scalars("val/acc")[-1].value == pytest.approx(final["val/acc"])
+
+
+class NanOnceAt7(ToyTrainer):
+    fired = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step + 1 == 7 and not self.fired:
+            self.fired = True
+            return loss + float("nan")
+        return loss
+
+
+def test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl(tmp_path):
+    # saved at 4 and logged at 2, 4, 6; step 7 is NaN; the log point at 8 rolls back to 4; the
+    # steps 5-8 run again on the next data and are logged again: once, with the new values
+    cfg = toy_config(tmp_path, max_steps=12, log_every_n_steps=2, val_every_n_steps=4,
+                     save_every_n_steps=4, tensorboard=True)
+    cfg["logger"] = {**cfg["logger"], "jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
+    cfg["guards"] = {"nonfinite": "rollback"}
+    trainer = NanOnceAt7(cfg)
+    trainer.fit()
+    curves = scalar_curves(tmp_path / "run")
+    assert [s for s, _ in curves["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    assert all(len({s for s, _ in c}) == len(c) for c in curves.values()), curves
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x["kind"] == "train"]
+    assert [x["step"] for x in train] == [2, 4, 6, 8, 10, 12]
+    assert [x["step"] for x in lines if x["kind"] == "val"] == [4, 8, 12]
+    assert all(x["epoch"] >= 0 and x["time"] > 0 for x in lines)
+    # the two agree: TensorBoard shows what metrics.jsonl holds (the values after the rollback)
+    assert [v for _, v in curves["train/loss"]] == pytest.approx([x["train/loss"] for x in train])

@@ -37,7 +37,11 @@ def _register_with_hydra() -> None:
 
     from ..config import Config
 
-    ConfigStore.instance().store(name="saferun_schema", node=Config)
+    schema = OmegaConf.structured(Config)
+    # The defaults list's logger group fills `logger` (logger=none: nothing). Left at Config's
+    # default, TensorBoard would survive the merge of logger=none's empty mapping.
+    schema.logger = {}
+    ConfigStore.instance().store(name="saferun_schema", node=schema)
     if not OmegaConf.has_resolver("saferun_run_id"):
         OmegaConf.register_new_resolver("saferun_run_id", run_id, use_cache=True)
 

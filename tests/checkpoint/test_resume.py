@@ -22,9 +22,10 @@ from toys import METRICS, TOYS_PATH, ToyTrainer, toy_config
 def config(run_dir, **kw):
     cfg = toy_config(run_dir.parent, max_steps=20, batch_size=16, num_workers=2,
                      save_every_n_steps=5, log_every_n_steps=3, val_every_n_steps=6,
-                     ema={"decay": 0.8}, **kw)
+                     ema={"decay": 0.8}, tensorboard=True, **kw)
     cfg["trainer"]["run_dir"] = str(run_dir)
     cfg["metrics"] = METRICS
+    cfg["logger"] = {**cfg["logger"], "jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
     return cfg
 
 
@@ -94,6 +95,10 @@ def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(tmp_path,
         {t: v for t, v in straight.items() if not t.startswith("perf/")}
     assert scalars["train/loss"][-1][0] == 20 and scalars["val/acc"][1][0] == 12
     assert {"val/f1", "val/auroc", "val_ema/acc", "val_ema/f1"} <= set(scalars)
+    # metrics.jsonl: the killed run's lines after the checkpoint were cut, the rest is the same
+    lines = [[without_timings(json.loads(line)) for line in (d / "metrics.jsonl").read_text().splitlines()]
+             for d in (run_dir, straight_run)]
+    assert lines[0] == lines[1] and [x["step"] for x in lines[0] if x["kind"] == "val"] == [6, 12, 18, 20]
 
 
 @pytest.mark.parametrize("signum, where, then_resume", [
@@ -323,9 +328,10 @@ def final_state(run_dir):
 
 
 def without_timings(obj):
-    """`obj` without the perf/ entries (timings) wherever they are kept."""
+    """`obj` without the perf/ entries (timings) and metrics.jsonl's time wherever they are kept."""
     if isinstance(obj, dict):
-        return {k: without_timings(v) for k, v in obj.items() if not str(k).startswith("perf/")}
+        return {k: without_timings(v) for k, v in obj.items()
+                if not str(k).startswith("perf/") and k != "time"}
     return obj
 
 

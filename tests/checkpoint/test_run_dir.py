@@ -123,7 +123,8 @@ class CountingSteps(ToyTrainer):
         return super().training_step(batch)
 
 
-@pytest.mark.parametrize("logger", [{"tensorboard": None}, {}], ids=["no logger", "tensorboard"])
+@pytest.mark.parametrize("logger", [{}, {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}],
+                         ids=["no logger", "tensorboard"])
 def test_a_run_dir_that_is_a_file_is_refused_before_any_work(tmp_path, logger):
     (tmp_path / "run").write_text("a file")
     cfg = toy_config(tmp_path, max_steps=3)
