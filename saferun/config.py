@@ -22,21 +22,17 @@ EVAL_GRAD_MODES = ("inference_mode", "no_grad")
 
 @dataclass
 class EmaConfig:
-    """trainer.ema: an exponential moving average of the weights, off by default."""
+    """trainer.ema: an exponential moving average of the weights (off by default), validated beside
+    the raw weights (val_ema/...), checkpointed, and exported as <run_dir>/model_ema.pt."""
 
     decay: Optional[float] = None
-    """Weight of the old average at each optimizer step: ema = decay * ema + (1 - decay) * weights
-    (e.g. 0.999; null: off). The averaged weights are validated beside the raw ones (val_ema/...:
-    save_best, sched_metric and early stopping may watch either), checkpointed, and exported as
-    <run_dir>/model_ema.pt."""
+    """ema = decay * ema + (1 - decay) * weights after each optimizer step (e.g. 0.999; null: off)."""
     use_buffers: bool = True
-    """Average the floating buffers too (BatchNorm's running statistics); false: copy the model's
-    buffers. Integer buffers are always copied."""
+    """Average floating buffers (BatchNorm statistics) too; false: copy them. Integers are copied."""
 
     def __post_init__(self) -> None:
         if isinstance(self.decay, (int, float)) and not 0.0 < self.decay < 1.0:
-            raise ConfigError(f"trainer.ema.decay must be between 0 and 1 (e.g. 0.999), or null "
-                              f"for no average; got {self.decay}.")
+            raise ConfigError(f"trainer.ema.decay must be in (0, 1), e.g. 0.999, or null; got {self.decay}.")
 
 
 @dataclass
@@ -218,14 +214,12 @@ class Config:
     callbacks: Any = None
     """Named callback `_target_` nodes ({name: node}), called in this order."""
     logger: Any = field(default_factory=default_loggers)
-    """Named logger `_target_` nodes (callbacks that write metrics, on rank 0), called after
-    callbacks. Default: `default_loggers()`, TensorBoard and metrics.jsonl. A mapping given
-    replaces the default set: `{}` or null means no loggers; to add one, list the defaults too
-    ({**default_loggers(), "mine": {...}})."""
+    """Named logger `_target_` nodes (callbacks that write metrics, on rank 0), called after callbacks.
+    Default: `default_loggers()`. A mapping given is the whole set: `{}` or null means none; to add
+    one, list the defaults too ({**default_loggers(), "mine": {...}})."""
     metrics: Any = None
-    """Named stateful validation metrics ({name: `_target_` node of a torchmetrics.Metric}), built
-    by the default `Trainer.build_metrics`; validation_step updates them (self.metrics[name]),
-    saferun resets them before each validation and reports val/<name>."""
+    """{name: `_target_` node of a torchmetrics.Metric} for the default `Trainer.build_metrics`:
+    validation_step updates self.metrics[name]; reset before each validation; val/<name>."""
     task: Any = None
     """The Trainer subclass the command line runs: `_target_` plus its extra arguments."""
     name: str = "run"
@@ -267,16 +261,14 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
     from omegaconf.errors import OmegaConfBaseException
 
     schema = OmegaConf.structured(Config)
-    if isinstance(cfg, Config):
-        cfg = dataclasses.asdict(cfg)
+    cfg = dataclasses.asdict(cfg) if isinstance(cfg, Config) else cfg
     try:
         merged = schema if cfg is None else OmegaConf.merge(schema, cfg)
         result = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe_omegaconf_error(e)) from None
     assert isinstance(result, Config)
-    # The logger mapping given is the set of loggers (`{}`: none); a merge into the default
-    # would keep TensorBoard and metrics.jsonl whatever the mapping said.
+    # The logger mapping given is the whole set (`{}`: none); the merge kept the defaults too.
     if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):
         result.logger = {k: v for k, v in result.logger.items() if k in cfg["logger"]}
     return result
