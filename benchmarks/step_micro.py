@@ -81,16 +81,20 @@ def hand_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device
     return step
 
 
-def build(workload: str, run_dir: str, n_batches: int, guards: dict[str, Any] | None = None
-          ) -> tuple[BenchTrainer, Step, nn.Module, torch.optim.Optimizer, list]:
+def build(workload: str, run_dir: str, n_batches: int, guards: dict[str, Any] | None = None,
+          ema: float | None = None) -> tuple[BenchTrainer, Step, nn.Module, torch.optim.Optimizer, list]:
     """saferun's trainer (set up, not fitted), the hand step on a copy of its model (same
     weights, own AdamW), that copy, its optimizer, and the batches.
 
-    `guards` overrides keys of the guards config (default: none, every default guard on).
+    `guards` overrides keys of the guards config (default: none, every default guard on);
+    `ema`: saferun's step also updates a weight average with this decay (trainer.ema), the
+    hand step does not, so the figures include the average's cost.
     """
     job = Job(workload=workload, device="cpu", steps=10**9, log_every=50, val_every=500,
               warmup=0, run_dir=run_dir)
-    trainer = BenchTrainer({**config(job), "guards": guards or {}})
+    cfg = config(job)
+    cfg["trainer"]["ema"] = {"decay": ema}
+    trainer = BenchTrainer({**cfg, "guards": guards or {}})
     trainer.workload = workload
     trainer.setup()  # seeds, builds the model, data and AdamW; no step taken
     model = build_model(workload)
@@ -254,13 +258,16 @@ def main() -> None:
     p.add_argument("--control", action="store_true",
                    help="A/A check of the method: a second hand step in saferun's place "
                         "(expect a ratio of 1)")
+    p.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                   help="saferun's step also updates trainer.ema's weight average (the hand step "
+                        "does not): its cost is this run's difference less a run without --ema")
     p.add_argument("--json", help="also write the figures here as JSON")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="saferun-micro-") as tmp:
-        trainer, hand, model, opt, groups = build(args.workload, tmp, args.batches)
+        trainer, hand, model, opt, groups = build(args.workload, tmp, args.batches, ema=args.ema)
         max_norm = trainer.cfg.trainer.max_grad_norm
 
         def saferun_model_hand_step() -> Step:
@@ -280,7 +287,7 @@ def main() -> None:
         per_step = {"saferun": counts(saferun, groups, args.count_steps),
                     "hand": counts(hand, groups, args.count_steps)}
     result = {
-        "workload": args.workload, "control": args.control, "block": args.block,
+        "workload": args.workload, "control": args.control, "block": args.block, "ema": args.ema,
         "warmup_pairs": args.warmup, "timed_seconds": seconds,
         "wall": summarize(times["saferun_wall"], times["hand_wall"], times["saferun_first"]),
         "cpu": summarize(times["saferun_cpu"], times["hand_cpu"], times["saferun_first"]),
@@ -296,7 +303,7 @@ def main() -> None:
 
 
 def render(r: dict[str, Any]) -> str:
-    a = "hand (control)" if r["control"] else "saferun"
+    a = "hand (control)" if r["control"] else "saferun+ema" if r.get("ema") else "saferun"
     lines = [
         f"{r['workload']}: {r['wall']['pairs']} pairs, alternating in blocks of {r['block']}, "
         f"after {r['warmup_pairs']} warm-up pairs ({r['timed_seconds']:.1f} s; torch "

@@ -28,6 +28,10 @@ def test_run_writes_config_summary_and_tensorboard_and_prints_the_run_dir(tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 10 and summary["overrides"] == FAST
     assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
+    assert 0.0 <= summary["metrics"]["val/f1"] <= 1.0  # the recipe's torchmetrics macro-F1
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == [2, 4, 6, 8, 10]
+    assert lines[-1]["kind"] == "val" and lines[-1]["val/f1"] == summary["metrics"]["val/f1"]
     assert "_target_: saferun.recipes.digits.DigitsTrainer" in (run_dir / "config.yaml").read_text()
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
@@ -35,9 +39,23 @@ def test_run_writes_config_summary_and_tensorboard_and_prints_the_run_dir(tmp_pa
 
 
 def test_multirun_gives_each_job_a_directory_and_prints_a_summary(tmp_path):
-    proc = saferun("run", "-m", *FAST, "optim.lr=1e-3,3e-3", "hydra.sweep.dir=sweep", cwd=tmp_path)
-    for job in ("0", "1"):
-        assert json.loads((tmp_path / "sweep" / job / "summary.json").read_text())["step"] == 10
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    proc = saferun("run", "-m", *FAST, "optim.lr=1e-3,3e-3", "trainer.ema.decay=0.9",
+                   "hydra.sweep.dir=sweep", cwd=tmp_path)
+    for job, lr in (("0", 1e-3), ("1", 3e-3)):
+        summary = json.loads((tmp_path / "sweep" / job / "summary.json").read_text())
+        assert summary["step"] == 10 and "val_ema/acc" in summary["metrics"]
+        assert (tmp_path / "sweep" / job / "model_ema.pt").is_file()
+        # the HParams view: one table over the sweep's runs, each with its lr and metrics
+        acc = EventAccumulator(str(tmp_path / "sweep" / job / "tensorboard"))
+        acc.Reload()
+        data = {tag: plugin_data_pb2.HParamsPluginData.FromString(raw)
+                for tag, raw in acc.PluginTagToContent("hparams").items()}
+        assert data["_hparams_/session_start_info"].session_start_info.hparams[
+            "optim.lr"].number_value == pytest.approx(lr)
+        assert {"val/acc", "val/f1", "val_ema/acc"} <= {
+            m.name.tag for m in data["_hparams_/experiment"].experiment.metric_infos}
     table = (tmp_path / "sweep" / "summary.txt").read_text().splitlines()
     assert table[0].split()[:2] == ["job", "overrides"] and "val/acc" in table[0]
     assert table[1].startswith("0") and "optim.lr=0.001" in table[1]
