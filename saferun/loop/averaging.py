@@ -44,7 +44,7 @@ class WeightAverage:
         # bound once: the per-step update builds no lists
         self._ema, self._raw = [e for e, _ in averaged], [r for _, r in averaged]
         self._ema_copied, self._raw_copied = [e for e, _ in copied], [r for _, r in copied]
-        optimizer.register_step_post_hook(self._update)
+        self.hook = optimizer.register_step_post_hook(self._update)
 
     def _update(self, *_: Any) -> None:
         """After an optimizer step: a few device ops, no host read."""
