@@ -247,9 +247,9 @@ mutation("each rank seeds its own randomness", T,
 mutation("logged metrics averaged over ranks", "saferun/metrics.py",
          "            stacked[:averaged] /= world_size", "            pass",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
-mutation("validation metrics over every rank's shard", "saferun/metrics.py",
-         "        values = distributed.all_reduce(torch.stack([c.to(device) for c in columns])).tolist()",
-         "        values = torch.stack([c.to(device) for c in columns]).tolist()",
+mutation("validation metrics over every rank's shard", "saferun/loop/metrics.py",
+         "        reduced = distributed.all_reduce(torch.stack([c.to(device) for c in columns])) \\\n",
+         "        reduced = torch.stack([c.to(device) for c in columns]) \\\n",
          f"{RANKS}::test_validation_counts_every_sample_once")
 mutation("no_sync on every micro-batch but the last", "saferun/distributed.py",
          '        with ddp.no_sync() if self.mode == "ddp" and not last else contextlib.nullcontext():',
@@ -366,8 +366,7 @@ mutation("save_best keeps the best", CKPTR,
          "keep=[Path(self.best[1])] if self.best else (), current=path)", "keep=(), current=path)",
          f"{CKPT}::test_keep_last_and_best")
 mutation("model.pt holds the final weights", CKPTR,
-         '            save_weights(Path(self._owner.state.run_dir) / "model.pt", '
-         "self._owner.model.state_dict())\n",
+         '            save_weights(Path(o.state.run_dir) / "model.pt", o.model.state_dict())\n',
          "            pass\n",
          f"{CKPT}::test_a_checkpoint_holds_the_whole_training_state")
 mutation("resume=auto starts fresh without a checkpoint", T,
@@ -676,6 +675,39 @@ mutation("the pytest plugin imports nothing heavy", "saferun/pytest_plugin.py",
 mutation("saferun new writes the project's tests", "saferun/cli/recipes.py",
          "    return written + write_project_tests(dest, name, recipe)", "    return written",
          "tests/testing/test_new_project.py::test_a_new_project_ships_tests_that_pass_as_generated")
+
+# ---------------------------------------------------------------- metrics, EMA, loggers (issue 13)
+AVG, LOGGERS = "saferun/loop/averaging.py", "saferun/loggers.py"
+mutation("stateful metrics are reset before each validation", EVAL,
+         "        reset_all(self._metrics)\n", "",
+         "tests/loop/test_stateful_metrics.py::test_config_metrics_equal_sklearn_over_the_whole_set_at_each_validation")
+mutation("the weight average skips skipped steps and copies integer buffers", AVG,
+         "        self.hook = optimizer.register_step_post_hook(self._update)\n",
+         "        self.averaged.multi_avg_fn = self._avg  # swa_utils' own update, as is\n"
+         "        self.hook = optimizer.register_step_post_hook(\n"
+         "            lambda *_: self.averaged.update_parameters(model))\n",
+         "tests/loop/test_averaging.py::test_the_average_is_the_ema_of_the_weights_after_each_step_that_ran")
+mutation("the weight average is resumed from the checkpoint", CKPTR,
+         '            o._ema.load_state_dict(state.get("ema"))\n        loop = state["loop"]',
+         '            o._ema.load_state_dict(None)\n        loop = state["loop"]',
+         f"{RESUME}::test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights")
+mutation("a rollback hides later TensorBoard steps", LOGGERS,
+         "        if self._writer is not None:  # a rollback mid-run: hide what came after the checkpoint\n",
+         "        if False:\n",
+         "tests/test_logging.py::test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl")
+mutation("a rollback cuts metrics.jsonl back", LOGGERS,
+         "        if self._file is not None:  # a rollback mid-run: cut what came after the checkpoint\n",
+         "        if False:\n",
+         "tests/test_logging.py::test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl")
+mutation("the step rolled back to is not validated again", T,
+         "        if self.val_loader is None or self._validated_at == self.state.step:",
+         "        if self.val_loader is None:",
+         "tests/test_logging.py::test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl")
+mutation("logger: {} means no loggers", "saferun/config.py",
+         '        result.logger = {k: v for k, v in result.logger.items() if k in cfg["logger"]}\n',
+         "        pass\n",
+         "tests/test_logging.py::test_an_empty_logger_mapping_means_no_loggers_from_python_and_the_command_line")
+
 
 # ---------------------------------------------------------------- the runner
 
