@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import SaferunError
+from ..parallel import distributed
 
 
 def prepared_metrics(metrics: Any, device: torch.device) -> dict[str, Any]:
@@ -35,6 +36,11 @@ def prepared_metrics(metrics: Any, device: torch.device) -> dict[str, Any]:
                 f"metric {name!r} is a {type(metric).__name__}, not a torchmetrics.Metric (it needs "
                 f"update, compute, reset and to). Return e.g. {{'f1': MulticlassF1Score(10, "
                 f"average='macro')}} from build_metrics(), or use a metrics.{name}._target_ node.")
+        if getattr(metric, "sync_on_compute", True) is False and distributed.ranks_from_env().world_size > 1:
+            # each rank would compute its own shard's value: save_best and early stopping
+            # would then decide differently on different ranks (and hang)
+            raise SaferunError(f"metric {name!r} has sync_on_compute=False: under torchrun each "
+                               f"rank would report only its own shard. Leave it at True.")
         prepared[str(name)] = metric.to(device)
     return prepared
 

@@ -74,3 +74,14 @@ class Matrix(ToyTrainer):
 def test_mistakes_are_named(tmp_path, cls, match):
     with pytest.raises(SaferunError, match=match):
         cls(toy_config(tmp_path, max_steps=2, val_every_n_steps=2)).fit()
+
+
+def test_an_unsynced_metric_is_refused_under_torchrun(monkeypatch):
+    """Each rank would report its own shard's value, and rank-local save_best decisions hang."""
+    from saferun.loop.stateful import prepared_metrics
+
+    unsynced = {"f1": MulticlassF1Score(3, sync_on_compute=False)}
+    assert prepared_metrics(unsynced, torch.device("cpu"))  # one process: nothing to sync
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SaferunError, match="'f1' has sync_on_compute=False"):
+        prepared_metrics(unsynced, torch.device("cpu"))
