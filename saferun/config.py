@@ -104,8 +104,7 @@ class TrainerConfig:
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
     """Directory for this run's outputs (None: runs/<timestamp>)."""
-    ema: EmaConfig = field(default_factory=EmaConfig)
-    """Weight averaging (see EmaConfig)."""
+    ema: EmaConfig = field(default_factory=EmaConfig)  # weight averaging, see EmaConfig
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",
@@ -214,12 +213,10 @@ class Config:
     callbacks: Any = None
     """Named callback `_target_` nodes ({name: node}), called in this order."""
     logger: Any = field(default_factory=default_loggers)
-    """Named logger `_target_` nodes (callbacks that write metrics, on rank 0), called after callbacks.
-    Default: `default_loggers()`. A mapping given is the whole set: `{}` or null means none; to add
-    one, list the defaults too ({**default_loggers(), "mine": {...}})."""
+    """Named logger `_target_` nodes (rank 0, after callbacks); default: `default_loggers()`. A mapping
+    given is the whole set (`{}`: none); to add one: {**default_loggers(), "mine": {...}}."""
     metrics: Any = None
-    """{name: `_target_` node of a torchmetrics.Metric} for the default `Trainer.build_metrics`:
-    validation_step updates self.metrics[name]; reset before each validation; val/<name>."""
+    """{name: torchmetrics.Metric `_target_` node} for the default `Trainer.build_metrics`."""
     task: Any = None
     """The Trainer subclass the command line runs: `_target_` plus its extra arguments."""
     name: str = "run"

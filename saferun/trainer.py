@@ -321,19 +321,13 @@ class Trainer:
         self._checkpointer.check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
-        metrics = {f"val/{k}": v for k, v in self._validation_pass(self._evaluator).items()}
-        if self._ema is not None:  # the same pass over the averaged weights: val_ema/...
-            metrics.update(self._ema.validate(self, self._validation_pass, self._evaluator))
+        set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
+        stopped = lambda: self.ranks.world_size == 1 and self._stop_signals.received is not None  # noqa: E731
+        metrics = averaging.validate_both(self, self._ema, self._evaluator, lambda e: self.finish_validation(
+            e.validate(self.val_loader, self.validation_step, self.batch_size,
+                       self.cfg.trainer.limit_val_batches, stopped, self.state.step)))
         self.state.metrics.update(metrics)
         return metrics
-
-    def _validation_pass(self, evaluator: Evaluator) -> dict[str, float]:
-        set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
-        values = evaluator.validate(
-            self.val_loader, self.validation_step, self.batch_size, self.cfg.trainer.limit_val_batches,
-            lambda: self.ranks.world_size == 1 and self._stop_signals.received is not None,
-            self.state.step)
-        return self.finish_validation(values)
 
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.

@@ -80,6 +80,16 @@ class WeightAverage:
         self.averaged.load_state_dict(state)
 
 
+def validate_both(owner: Any, ema: Optional[WeightAverage], evaluator: Any,
+                  validation_pass: Callable[[Any], dict[str, float]]) -> dict[str, float]:
+    """`validation_pass(evaluator)` over the raw weights (val/...) and, with trainer.ema, the same
+    pass over the averaged weights (val_ema/...)."""
+    metrics = {f"val/{k}": v for k, v in validation_pass(evaluator).items()}
+    if ema is not None:
+        metrics.update(ema.validate(owner, validation_pass, evaluator))
+    return metrics
+
+
 def weight_average(model: nn.Module, optimizer: torch.optim.Optimizer,
                    cfg: Any) -> Optional[WeightAverage]:
     """trainer.ema's average of `model`, or None when it is off (decay null)."""
