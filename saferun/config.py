@@ -17,7 +17,36 @@ from typing import Any, Mapping, Optional
 from .errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("auto", "ddp", "fsdp")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
+
+
+@dataclass
+class FSDPConfig:
+    """trainer.strategy=fsdp: how FSDP2 (`fully_shard`) shards the model (see README)."""
+
+    shard: list[str] = field(default_factory=list)
+    """Submodules sharded as units of their own, by class name (Block) or path (blocks.0);
+    the root is always one. Empty: each child of a ModuleList/Sequential whose children are
+    all of one class (the blocks of a Transformer)."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gathered again for backward):
+    less memory, one more all-gather per unit per micro-batch."""
+    param_dtype: Optional[str] = None
+    """bf16: parameters gathered and computed in bf16, gradients reduced in fp32
+    (MixedPrecisionPolicy); the sharded parameters and optimizer state stay fp32. null: fp32."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory (CUDA only:
+    the optimizer steps on the CPU)."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save):
+    training goes on after a copy of the state; the checkpoint is completed (manifest,
+    rename) at the next log point after every rank's write finished, or the next save."""
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in (None, "bf16", "fp32"):
+            raise ConfigError(f"trainer.fsdp.param_dtype must be bf16, fp32 or null; got "
+                              f"{self.param_dtype!r}.")
 
 
 @dataclass
@@ -89,6 +118,12 @@ class TrainerConfig:
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
     """Directory for this run's outputs (None: runs/<timestamp>)."""
+    strategy: str = "auto"
+    """Under torchrun: ddp (every rank holds the whole model), fsdp (parameters, gradients and
+    optimizer state sharded over the ranks, FSDP2) or auto (ddp under torchrun, else one
+    process)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """trainer.strategy=fsdp's settings."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",
@@ -98,6 +133,7 @@ class TrainerConfig:
         _one_of(self, "save_best_mode", ("min", "max"))
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
+        _one_of(self, "strategy", STRATEGIES)
         if isinstance(self.num_workers, int) and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers must be >= 0, got {self.num_workers}.")
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):

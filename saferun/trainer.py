@@ -42,8 +42,9 @@ from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
-                         resolve_device, trainable_parameters)
+                         resolve_device, total_norm, trainable_parameters)
 from .parallel import distributed
+from .parallel.fsdp import shard_model
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
 from .schedules import Schedule
@@ -171,6 +172,7 @@ class Trainer:
         self._frozen = modes.resolve_modules(model, t.frozen_modules)
         modes.freeze(self._frozen)
         self.model = model.to(self.device)
+        shard_model(self.model, t, self.ranks, self.device)  # fsdp: in place, before the optimizer
         if self.ranks.world_size > 1:
             seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank
         train_set, val_set = self.build_datasets()
@@ -204,7 +206,7 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy = strategy_for(self, t.find_unused_parameters)
+        self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy)
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
@@ -427,7 +429,7 @@ class Trainer:
 
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards
-        extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}
+        extra = {"train/param_norm": total_norm(self._params)} if g.check_params else {}
         strategy, signals = self._strategy, self._stop_signals
         metrics = self._running.read(extra, strategy.stop_votes(signals), self.ranks.world_size)
         strategy.count_stop_votes(metrics, signals)

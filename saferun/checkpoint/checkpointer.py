@@ -23,7 +23,7 @@ from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
-from . import rundir
+from . import rundir, sharded
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights, set_aside_newer)
@@ -65,6 +65,7 @@ class Checkpointer:
         self.best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
+        self.shards: Optional[sharded.ShardedWriter] = None  # trainer.strategy=fsdp's writer
 
     # ------------------------------------------------------------------ state
 
@@ -104,8 +105,11 @@ class Checkpointer:
         """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
         o = self._owner
         self.replaced()  # this state replaces one found by setup
-        self.load_model(state["model"])
-        o.optimizer.load_state_dict(state["optimizer"])
+        if o._strategy.sharded:  # every rank reads its shards (resharded for another world size)
+            sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, o.model, o.optimizer)
+        else:
+            self.load_model(sharded.whole_weights(state.get("sharded", {}).get("path"), state))
+            o.optimizer.load_state_dict(state["optimizer"])
         if o.scheduler is not None and state["scheduler"] is not None:
             o.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
@@ -117,6 +121,10 @@ class Checkpointer:
         self.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
         o._owed = loop.get("owed")  # absent from older checkpoints
         o._validated_at = loop.get("validated_at", -1)
+        if len(state["per_rank"]) != o.ranks.world_size and o._strategy.sharded:
+            self._resharded(len(state["per_rank"]))
+            o._callbacks.load_state_dict(state["callbacks"])
+            return
         if len(state["per_rank"]) != o.ranks.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
@@ -130,6 +138,17 @@ class Checkpointer:
             if key in spikes:
                 detector.load_state_dict(move_to_device(spikes[key], o.device))
         o._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
+
+    def _resharded(self, saved_world: int) -> None:
+        o = self._owner
+        o._batches.resume(None, None)  # this run's own RNG streams and data shards
+        if o.ranks.is_main:
+            log.warning(
+                "Resumed a checkpoint written by %d process(es) with %d: the model and optimizer "
+                "were resharded, the step, epoch and position in it continue, but each rank's "
+                "data shard and random streams differ from the uninterrupted run's, so it is "
+                "not bitwise exact (it is with the same number of processes).",
+                saved_world, o.ranks.world_size)
 
     # ------------------------------------------------------------------ resume
 
@@ -156,7 +175,10 @@ class Checkpointer:
         # Evaluation needs only the same model; continuing training needs the whole config.
         check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
                             keys=("model", "task"), purpose="use the checkpoint's weights")
-        self.load_model(state["model"])
+        if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
+            sharded.load(found[0], state, o.model, None)
+        else:
+            self.load_model(sharded.whole_weights(found[0], state))
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, state["loop"][key])
         self.pending_resume = found
@@ -239,9 +261,14 @@ class Checkpointer:
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
             self.best = (best, str(path))
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
-        if o.ranks.is_main:
+        rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
+                                       keep=[Path(self.best[1])] if self.best else (), current=done)
+        if o._strategy.sharded:  # every rank writes its shards (perhaps in the background)
+            self.shards = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
+            self.shards.save(root, o.state.step, state, o.model, o.optimizer, rotation)
+        elif o.ranks.is_main:
             save_checkpoint(root, o.state.step, state)
-            rotate(root, t.keep_last, keep=[Path(self.best[1])] if self.best else (), current=path)
+            rotation(path)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         o._callbacks.on_checkpoint(o.view, str(path))
         return path
@@ -249,8 +276,12 @@ class Checkpointer:
     def save_final(self) -> None:
         # Always: the final validation may have changed callback state since the last save.
         self.save()
-        if self._owner.ranks.is_main:
-            save_weights(Path(self._owner.state.run_dir) / "model.pt", self._owner.model.state_dict())
+        o = self._owner
+        if self.shards is not None:
+            self.shards.finish()  # the run's last checkpoint is complete before it ends
+        weights = sharded.full_weights(o.model) if o._strategy.sharded else o.model.state_dict()
+        if o.ranks.is_main:  # whole and unsharded: loadable without saferun
+            save_weights(Path(o.state.run_dir) / "model.pt", weights)
 
     def save_due(self) -> bool:
         every = self._owner.cfg.trainer.save_every_n_steps

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import SaferunError
 
@@ -142,6 +143,8 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     cost about 20 times more on the CPU.
     """
     t = t.detach()
+    if isinstance(t, DTensor):
+        t = t.to_local()  # FSDP: this rank's shard; the changed flags are summed over ranks
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_complex():

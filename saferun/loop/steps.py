@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, SaferunError
 from .metrics import scalar_dict
@@ -77,8 +78,19 @@ def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> to
     that turns every gradient into NaN.
     """
     if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return total_norm([p.grad for p in params if p.grad is not None])
+    return _global(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)."""
+    return _global(torch.nn.utils.get_total_norm(tensors))
+
+
+def _global(norm: torch.Tensor) -> torch.Tensor:
+    # Over DTensor shards torch returns a DTensor: its full value is the norm of the whole
+    # model (reduced over ranks), a plain tensor the metrics and guards can use.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
