@@ -139,7 +139,7 @@ def load(path: Path, state: dict[str, Any], model: nn.Module,
     shards = _shards(model, optimizer if with_optim else None)
     try:
         dcp.load(shards, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
-    except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+    except Exception as e:  # DCP reports a refused .metadata as an AssertionError
         raise CheckpointError(f"could not load the shards of {path}: {e}") from None
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=shards["model"],
@@ -188,19 +188,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                    "torch.distributed.checkpoint.planner")
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES and (name[:1].isupper() or name == "_StorageInfo"):
-            return super().find_class(module, name)
+        if module in _ALLOWED_MODULES:  # the classes defined there: dataclasses and enums
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
                                                                (torch.dtype, torch.layout,
                                                                 torch.memory_format))):
             return getattr(torch, name)
-        if module in ("collections",) and name == "OrderedDict":
+        if (module, name) in _ALLOWED_GLOBALS:  # a layout by name, the checkpoint's path
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refused to unpickle {module}.{name} from a checkpoint's "
                                      f".metadata: only DCP's metadata classes are loaded")
