@@ -4,6 +4,8 @@ configured strategy (fsdp or ddp), then write each rank's view of the result int
 - `optim_rank<R>.pt`: this rank's optimizer state, its own shards (the local tensors);
 - `bytes_rank<R>.json`: the bytes of parameters and optimizer state this rank holds, and the
   whole model's parameter bytes;
+- `run_rank<R>.json`: the final metrics, and the reduce-scatters this rank ran;
+- `buffers_rank<R>.pt`: this rank's buffers (BatchNorm statistics);
 - (`model.pt`, rank 0, is saferun's own export: the whole weights.)
 
 PLANT_JSON holds SelfSignalling's keyword arguments (tests/toys.py), plus `submodules: true`
@@ -86,6 +88,14 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     plant = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     trainer = StackTrainer(cfg, **plant)
+    calls = [0]
+    reduce_scatter = torch.distributed.reduce_scatter_single  # FSDP2 looks it up at each call
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return reduce_scatter(*args, **kw)
+
+    torch.distributed.reduce_scatter_single = counted
     trainer.fit()
     rank, run_dir = trainer.ranks.rank, cfg["trainer"]["run_dir"]
     opt = trainer.optimizer
@@ -94,6 +104,10 @@ def main() -> None:
     torch.save({f"{i}.{k}": local(v).clone() for i, s in enumerate(opt.state.values())
                 for k, v in s.items() if isinstance(v, torch.Tensor)},
                os.path.join(run_dir, f"optim_rank{rank}.pt"))
+    torch.save({k: v.clone() for k, v in trainer.model.named_buffers()},
+               os.path.join(run_dir, f"buffers_rank{rank}.pt"))
+    with open(os.path.join(run_dir, f"run_rank{rank}.json"), "w") as f:
+        json.dump({"metrics": trainer.state.metrics, "reduce_scatters": calls[0]}, f)
     params = list(trainer.model.parameters())
     with open(os.path.join(run_dir, f"bytes_rank{rank}.json"), "w") as f:
         json.dump({"params": nbytes(params), "optim": nbytes(states),
