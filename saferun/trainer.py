@@ -143,7 +143,8 @@ class Trainer:
 
     def after_fit(self, metrics: dict[str, float]) -> None:
         """Called once training ended normally, with the final metrics and the trained model
-        (on rank 0 under torchrun): e.g. print a sample. Default: nothing."""
+        (on rank 0 under torchrun; on every rank with trainer.strategy=fsdp, whose forward
+        needs them all): e.g. print a sample. Default: nothing."""
 
     def predict_step(self, batch: Any) -> Any:
         """Return the model's output for `batch`. Default: model(batch), or model(batch[0])."""
@@ -249,7 +250,7 @@ class Trainer:
                     self._validate_and_report(Control(stop=True))  # the loop has ended
                 self._checkpointer.save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
-            if self.ranks.is_main:
+            if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
             with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too

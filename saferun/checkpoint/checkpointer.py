@@ -51,6 +51,7 @@ class Owner(Protocol):
     _strategy: Any  # the parallel strategy: gathers each rank's state
     _batches: Any  # BatchStream: the data position and the RNG states to restore
     _owed: Any  # a step's end that a stop interrupted (its validation), or None
+    _stop_signals: Any  # StopSignals: a save for a stop is completed before the exit
     _validated_at: int
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -264,8 +265,10 @@ class Checkpointer:
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
                                        keep=[Path(self.best[1])] if self.best else (), current=done)
         if o._strategy.sharded:  # every rank writes its shards (perhaps in the background)
-            self.shards = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
+            self.shards = o._strategy.saves = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
             self.shards.save(root, o.state.step, state, o.model, o.optimizer, rotation)
+            if o._strategy.stop_agreed(o._stop_signals):  # the ranks exit after this save
+                self.shards.finish()
         elif o.ranks.is_main:
             save_checkpoint(root, o.state.step, state)
             rotation(path)
@@ -291,6 +294,8 @@ class Checkpointer:
         """Save now if the run has no checkpoint yet (rollback and anomaly replay need one)."""
         if not list_checkpoints(checkpoint_root(self._owner.state.run_dir)):
             self.save()
+            if self.shards is not None:
+                self.shards.finish()  # complete now, not at the next log point
 
     def save_if_best(self, metrics: Mapping[str, float]) -> None:
         """trainer.save_best: save when validation improved the watched metric."""

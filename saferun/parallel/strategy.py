@@ -140,9 +140,25 @@ class FullyShardedDataParallel(DataParallel):
         self._sync = fsdp.ShardedSync(trainer.model)  # type: ignore[assignment]
         self._pending: Optional[Control] = None
         self._agreed_signal: Optional[int] = None
+        self.saves: Any = None  # the Checkpointer's ShardedWriter, set at its first save
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
         return self._sync.micro_batch(last, self._trainer.state.step + 1)  # type: ignore[attr-defined]
+
+    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
+        """Also, while an asynchronous save is in flight, whether this rank's write is done:
+        summed with the stop votes, so the ranks complete it together at no extra collective."""
+        votes = super().stop_votes(signals)
+        written = self.saves.written() if self.saves is not None else None
+        if written is not None:  # the same on every rank: the save began on all of them
+            votes["_saves_written"] = torch.full((), float(written), device=self._device)
+        return votes
+
+    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
+        written = metrics.pop("_saves_written", None)
+        super().count_stop_votes(metrics, signals)
+        if written == self._trainer.ranks.world_size:
+            self.saves.finish()  # every rank's write is done: hash, manifest, rename
 
 
 def strategy_for(trainer: ModelOwner, find_unused: bool, strategy: str = "auto") -> SingleProcess:
