@@ -111,6 +111,7 @@ def main() -> None:
     params = list(trainer.model.parameters())
     with open(os.path.join(run_dir, f"bytes_rank{rank}.json"), "w") as f:
         json.dump({"params": nbytes(params), "optim": nbytes(states),
+                   "trainable": nbytes(p for p in params if p.requires_grad),
                    "whole": sum(p.numel() * p.element_size() for p in params)}, f)
 
 

@@ -30,6 +30,7 @@ from toys import ToyTrainer, toy_config
 JOB = str(Path(__file__).with_name("fsdp_job.py"))
 TIMEOUT = 300  # a hang fails the test instead of the suite
 STEPS, ACCUMULATE, UNITS = 10, 2, 4  # units: the 3 blocks of fsdp_job.Stack and the root
+FROZEN = "blocks.1.norm"
 
 
 def free_port() -> int:
@@ -46,8 +47,10 @@ def torchrun(cfg, plant=None, nproc=2):
 
 
 def job_config(run_dir, strategy="fsdp", **trainer):
+    # a frozen module inside a unit: FSDP2 shards it, the optimizer never sees it
     cfg = toy_config(run_dir.parent, max_steps=STEPS, batch_size=8, accumulate=ACCUMULATE,
-                     save_every_n_steps=5, log_every_n_steps=5, val_every_n_steps=5, **trainer)
+                     save_every_n_steps=5, log_every_n_steps=5, val_every_n_steps=5,
+                     frozen_modules=[FROZEN], **trainer)
     cfg["trainer"].update(run_dir=str(run_dir), strategy=strategy)
     cfg["optim"] = {"_target_": "torch.optim.AdamW", "lr": 0.01}
     return cfg
@@ -84,16 +87,20 @@ def test_each_rank_writes_its_shard_and_holds_half_the_bytes(fsdp_run):
     for c in counted:
         # uneven shards (odd sizes) differ by at most one row of each tensor: within 5%
         assert abs(c["params"] - whole / 2) <= 0.05 * whole
-        assert c["optim"] == 2 * c["params"]  # AdamW's two moments, sharded like the parameters
+        assert c["optim"] == 2 * c["trainable"] > 0  # AdamW's two moments, sharded likewise
 
 
 def test_model_pt_is_whole_and_loads_into_the_plain_model(fsdp_run):
     from fsdp_job import Stack
 
     weights = load(fsdp_run, "model.pt")  # weights_only: plain tensors
+    torch.manual_seed(0)  # as saferun seeded before build_model
     plain = Stack()
+    initial = {k: v.clone() for k, v in plain.state_dict().items()}
     plain.load_state_dict(weights)  # strict: every parameter and buffer, unsharded
     assert all(type(t) is torch.Tensor for t in weights.values())
+    for k in initial:  # the frozen module kept its initial weights; the others trained
+        assert torch.equal(weights[k], initial[k]) == k.startswith(FROZEN + "."), k
     # every rank ends with rank 0's buffers (BatchNorm statistics), as under DDP
     for rank in (0, 1):
         buffers = load(fsdp_run, f"buffers_rank{rank}.pt")
@@ -229,3 +236,22 @@ def test_async_saves_train_the_same_and_complete_every_checkpoint(fsdp_run, tmp_
     for name in names:
         load_checkpoint(run_dir / "checkpoints" / name)
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_the_charlm_recipe_runs_sharded_from_the_command_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master_port={free_port()}", "-m", "saferun", "run", "recipe=charlm", "debug=fast",
+         "trainer.strategy=fsdp", "trainer.progress_bar=false", "task.sample_chars=20",
+         "data.max_chars=100000", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 10
+    assert proc.stdout.count("saferun: charlm sample:\ndef ") == 1  # every rank sampled, one printed
+    assert load_checkpoint(run_dir / "checkpoints" / "step-00000010")["sharded"]["world_size"] == 2
+    from saferun.recipes.charlm import CharTransformer
+
+    CharTransformer().load_state_dict(load(run_dir, "model.pt"))  # the recipe's default model
