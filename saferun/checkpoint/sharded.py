@@ -31,7 +31,7 @@ import os
 import pickle
 import secrets
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -58,6 +58,7 @@ class ShardedWriter:
         self.async_save = async_save
         # DCP's background write gathers over its own group, never interleaved with training's
         self._group = dist.new_group(backend="gloo") if async_save else None
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="saferun-hash") if async_save else None
         self._pending: Optional[tuple[Future, Path, Path, int, Callable[[Path], None]]] = None
 
     def save(self, root: Path, step: int, state: dict[str, Any], model: nn.Module,
@@ -74,11 +75,13 @@ class ShardedWriter:
             tmp.mkdir(parents=True, exist_ok=True)
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
             shards = _shards(model, optimizer if has_optim else None)
-            if distributed.Ranks(dist.get_rank()).is_main:
+            if dist.get_rank() == 0:
                 write_tensor_file(tmp / "state.pt", state)
             if self.async_save:
-                future = dcp.async_save(shards, storage_writer=writer, process_group=self._group)
-                self._pending = (future, tmp, final, step, after)
+                written = dcp.async_save(shards, storage_writer=writer, process_group=self._group)
+                assert self._hasher is not None  # this rank's hashes, also off the training thread
+                hashed = self._hasher.submit(lambda: (written.result(), _own_files(tmp))[1])
+                self._pending = (hashed, tmp, final, step, after)
                 return final
             dcp.save(shards, storage_writer=writer)
         except (OSError, RuntimeError) as e:
@@ -97,25 +100,32 @@ class ShardedWriter:
         future, tmp, final, step, after = self._pending
         self._pending = None
         try:
-            future.result()
+            files = future.result()
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(write_failure(final, e)) from e
-        self._publish(tmp, final, step, after)
+        self._publish(tmp, final, step, after, files)
 
-    def _publish(self, tmp: Path, final: Path, step: int, after: Callable[[Path], None]) -> Path:
+    def _publish(self, tmp: Path, final: Path, step: int, after: Callable[[Path], None],
+                 files: Optional[dict[str, Any]] = None) -> Path:
         rank = dist.get_rank()
-        mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
-        if rank == 0:
-            mine += [".metadata", "state.pt"]
-        files = {name: file_entry(tmp / name) for name in mine}
-        every = distributed.gather(files)
+        every = distributed.gather(_own_files(tmp) if files is None else files)
         if rank == 0:
             assert every is not None
             listed = {name: entry for part in every for name, entry in part.items()}
             publish(final.parent, tmp, final, step, listed)
             after(final)
         return final
+
+
+def _own_files(tmp: Path) -> dict[str, Any]:
+    """This rank's written files in `tmp` with their manifest entries (rank 0: also DCP's
+    .metadata, written once every rank's write was done, and state.pt)."""
+    rank = dist.get_rank()
+    mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
+    if rank == 0:
+        mine += [".metadata", "state.pt"]
+    return {name: file_entry(tmp / name) for name in mine}
 
 
 def _shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:

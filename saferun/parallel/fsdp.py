@@ -139,6 +139,9 @@ class ShardedSync:
 
 
 def reshard(model: nn.Module) -> None:
-    """Put the parameters back in their shards after an evaluation forward."""
+    """Put the parameters back in their shards after an evaluation forward: every unit's (with
+    reshard_after_forward=false the units stay gathered too; reshard() acts on one unit)."""
     if is_sharded(model):
-        model.reshard()  # type: ignore[operator]
+        for module in model.modules():
+            if is_sharded(module):
+                module.reshard()  # type: ignore[operator]

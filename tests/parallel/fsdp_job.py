@@ -42,11 +42,12 @@ class Stack(nn.Module):
     """Blocks (FSDP's default units) between an input layer and a head; a BatchNorm (buffers)
     and a Dropout (modes); odd sizes, so that the shards are uneven."""
 
-    def __init__(self, dim: int = 8, width: int = 30, layers: int = 3, classes: int = 3) -> None:
+    def __init__(self, dim: int = 8, width: int = 30, layers: int = 3, classes: int = 3,
+                 batchnorm: bool = True) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
-        self.bn = nn.BatchNorm1d(width)
+        self.bn = nn.BatchNorm1d(width) if batchnorm else nn.Identity()
         self.dropout = nn.Dropout(0.1)
         self.head = nn.Linear(width, classes)
 
@@ -58,12 +59,13 @@ class Stack(nn.Module):
 
 
 class StackTrainer(SelfSignalling):
-    def __init__(self, cfg: Any, submodules: bool = False, width: int = 30, **plant: Any) -> None:
+    def __init__(self, cfg: Any, submodules: bool = False, batchnorm: bool = True,
+                 **plant: Any) -> None:
         super().__init__(cfg, **plant)
-        self.submodules, self.width = submodules, width
+        self.submodules, self.batchnorm = submodules, batchnorm
 
     def build_model(self) -> nn.Module:
-        return Stack(width=self.width)
+        return Stack(batchnorm=self.batchnorm)
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         x, y = make_classification(64, seed=1)

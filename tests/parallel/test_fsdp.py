@@ -48,9 +48,9 @@ def torchrun(cfg, plant=None, nproc=2):
 
 def job_config(run_dir, strategy="fsdp", **trainer):
     # a frozen module inside a unit: FSDP2 shards it, the optimizer never sees it
-    cfg = toy_config(run_dir.parent, max_steps=STEPS, batch_size=8, accumulate=ACCUMULATE,
-                     save_every_n_steps=5, log_every_n_steps=5, val_every_n_steps=5,
-                     frozen_modules=[FROZEN], **trainer)
+    knobs = dict(max_steps=STEPS, batch_size=8, accumulate=ACCUMULATE, save_every_n_steps=5,
+                 log_every_n_steps=5, val_every_n_steps=5, frozen_modules=[FROZEN])
+    cfg = toy_config(run_dir.parent, **{**knobs, **trainer})
     cfg["trainer"].update(run_dir=str(run_dir), strategy=strategy)
     cfg["optim"] = {"_target_": "torch.optim.AdamW", "lr": 0.01}
     return cfg
@@ -154,6 +154,20 @@ def test_a_strategy_for_several_processes_refuses_one(tmp_path, strategy):
         ToyTrainer(cfg).setup()
 
 
+def test_the_default_units_are_the_blocks_of_a_stack_and_named_units_must_exist():
+    from fsdp_job import Stack
+
+    from saferun.parallel.fsdp import units
+    from saferun.recipes.charlm import CharTransformer
+
+    assert [n for n, _ in units(CharTransformer(layers=3), [])] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [n for n, _ in units(Stack(), [])] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [n for n, _ in units(Stack(), ["head", "Block"])] == ["blocks.0", "blocks.1",
+                                                                 "blocks.2", "head"]
+    with pytest.raises(ConfigError, match="trainer.fsdp.shard: 'Blocks' is neither .* Block, "):
+        units(Stack(), ["Blocks"])
+
+
 # ---------------------------------------------------------------------- slow: more torchruns
 
 @pytest.mark.slow
@@ -192,10 +206,72 @@ def test_killed_and_resumed_equals_uninterrupted_bitwise(fsdp_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_parameters_with_fp32_reduction_and_named_units(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = job_config(run_dir)
+    cfg["trainer"]["fsdp"] = {"param_dtype": "bf16", "reshard_after_forward": False,
+                              "shard": ["Block", "head"]}
+    proc = torchrun(cfg, {"batchnorm": False})  # (a BatchNorm's fp32 statistics refuse bf16)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the shards, the optimizer state and the export stay fp32: only the gathered copies are bf16
+    weights = load(run_dir, "model.pt")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert all(v.dtype == torch.float32 for v in load(run_dir, "optim_rank0.pt").values()
+               if v.ndim > 0)
+    out = job_output(run_dir, 0)
+    assert out["reduce_scatters"] == STEPS * (UNITS + 1)  # the head is a unit of its own
+    assert 0 < out["metrics"]["train/loss"] < 10
+
+
+@pytest.mark.slow
 def test_an_exception_on_rank_1_ends_the_job(tmp_path):
     proc = torchrun(job_config(tmp_path / "run"), {"fail_at": 3, "on_rank": 1})
     assert proc.returncode != 0
     assert "planted failure on rank 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_stops_both_and_rollback_reloads_the_shards(tmp_path):
+    proc = torchrun(job_config(tmp_path / "raise"), {"nan_at": 2, "on_rank": 1})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("non-finite values at step 2 on rank 1: loss nan") == 2, out
+    cfg = job_config(tmp_path / "rollback")
+    cfg["guards"] = {"nonfinite": "rollback"}
+    proc = torchrun(cfg, {"nan_at": 7, "on_rank": 1})  # planted again each time step 7 comes
+    out = proc.stdout + proc.stderr
+    # both ranks reload the step-5 shards together, each time, until max_consecutive (5)
+    assert proc.returncode != 0
+    assert out.count("step-00000005 (step 5); training continues") == 2 * 5, out
+    assert out.count("Cannot roll back: 6 rollbacks") == 2, out
+
+
+@pytest.mark.slow
+def test_an_async_checkpoint_is_listed_only_once_every_rank_has_written_it(tmp_path):
+    # saved at step 5 in the background; completed at the next log point (step 10): a
+    # SIGKILL at step 8 leaves it a temporary directory, which a resume does not use
+    run_dir = tmp_path / "run"
+    cfg = job_config(run_dir)
+    cfg["trainer"]["fsdp"] = {"async_save": True}
+    killed = torchrun(cfg, {"signal_at": 8, "signum": int(signal.SIGKILL), "on_rank": 0})
+    assert killed.returncode != 0
+    assert list_checkpoints(run_dir / "checkpoints") == []
+    [tmp] = (run_dir / "checkpoints").glob(".tmp-step-00000005-*")
+    assert not (tmp / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_both_at_one_step_and_completes_the_async_save(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = job_config(run_dir, save_every_n_steps=None)
+    cfg["trainer"]["fsdp"] = {"async_save": True}
+    proc = torchrun(cfg, {"signal_at": 2, "signum": int(signal.SIGTERM), "on_rank": 1})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # the signal reached rank 1 in step 2; the ranks agreed at the log point after step 5
+    assert out.count("stopped by SIGTERM at step 5") == 2, out
+    [path] = list_checkpoints(run_dir / "checkpoints")
+    assert path.name == "step-00000005" and load_checkpoint(path)["loop"]["step"] == 5
 
 
 @pytest.mark.slow
