@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_state_dict)
 
 from ..parallel import distributed
-from .store import CheckpointError, file_entry, publish
+from .store import CheckpointError, _sha256, publish
 from .store import _write_failure as write_failure, _write_tensor_file as write_tensor_file
 
 log = logging.getLogger("saferun")
@@ -113,7 +113,13 @@ class ShardedWriter:
         if rank == 0:
             assert every is not None
             listed = {name: entry for part in every for name, entry in part.items()}
-            publish(final.parent, tmp, final, step, listed)
+            try:
+                publish(final.parent, tmp, final, step, listed)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, OSError):
+                    raise CheckpointError(write_failure(final, e)) from None
+                raise
             after(final)
         return final
 
@@ -125,7 +131,8 @@ def _own_files(tmp: Path) -> dict[str, Any]:
     mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
     if rank == 0:
         mine += [".metadata", "state.pt"]
-    return {name: file_entry(tmp / name) for name in mine}
+    return {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for name in mine}
 
 
 def _shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """Crash-safe checkpoints: atomic writes, hashed manifests, safe loading.
 
 A checkpoint is a directory `<run_dir>/checkpoints/step-NNNNNNNN/` holding
-`state.pt` and `manifest.json` (a sharded one also each rank's shards: `sharded`).
-It is written under a temporary name, each file flushed and fsynced, the manifest (with each file's SHA-256) written
-last, then the directory is renamed into place and its parent fsynced. So a
-directory named `step-*` with a manifest whose hashes match is complete; a
-process killed mid-save leaves only a `.tmp-*` directory, which is ignored.
+`state.pt` and `manifest.json` (sharded: also each rank's files, see `sharded.py`).
+It is written under a temporary name, each file flushed and fsynced, the manifest
+(with each file's SHA-256) written last, then the directory is renamed into place and
+its parent fsynced. So a directory named `step-*` with a manifest whose hashes match is
+complete; a process killed mid-save leaves only a `.tmp-*` directory, which is ignored.
 
 Saving a step that already has a checkpoint (the final save at a save step, a
 stop right after one) renames the old copy to `step-N.replaced-XXXX` before the
@@ -67,33 +67,26 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        files = {"state.pt": _write_tensor_file(tmp / "state.pt", state)}
+        return publish(root, tmp, final, step, {"state.pt": _write_tensor_file(tmp / "state.pt", state)})
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError)):
             raise CheckpointError(_write_failure(final, e)) from None
         raise
-    return publish(root, tmp, final, step, files)
 
 
 def publish(root: Path, tmp: Path, final: Path, step: int, files: dict[str, Any]) -> Path:
-    """Complete a checkpoint whose files are written and fsynced in `tmp`: the manifest
-    (`files`: each file's size and SHA-256) last, then the rename to `final`."""
+    """Complete a checkpoint whose `files` (name: size and SHA-256) are written and fsynced
+    in `tmp`: the manifest last, then the rename to `final`. The caller cleans up on errors."""
+    _write_bytes(tmp / "manifest.json", json.dumps(
+        {"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode())
+    _fsync_dir(tmp)
     old = None
-    try:
-        manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
-        _write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
-        _fsync_dir(tmp)
-        if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
-            old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (OSError, RuntimeError)):
-            raise CheckpointError(_write_failure(final, e)) from None
-        raise
+    if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
+        old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -117,14 +110,22 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     if not (path / "manifest.json").is_file():
         raise CheckpointError(f"{path} has no manifest.json: it is not a complete saferun "
                               f"checkpoint (a save was interrupted?).")
-    listed = _read_manifest(path)
-    for name, expected in listed.items():
-        _verify(path / name, expected)
+    for name, expected in _read_manifest(path).items():  # state.pt, and any shard files
+        file = path / name
+        try:
+            size = file.stat().st_size
+            actual = _sha256(file)
+        except OSError as e:
+            raise CheckpointError(f"{file} is unreadable ({e.strerror or e}).") from None
+        if (size, actual) != (expected["bytes"], expected["sha256"]):
+            raise CheckpointError(f"{file} does not match its manifest (truncated or "
+                                  f"corrupted: {size} bytes, sha256 {actual}; the manifest says "
+                                  f"{expected['bytes']} bytes, sha256 {expected['sha256']}).")
     state_path = path / "state.pt"
     try:
         state = torch.load(state_path, map_location=map_location, weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("sharded"), dict):
-            state["sharded"]["path"] = str(path)  # the shards beside it (checkpoint/sharded.py)
+        if isinstance(state, dict) and isinstance(state.get("sharded"), dict):  # sharded.py's
+            state["sharded"]["path"] = str(path)
         return state
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line),
@@ -134,18 +135,6 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
             f"containers, which could run code when unpickled ({reason}). saferun never "
             f"writes such files; do not load it unless you made it yourself."
         ) from None
-
-
-def _verify(file: Path, expected: dict[str, Any]) -> None:
-    try:
-        size = file.stat().st_size
-        actual = _sha256(file)
-    except OSError as e:
-        raise CheckpointError(f"{file} is unreadable ({e.strerror or e}).") from None
-    if (size, actual) != (expected["bytes"], expected["sha256"]):
-        raise CheckpointError(f"{file} does not match its manifest (truncated or "
-                              f"corrupted: {size} bytes, sha256 {actual}; the manifest says "
-                              f"{expected['bytes']} bytes, sha256 {expected['sha256']}).")
 
 
 def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
@@ -180,7 +169,6 @@ def _manifest_problem(manifest: Any, dir_name: str) -> Optional[str]:
         return "files is not an object with the key state.pt"
     shards = set(files) - {"state.pt"}
     if shards and (".metadata" not in shards or not all(map(_SHARD_FILE.match, shards))):
-        # trainer.strategy=fsdp: DCP's index and each rank's shard file (checkpoint/sharded.py)
         return "files holds other keys than state.pt, .metadata and __<rank>_<n>.distcp"
     for name, entry in files.items():
         if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
@@ -337,11 +325,6 @@ def _write_tensor_file(path: Path, obj: Any) -> dict[str, Any]:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def file_entry(path: Path) -> dict[str, Any]:
-    """A written, fsynced file's manifest entry: its size and SHA-256."""
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
