@@ -69,8 +69,13 @@ class ShardedWriter:
         final = root / f"step-{step:08d}"
         tmp = Path(distributed.broadcast(str(root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}")))
         state = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-        has_optim = bool(optimizer.state)  # DCP would fake a step to make state that is not there
-        state["sharded"] = {"world_size": dist.get_world_size(), "optimizer": has_optim}
+        # get_state_dict would fake an optimizer step (lr 0) to create state that is not there
+        # yet (a step-0 save, a stateless SGD), and change this run's optimizer: then only the
+        # param_groups (lr, ...), which are the same on every rank, go into state.pt
+        has_optim = bool(optimizer.state)
+        state["sharded"] = {"world_size": dist.get_world_size(), "optimizer": has_optim,
+                            "param_groups": None if has_optim else
+                            optimizer.state_dict()["param_groups"]}
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
@@ -161,8 +166,11 @@ def load(path: Path, state: dict[str, Any], model: nn.Module,
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optim"])
-    else:
-        set_state_dict(model, (), model_state_dict=shards["model"], optim_state_dict={})
+        return
+    set_state_dict(model, (), model_state_dict=shards["model"], optim_state_dict={})
+    if optimizer is not None and info.get("param_groups"):
+        for group, saved in zip(optimizer.param_groups, info["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:

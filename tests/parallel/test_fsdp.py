@@ -154,6 +154,18 @@ def test_a_strategy_for_several_processes_refuses_one(tmp_path, strategy):
         ToyTrainer(cfg).setup()
 
 
+@pytest.mark.parametrize("key, value", [("compile", True), ("find_unused_parameters", True),
+                                        ("fsdp", {"cpu_offload": True})])
+def test_what_fsdp_cannot_do_right_is_refused_naming_the_key(key, value):
+    from saferun.config import load_config
+    from saferun.parallel import distributed, fsdp
+
+    t = load_config({"trainer": {"strategy": "fsdp", key: value}}).trainer
+    name = key if key != "fsdp" else "fsdp.cpu_offload"
+    with pytest.raises(ConfigError, match=f"trainer.{name}=true"):
+        fsdp.check(t, distributed.Ranks(0, 2, 0), torch.device("cpu"))
+
+
 def test_the_default_units_are_the_blocks_of_a_stack_and_named_units_must_exist():
     from fsdp_job import Stack
 
@@ -221,6 +233,27 @@ def test_bf16_parameters_with_fp32_reduction_and_named_units(tmp_path):
     out = job_output(run_dir, 0)
     assert out["reduce_scatters"] == STEPS * (UNITS + 1)  # the head is a unit of its own
     assert 0 < out["metrics"]["train/loss"] < 10
+
+
+@pytest.mark.slow
+def test_a_stateless_optimizer_resumes_its_scheduled_learning_rate(tmp_path):
+    # plain SGD keeps no state: its param_groups (the decayed lr) are saved beside the shards
+    def config(run_dir):
+        cfg = job_config(run_dir)
+        cfg["optim"] = {"_target_": "torch.optim.SGD", "lr": 0.1}
+        cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 3, "gamma": 0.5}
+        return cfg
+
+    assert torchrun(config(tmp_path / "straight")).returncode == 0
+    run_dir = tmp_path / "run"
+    killed = torchrun(config(run_dir), {"signal_at": 8, "signum": int(signal.SIGKILL), "on_rank": 0})
+    assert killed.returncode != 0
+    cfg = config(run_dir)
+    cfg["resume"] = "auto"
+    resumed = torchrun(cfg)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = load(run_dir, "model.pt"), load(tmp_path / "straight", "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 @pytest.mark.slow
