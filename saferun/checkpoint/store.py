@@ -76,8 +76,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
 
 
 def publish(root: Path, tmp: Path, final: Path, step: int, files: dict[str, Any]) -> Path:
-    """Complete a checkpoint whose `files` (name: size and SHA-256) are written and fsynced
-    in `tmp`: the manifest last, then the rename to `final`. The caller cleans up on errors."""
+    """Complete `tmp`, its `files` written and fsynced: the manifest last, then the rename."""
     _write_bytes(tmp / "manifest.json", json.dumps(
         {"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode())
     _fsync_dir(tmp)
