@@ -23,7 +23,7 @@ from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
-from . import rundir, sharded
+from . import rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights, set_aside_newer)
@@ -66,7 +66,7 @@ class Checkpointer:
         self.best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
-        self.shards: Optional[sharded.ShardedWriter] = None  # trainer.strategy=fsdp's writer
+        self.shards: Any = None  # trainer.strategy=fsdp's ShardedWriter
 
     # ------------------------------------------------------------------ state
 
@@ -104,12 +104,13 @@ class Checkpointer:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
+        from . import sharded  # torch.distributed.checkpoint: imported only when needed
         o = self._owner
         self.replaced()  # this state replaces one found by setup
         if o._strategy.sharded:  # every rank reads its shards (resharded for another world size)
             sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, o.model, o.optimizer)
         else:
-            self.load_model(sharded.whole_weights(state.get("sharded", {}).get("path"), state))
+            self.load_model(whole_weights(state.get("sharded", {}).get("path"), state))
             o.optimizer.load_state_dict(state["optimizer"])
         if o.scheduler is not None and state["scheduler"] is not None:
             o.scheduler.load_state_dict(state["scheduler"])
@@ -177,9 +178,11 @@ class Checkpointer:
         check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
                             keys=("model", "task"), purpose="use the checkpoint's weights")
         if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
+            from . import sharded
+
             sharded.load(found[0], state, o.model, None)
         else:
-            self.load_model(sharded.whole_weights(found[0], state))
+            self.load_model(whole_weights(found[0], state))
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, state["loop"][key])
         self.pending_resume = found
@@ -265,6 +268,8 @@ class Checkpointer:
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
                                        keep=[Path(self.best[1])] if self.best else (), current=done)
         if o._strategy.sharded:  # every rank writes its shards (perhaps in the background)
+            from . import sharded
+
             self.shards = o._strategy.saves = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
             self.shards.save(root, o.state.step, state, o.model, o.optimizer, rotation)
             if o._strategy.stop_agreed(o._stop_signals):  # the ranks exit after this save
@@ -282,7 +287,12 @@ class Checkpointer:
         o = self._owner
         if self.shards is not None:
             self.shards.finish()  # the run's last checkpoint is complete before it ends
-        weights = sharded.full_weights(o.model) if o._strategy.sharded else o.model.state_dict()
+        if o._strategy.sharded:  # gathered from every rank
+            from .sharded import full_weights
+
+            weights = full_weights(o.model)
+        else:
+            weights = o.model.state_dict()
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
             save_weights(Path(o.state.run_dir) / "model.pt", weights)
 
@@ -311,3 +321,13 @@ class Checkpointer:
             return True
         return metrics[key] < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
             else metrics[key] > self.best[0]
+
+
+def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:
+    """The whole weights of a checkpoint, for a run that does not shard; refused for shards."""
+    if "sharded" in state:
+        raise CheckpointError(
+            f"{path} was written by trainer.strategy=fsdp (the weights sharded over "
+            f"{state['sharded']['world_size']} processes) and this run does not shard the model. "
+            f"Resume with trainer.strategy=fsdp, or use the run's model.pt (whole weights).")
+    return state["model"]

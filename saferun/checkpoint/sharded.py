@@ -33,7 +33,7 @@ import secrets
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -171,16 +171,6 @@ def load(path: Path, state: dict[str, Any], model: nn.Module,
     if optimizer is not None and info.get("param_groups"):
         for group, saved in zip(optimizer.param_groups, info["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:
-    """The whole weights of a checkpoint for a run that does not shard; refused for shards."""
-    if "sharded" in state:
-        raise CheckpointError(
-            f"{path} was written by trainer.strategy=fsdp (the weights sharded over "
-            f"{state['sharded']['world_size']} processes) and this run does not shard the model. "
-            f"Resume with trainer.strategy=fsdp, or use the run's model.pt (whole weights).")
-    return state["model"]
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:

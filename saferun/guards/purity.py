@@ -20,7 +20,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..errors import SaferunError
 
@@ -143,8 +142,8 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     cost about 20 times more on the CPU.
     """
     t = t.detach()
-    if isinstance(t, DTensor):
-        t = t.to_local()  # FSDP: this rank's shard; the changed flags are summed over ranks
+    if hasattr(t, "to_local"):  # a DTensor (FSDP): this rank's shard; flags summed over ranks
+        t = t.to_local()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_complex():

@@ -9,7 +9,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, SaferunError
 from .metrics import scalar_dict
@@ -88,9 +87,11 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _global(norm: torch.Tensor) -> torch.Tensor:
-    # Over DTensor shards torch returns a DTensor: its full value is the norm of the whole
-    # model (reduced over ranks), a plain tensor the metrics and guards can use.
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    # Over DTensor shards (FSDP) torch returns a DTensor: its full value is the norm of the
+    # whole model, a plain tensor the metrics and guards can use. (No import of DTensor: it
+    # costs every run a second of import time.)
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -16,6 +16,7 @@ rank 0's buffers broadcast after each step, and the parameters resharded after e
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -28,9 +29,8 @@ _MIXED = "got mixed torch.Tensor and DTensor"  # torch's error for a gathered-le
 
 
 def is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def check(t: Any, ranks: distributed.Ranks, device: torch.device) -> None:
