@@ -196,8 +196,9 @@ class CharLMTrainer(saferun.Trainer):
     def after_fit(self, metrics: dict[str, float]) -> None:
         """Once trained: print a sample from the model."""
         if self.sample_chars > 0:
-            print(f"saferun: charlm sample:\n{self.sample_prompt}{self.sample(self.sample_chars)}",
-                  flush=True)
+            text = self.sample(self.sample_chars)  # under fsdp every rank runs the model
+            if self.ranks.is_main:
+                print(f"saferun: charlm sample:\n{self.sample_prompt}{text}", flush=True)
 
     def sample(self, n: int) -> str:
         """`n` characters continuing `sample_prompt`, drawn with a generator seeded by cfg.seed."""

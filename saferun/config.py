@@ -15,24 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from .errors import ConfigError
+from .loop.settings import EmaConfig
+from .parallel.settings import FSDPConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("auto", "ddp", "fsdp")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
-
-
-@dataclass
-class EmaConfig:
-    """trainer.ema: an exponential moving average of the weights (off by default), validated beside
-    the raw weights (val_ema/...), checkpointed, and exported as <run_dir>/model_ema.pt."""
-
-    decay: Optional[float] = None
-    """ema = decay * ema + (1 - decay) * weights after each optimizer step (e.g. 0.999; null: off)."""
-    use_buffers: bool = True
-    """Average floating buffers (BatchNorm statistics) too; false: copy them. Integers are copied."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.decay, (int, float)) and not 0.0 < self.decay < 1.0:
-            raise ConfigError(f"trainer.ema.decay must be in (0, 1), e.g. 0.999, or null; got {self.decay}.")
 
 
 @dataclass
@@ -105,6 +93,12 @@ class TrainerConfig:
     run_dir: Optional[str] = None
     """Directory for this run's outputs (None: runs/<timestamp>)."""
     ema: EmaConfig = field(default_factory=EmaConfig)  # weight averaging, see EmaConfig
+    strategy: str = "auto"
+    """Under torchrun: ddp (every rank holds the whole model), fsdp (parameters, gradients and
+    optimizer state sharded over the ranks, FSDP2) or auto (ddp under torchrun, else one
+    process)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """trainer.strategy=fsdp's settings."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",
@@ -114,6 +108,7 @@ class TrainerConfig:
         _one_of(self, "save_best_mode", ("min", "max"))
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
+        _one_of(self, "strategy", STRATEGIES)
         if isinstance(self.num_workers, int) and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers must be >= 0, got {self.num_workers}.")
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):

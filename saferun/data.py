@@ -302,6 +302,14 @@ def _check_sampler_shards(loader: DataLoader, world_size: int) -> None:
         f"that saferun builds the loaders.")
 
 
+def check_datasets(train: Any, val: Any, processes: int) -> None:
+    """`check_dataset` for the training set and, if there is one, the validation set (every
+    one of the `processes` needs a validation sample)."""
+    check_dataset(train, "training")
+    if val is not None:
+        check_dataset(val, "validation", processes)
+
+
 def check_dataset(dataset: Any, name: str, processes: int = 1) -> None:
     """Fail early, with the fix, on an empty dataset, or one with fewer samples than the
     `processes` that each need one (validation under torchrun)."""

@@ -24,7 +24,7 @@ from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer
 from .config import Config, load_config
-from .data import check_dataset, check_training_loader, make_loaders, set_loader_epoch
+from .data import check_datasets, check_training_loader, make_loaders, set_loader_epoch
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
@@ -43,8 +43,9 @@ from .loop.transfer import batch_size_of, move_to_device
 from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
-                         resolve_device, trainable_parameters)
+                         resolve_device, total_norm, trainable_parameters)
 from .parallel import distributed
+from .parallel.fsdp import shard_model
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
 from .schedules import Schedule
@@ -147,7 +148,8 @@ class Trainer:
 
     def after_fit(self, metrics: dict[str, float]) -> None:
         """Called once training ended normally, with the final metrics and the trained model
-        (on rank 0 under torchrun): e.g. print a sample. Default: nothing."""
+        (on rank 0 under torchrun; on every rank with trainer.strategy=fsdp, whose forward
+        needs them all): e.g. print a sample. Default: nothing."""
 
     def predict_step(self, batch: Any) -> Any:
         """Return the model's output for `batch`. Default: model(batch), or model(batch[0])."""
@@ -176,12 +178,11 @@ class Trainer:
         self._frozen = modes.resolve_modules(model, t.frozen_modules)
         modes.freeze(self._frozen)
         self.model = model.to(self.device)
+        shard_model(self.model, t, self.ranks, self.device)  # fsdp: in place, before the optimizer
         if self.ranks.world_size > 1:
             seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank
         train_set, val_set = self.build_datasets()
-        check_dataset(train_set, "training")
-        if val_set is not None:
-            check_dataset(val_set, "validation", self.ranks.world_size)
+        check_datasets(train_set, val_set, self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
@@ -211,7 +212,7 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy = strategy_for(self, t.find_unused_parameters)
+        self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy)
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
@@ -254,7 +255,7 @@ class Trainer:
                     self._validate_and_report(Control(stop=True))  # the loop has ended
                 self._checkpointer.save_final()
             cbs.on_fit_end(self.view, dict(state.metrics))
-            if self.ranks.is_main:
+            if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
             with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
@@ -433,7 +434,7 @@ class Trainer:
 
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards
-        extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}
+        extra = {"train/param_norm": total_norm(self._params)} if g.check_params else {}
         strategy, signals = self._strategy, self._stop_signals
         metrics = self._running.read(extra, strategy.stop_votes(signals), self.ranks.world_size)
         strategy.count_stop_votes(metrics, signals)

@@ -51,6 +51,7 @@ class Owner(Protocol):
     _strategy: Any  # the parallel strategy: gathers each rank's state
     _batches: Any  # BatchStream: the data position and the RNG states to restore
     _owed: Any  # a step's end that a stop interrupted (its validation), or None
+    _stop_signals: Any  # StopSignals: a save for a stop is completed before the exit
     _validated_at: int
     _ema: Any  # trainer.ema's WeightAverage, or None
 
@@ -66,6 +67,7 @@ class Checkpointer:
         self.best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
+        self.shards: Any = None  # trainer.strategy=fsdp's ShardedWriter
 
     # ------------------------------------------------------------------ state
 
@@ -104,10 +106,14 @@ class Checkpointer:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
+        from . import sharded  # torch.distributed.checkpoint: imported only when needed
         o = self._owner
         self.replaced()  # this state replaces one found by setup
-        self.load_model(state["model"])
-        o.optimizer.load_state_dict(state["optimizer"])
+        if o._strategy.sharded:  # every rank reads its shards (resharded for another world size)
+            sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, o.model, o.optimizer)
+        else:
+            self.load_model(whole_weights(state.get("sharded", {}).get("path"), state))
+            o.optimizer.load_state_dict(state["optimizer"])
         if o.scheduler is not None and state["scheduler"] is not None:
             o.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
@@ -121,6 +127,10 @@ class Checkpointer:
         self.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
         o._owed = loop.get("owed")  # absent from older checkpoints
         o._validated_at = loop.get("validated_at", -1)
+        if len(state["per_rank"]) != o.ranks.world_size and o._strategy.sharded:
+            self._resharded(len(state["per_rank"]))
+            o._callbacks.load_state_dict(state["callbacks"])
+            return
         if len(state["per_rank"]) != o.ranks.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
@@ -134,6 +144,17 @@ class Checkpointer:
             if key in spikes:
                 detector.load_state_dict(move_to_device(spikes[key], o.device))
         o._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
+
+    def _resharded(self, saved_world: int) -> None:
+        o = self._owner
+        o._batches.resume(None, None)  # this run's own RNG streams and data shards
+        if o.ranks.is_main:
+            log.warning(
+                "Resumed a checkpoint written by %d process(es) with %d: the model and optimizer "
+                "were resharded, the step, epoch and position in it continue, but each rank's "
+                "data shard and random streams differ from the uninterrupted run's, so it is "
+                "not bitwise exact (it is with the same number of processes).",
+                saved_world, o.ranks.world_size)
 
     # ------------------------------------------------------------------ resume
 
@@ -160,7 +181,12 @@ class Checkpointer:
         # Evaluation needs only the same model; continuing training needs the whole config.
         check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
                             keys=("model", "task"), purpose="use the checkpoint's weights")
-        self.load_model(state["model"])
+        if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
+            from . import sharded
+
+            sharded.load(found[0], state, o.model, None)
+        else:
+            self.load_model(whole_weights(found[0], state))
         if o._ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
             o._ema.load_state_dict(state.get("ema"))
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
@@ -245,9 +271,18 @@ class Checkpointer:
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
             self.best = (best, str(path))
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
-        if o.ranks.is_main:
+        rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
+                                       keep=[Path(self.best[1])] if self.best else (), current=done)
+        if o._strategy.sharded:  # every rank writes its shards (perhaps in the background)
+            from . import sharded
+
+            self.shards = o._strategy.saves = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
+            self.shards.save(root, o.state.step, state, o.model, o.optimizer, rotation)
+            if o._strategy.stop_agreed(o._stop_signals):  # the ranks exit after this save
+                self.shards.finish()
+        elif o.ranks.is_main:
             save_checkpoint(root, o.state.step, state)
-            rotate(root, t.keep_last, keep=[Path(self.best[1])] if self.best else (), current=path)
+            rotation(path)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         o._callbacks.on_checkpoint(o.view, str(path))
         return path
@@ -256,8 +291,16 @@ class Checkpointer:
         # Always: the final validation may have changed callback state since the last save.
         self.save()
         o = self._owner
-        if o.ranks.is_main:
-            save_weights(Path(o.state.run_dir) / "model.pt", o.model.state_dict())
+        if self.shards is not None:
+            self.shards.finish()  # the run's last checkpoint is complete before it ends
+        if o._strategy.sharded:  # gathered from every rank
+            from .sharded import full_weights
+
+            weights = full_weights(o.model)
+        else:
+            weights = o.model.state_dict()
+        if o.ranks.is_main:  # whole and unsharded: loadable without saferun
+            save_weights(Path(o.state.run_dir) / "model.pt", weights)
             if o._ema is not None:  # loads into the same model class as model.pt
                 save_weights(Path(o.state.run_dir) / "model_ema.pt", o._ema.module.state_dict())
 
@@ -269,6 +312,8 @@ class Checkpointer:
         """Save now if the run has no checkpoint yet (rollback and anomaly replay need one)."""
         if not list_checkpoints(checkpoint_root(self._owner.state.run_dir)):
             self.save()
+            if self.shards is not None:
+                self.shards.finish()  # complete now, not at the next log point
 
     def save_if_best(self, metrics: Mapping[str, float]) -> None:
         """trainer.save_best: save when validation improved the watched metric."""
@@ -284,3 +329,13 @@ class Checkpointer:
             return True
         return metrics[key] < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
             else metrics[key] > self.best[0]
+
+
+def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:
+    """The whole weights of a checkpoint, for a run that does not shard; refused for shards."""
+    if "sharded" in state:
+        raise CheckpointError(
+            f"{path} was written by trainer.strategy=fsdp (the weights sharded over "
+            f"{state['sharded']['world_size']} processes) and this run does not shard the model. "
+            f"Resume with trainer.strategy=fsdp, or use the run's model.pt (whole weights).")
+    return state["model"]

@@ -1,11 +1,11 @@
 """Crash-safe checkpoints: atomic writes, hashed manifests, safe loading.
 
 A checkpoint is a directory `<run_dir>/checkpoints/step-NNNNNNNN/` holding
-`state.pt` and `manifest.json`. It is written under a temporary name, each
-file flushed and fsynced, the manifest (with each file's SHA-256) written
-last, then the directory is renamed into place and its parent fsynced. So a
-directory named `step-*` with a manifest whose hashes match is complete; a
-process killed mid-save leaves only a `.tmp-*` directory, which is ignored.
+`state.pt` and `manifest.json` (sharded: also each rank's files, see `sharded.py`).
+It is written under a temporary name, each file flushed and fsynced, the manifest
+(with each file's SHA-256) written last, then the directory is renamed into place and
+its parent fsynced. So a directory named `step-*` with a manifest whose hashes match is
+complete; a process killed mid-save leaves only a `.tmp-*` directory, which is ignored.
 
 Saving a step that already has a checkpoint (the final save at a save step, a
 stop right after one) renames the old copy to `step-N.replaced-XXXX` before the
@@ -44,6 +44,7 @@ FORMAT_VERSION = 1
 # step-NNNNNNNN, or step-NNNNNNNN.replaced-XXXX: the previous copy of a step being saved again.
 _STEP_DIR = re.compile(r"^step-(\d{8,})(\.replaced-[0-9a-f]+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHARD_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 
 
 class CheckpointError(SaferunError):
@@ -63,24 +64,28 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
     check_plain(state)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"
-    old = None
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        files = {"state.pt": _write_tensor_file(tmp / "state.pt", state)}
-        manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
-        _write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
-        _fsync_dir(tmp)
-        if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
-            old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        return publish(root, tmp, final, step, {"state.pt": _write_tensor_file(tmp / "state.pt", state)})
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError)):
             raise CheckpointError(_write_failure(final, e)) from None
         raise
+
+
+def publish(root: Path, tmp: Path, final: Path, step: int, files: dict[str, Any]) -> Path:
+    """Complete `tmp`, its `files` written and fsynced: the manifest last, then the rename."""
+    _write_bytes(tmp / "manifest.json", json.dumps(
+        {"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode())
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
+        old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -104,19 +109,23 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     if not (path / "manifest.json").is_file():
         raise CheckpointError(f"{path} has no manifest.json: it is not a complete saferun "
                               f"checkpoint (a save was interrupted?).")
-    expected = _read_manifest(path)
+    for name, expected in _read_manifest(path).items():  # state.pt, and any shard files
+        file = path / name
+        try:
+            size = file.stat().st_size
+            actual = _sha256(file)
+        except OSError as e:
+            raise CheckpointError(f"{file} is unreadable ({e.strerror or e}).") from None
+        if (size, actual) != (expected["bytes"], expected["sha256"]):
+            raise CheckpointError(f"{file} does not match its manifest (truncated or "
+                                  f"corrupted: {size} bytes, sha256 {actual}; the manifest says "
+                                  f"{expected['bytes']} bytes, sha256 {expected['sha256']}).")
     state_path = path / "state.pt"
     try:
-        size = state_path.stat().st_size
-        actual = _sha256(state_path)
-    except OSError as e:
-        raise CheckpointError(f"{state_path} is unreadable ({e.strerror or e}).") from None
-    if (size, actual) != (expected["bytes"], expected["sha256"]):
-        raise CheckpointError(f"{state_path} does not match its manifest (truncated or "
-                              f"corrupted: {size} bytes, sha256 {actual}; the manifest says "
-                              f"{expected['bytes']} bytes, sha256 {expected['sha256']}).")
-    try:
-        return torch.load(state_path, map_location=map_location, weights_only=True)
+        state = torch.load(state_path, map_location=map_location, weights_only=True)
+        if isinstance(state, dict) and isinstance(state.get("sharded"), dict):  # sharded.py's
+            state["sharded"]["path"] = str(path)
+        return state
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line),
                       str(e).splitlines()[0])
@@ -127,8 +136,9 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from None
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest's entry for state.pt, once every field has the shape saferun writes.
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's file entries (state.pt, and a sharded checkpoint's shard files), once
+    every field has the shape saferun writes.
 
     A damaged manifest (a flipped bit in a key or a value) must make the checkpoint
     count as damaged, never crash the resume with a KeyError or TypeError.
@@ -141,7 +151,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     problem = _manifest_problem(manifest, path.name)
     if problem is not None:
         raise CheckpointError(f"{manifest_path} is damaged: {problem}.")
-    return manifest["files"]["state.pt"]
+    return manifest["files"]
 
 
 def _manifest_problem(manifest: Any, dir_name: str) -> Optional[str]:
@@ -154,15 +164,18 @@ def _manifest_problem(manifest: Any, dir_name: str) -> Optional[str]:
     if not _is_int(manifest["step"]) or (named and int(named.group(1)) != manifest["step"]):
         return f"step {manifest['step']!r} does not match the directory name {dir_name}"
     files = manifest["files"]
-    if not isinstance(files, dict) or set(files) != {"state.pt"}:
-        return "files is not an object with exactly the key state.pt"
-    entry = files["state.pt"]
-    if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
-        return "files.state.pt is not an object with exactly the keys bytes, sha256"
-    if not _is_int(entry["bytes"]):
-        return "files.state.pt.bytes is not a size"
-    if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
-        return "files.state.pt.sha256 is not a SHA-256 in hex"
+    if not isinstance(files, dict) or "state.pt" not in files:
+        return "files is not an object with the key state.pt"
+    shards = set(files) - {"state.pt"}
+    if shards and (".metadata" not in shards or not all(map(_SHARD_FILE.match, shards))):
+        return "files holds other keys than state.pt, .metadata and __<rank>_<n>.distcp"
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}:
+            return f"files.{name} is not an object with exactly the keys bytes, sha256"
+        if not _is_int(entry["bytes"]):
+            return f"files.{name}.bytes is not a size"
+        if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
+            return f"files.{name}.sha256 is not a SHA-256 in hex"
     return None
 
 

@@ -142,6 +142,8 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     cost about 20 times more on the CPU.
     """
     t = t.detach()
+    if hasattr(t, "to_local"):  # a DTensor (FSDP): this rank's shard; flags summed over ranks
+        t = t.to_local()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_complex():

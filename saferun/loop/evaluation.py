@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from .. import modes
 from ..guards.purity import changed as purity_changed
 from ..guards.purity import check_purity, fingerprint
+from ..parallel.fsdp import reshard
 from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
 from .stateful import compute_all, reset_all
@@ -39,6 +40,7 @@ class Evaluator:
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
         stack = contextlib.ExitStack()
+        stack.callback(reshard, self._model)  # last: FSDP leaves the root gathered after eval
         stack.enter_context(modes.evaluating(self._model, self._grad_mode))
         stack.enter_context(self._autocast())
         return stack

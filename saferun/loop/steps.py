@@ -77,8 +77,21 @@ def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> to
     that turns every gradient into NaN.
     """
     if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return total_norm([p.grad for p in params if p.grad is not None])
+    return _global(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)."""
+    return _global(torch.nn.utils.get_total_norm(tensors))
+
+
+def _global(norm: torch.Tensor) -> torch.Tensor:
+    # Over DTensor shards (FSDP) torch returns a DTensor: its full value is the norm of the
+    # whole model, a plain tensor the metrics and guards can use. (No import of DTensor: it
+    # costs every run a second of import time.)
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -10,8 +10,9 @@ process and under torchrun.
 - `stop_agreed(signals)`: after each step, whether every rank leaves the loop now.
 - `gather(obj)`: at a checkpoint, each rank's own state (RNG, pending metrics) onto rank 0.
 
-`SingleProcess` does the least at each point; `DataParallel` is DDP. A sharded strategy (FSDP)
-fits behind the same points, with `gather` returning its shards' state.
+`SingleProcess` does the least at each point; `DataParallel` is DDP; `FullyShardedDataParallel`
+is FSDP2 (the model sharded in place by `fsdp.shard_model` during setup; checkpoints written
+per rank by `checkpoint/sharded.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional, Proto
 import torch
 
 from ..callbacks import Control, _merge, agree
-from . import distributed
+from ..errors import ConfigError
+from . import distributed, fsdp
 
 if TYPE_CHECKING:
     from ..preemption import StopSignals
@@ -41,6 +43,8 @@ class ModelOwner(Protocol):
 
 class SingleProcess:
     """One process: nothing wrapped, every request acts at once."""
+
+    sharded = False  # each rank holds a part of the model: checkpoints are written per rank
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
         return _NO_CONTEXT
@@ -123,8 +127,49 @@ class DataParallel(SingleProcess):
         return self._agreed_signal is not None
 
 
-def strategy_for(trainer: ModelOwner, find_unused: bool) -> SingleProcess:
-    """The strategy for this launch: DataParallel under torchrun, else SingleProcess."""
+class FullyShardedDataParallel(DataParallel):
+    """Under torchrun with trainer.strategy=fsdp: the model sharded (FSDP2), gradients
+    reduce-scattered once per optimizer step (see `fsdp.ShardedSync`); every control-flow
+    decision agreed across ranks as under DDP."""
+
+    sharded = True
+
+    def __init__(self, trainer: ModelOwner) -> None:  # not DataParallel's: no DDP wrapper
+        self._trainer = trainer
+        self._device = trainer.device
+        self._sync = fsdp.ShardedSync(trainer.model)  # type: ignore[assignment]
+        self._pending: Optional[Control] = None
+        self._agreed_signal: Optional[int] = None
+        self.saves: Any = None  # the Checkpointer's ShardedWriter, set at its first save
+
+    def micro_batch(self, last: bool) -> ContextManager[None]:
+        return self._sync.micro_batch(last, self._trainer.state.step + 1)  # type: ignore[attr-defined]
+
+    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
+        """Also, while an asynchronous save is in flight, whether this rank's write is done:
+        summed with the stop votes, so the ranks complete it together at no extra collective."""
+        votes = super().stop_votes(signals)
+        written = self.saves.written() if self.saves is not None else None
+        if written is not None:  # the same on every rank: the save began on all of them
+            votes["_saves_written"] = torch.full((), float(written), device=self._device)
+        return votes
+
+    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
+        written = metrics.pop("_saves_written", None)
+        super().count_stop_votes(metrics, signals)
+        if written == self._trainer.ranks.world_size:
+            self.saves.finish()  # every rank's write is done: hash, manifest, rename
+
+
+def strategy_for(trainer: ModelOwner, find_unused: bool, strategy: str = "auto") -> SingleProcess:
+    """The strategy for this launch: trainer.strategy, where auto is DataParallel under
+    torchrun, else SingleProcess."""
+    if strategy == "fsdp":
+        return FullyShardedDataParallel(trainer)
+    if strategy == "ddp" and trainer.ranks.world_size == 1:
+        raise ConfigError("trainer.strategy=ddp needs a torchrun job of 2 or more processes; "
+                          "this process was not launched by torchrun (or with one process). "
+                          "Launch with torchrun --nproc_per_node=N, or set trainer.strategy=auto.")
     if trainer.ranks.world_size > 1:
         return DataParallel(trainer, find_unused)
     return SingleProcess()
