@@ -36,6 +36,7 @@ from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
+from .loop.manual import ManualSteps, optimize
 from .loop.metrics import RunningTrainMetrics
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
@@ -188,11 +189,14 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
-        check_optimizer_params(self.optimizer, model)
-        self.scheduler = self.build_scheduler(self.optimizer)
+        # several, named: training_step drives them (sets optimizer, scheduler and _schedule)
+        self._manual = ManualSteps.build(self) if isinstance(self.optimizer, Mapping) else None
+        if self._manual is None:
+            check_optimizer_params(self.optimizer, model)
+            self.scheduler = self.build_scheduler(self.optimizer)
+            self._schedule = Schedule(self.optimizer, self.scheduler, t.sched_metric,
+                                      validates=self.val_loader is not None)
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
-        self._schedule = Schedule(self.optimizer, self.scheduler, t.sched_metric,
-                                  validates=self.val_loader is not None)
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
@@ -271,6 +275,8 @@ class Trainer:
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
+        if self._manual is not None:  # several optimizers: training_step calls optimize()
+            return self._manual.step(micro_batches)
         opt, scaler, guard = self.optimizer, self._scaler, self._guard
         if guard.snapshot is not None:
             guard.snapshot.take()  # under a skip policy: the buffers as before this step
@@ -292,6 +298,10 @@ class Trainer:
         self.state.samples_seen += samples
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
                           spike=spike, loss_spike=loss_spike)
+
+    def optimize(self, name: str, loss: torch.Tensor) -> None:
+        """Several optimizers: from training_step, backward `loss` into `name`'s and step it."""
+        optimize(self, name, loss)
 
     def _forward_backward(self, micro_batches: Sequence[Any]
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:

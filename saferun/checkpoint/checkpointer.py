@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional, Protocol
 import torch
 
 from ..errors import ConfigError, SaferunError
+from ..loop.optimizers import check_state_kind
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
 from ..parallel import distributed
@@ -113,6 +114,7 @@ class Checkpointer:
             sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, o.model, o.optimizer)
         else:
             self.load_model(whole_weights(state.get("sharded", {}).get("path"), state))
+            check_state_kind(state["optimizer"], o.optimizer)  # one optimizer, or several by name
             o.optimizer.load_state_dict(state["optimizer"])
         if o.scheduler is not None and state["scheduler"] is not None:
             o.scheduler.load_state_dict(state["scheduler"])

@@ -103,19 +103,23 @@ class BadStepPolicy:
         tr._scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
         tr._schedule.after_step()  # the optimizer did not step: nor does the scheduler
         step = tr.state.step + 1
-        self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
-        self._last_skipped = step
         tr.state.step = step
         tr.state.samples_seen += samples
-        log.warning("step %d: non-finite loss or gradients, or a spike; the update was skipped "
-                    "(%d in a row).", step, self._skips_in_a_row)
+        self.count_skip(step, "non-finite loss or gradients, or a spike; the update was skipped")
+        return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
+
+    def count_skip(self, step: int, what: str) -> None:
+        """A skipped step: count it, say `what`; too many in a row raise (with several
+        optimizers, `loop/manual.py` calls it)."""
+        self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
+        self._last_skipped = step
+        log.warning("step %d: %s (%d in a row).", step, what, self._skips_in_a_row)
         if self._skips_in_a_row >= self._g.max_consecutive:
             raise NonFiniteError(
                 f"{self._skips_in_a_row} steps in a row ({step - self._skips_in_a_row + 1} to "
                 f"{step}) had non-finite loss or gradients (or spiked) and were skipped "
                 f"(guards.max_consecutive={self._g.max_consecutive}). Training is not "
                 f"recovering: lower optim.lr, set trainer.max_grad_norm, or check the data.")
-        return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
 
     # ------------------------------------------------------------------ at checks
 

@@ -37,7 +37,7 @@ class BufferSnapshot:
         if len(self._sources) != len(tensors) or any(t is not s for t, s in zip(tensors, self._sources)):
             # the first call, or a buffer was replaced by a new tensor: copies of its layout
             self._copies = [t.clone() for t in tensors]
-        else:
+        elif tensors:  # a model without buffers: nothing to copy (foreach needs a tensor)
             torch._foreach_copy_(self._copies, tensors)
         self._sources = tensors
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -200,6 +201,8 @@ def _overfit_one_batch(make: Factory, cfg: Config) -> CheckResult:
     trainer.setup()
     batch = next(iter(trainer.train_loader))  # type: ignore[arg-type]
     trainer.model.train()
+    if trainer._manual is not None:
+        return _several_optimizers_move(trainer, batch)
     losses = [float(trainer.train_step([batch]).loss) for _ in range(4 * STEPS)]
     if not losses[-1] < 0.9 * losses[0]:
         return CheckResult("one-batch overfit", "warn",
@@ -208,6 +211,26 @@ def _overfit_one_batch(make: Factory, cfg: Config) -> CheckResult:
                            f"the loss and that the model's output depends on the input.")
     return CheckResult("one-batch overfit", "pass",
                        f"loss on one repeated batch {losses[0]:.4g} -> {losses[-1]:.4g}")
+
+
+def _several_optimizers_move(trainer: Trainer, batch: Any) -> CheckResult:
+    """Several optimizers: their losses may be adversarial (a GAN's cannot all fall), so the
+    check is that each optimizer's update moves its parameters and its loss stays finite."""
+    names = list(trainer.optimizer)
+    before = {n: [p.detach().clone() for g in trainer.optimizer[n].param_groups for p in g["params"]]
+              for n in names}
+    logs = [trainer.train_step([batch]).logs for _ in range(4 * STEPS)]
+    losses = {n: [float(d[f"loss/{n}"]) for d in logs] for n in names}
+    still = [n for n in names if all(torch.equal(b, p) for b, p in zip(
+        before[n], (p for g in trainer.optimizer[n].param_groups for p in g["params"])))]
+    bad = [n for n in names if not all(math.isfinite(v) for v in losses[n])]
+    trend = ", ".join(f"{n} {v[0]:.4g} -> {v[-1]:.4g}" for n, v in losses.items())
+    if still or bad:
+        return CheckResult("one-batch overfit", "fail", f"on one repeated batch, optimizer(s) "
+                           f"{', '.join(still + bad)} did not move their parameters or had a "
+                           f"non-finite loss ({trend}).")
+    return CheckResult("one-batch overfit", "pass", f"several optimizers, each moves its "
+                       f"parameters on one repeated batch (losses may be adversarial: {trend})")
 
 
 def _determinism(make: Factory, cfg: Config) -> CheckResult:

@@ -107,6 +107,11 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -
     """Warn (once, at setup) if the optimizer also holds frozen parameters: harmless while they
     get no gradient (torch's optimizers skip a parameter whose .grad is None, and saferun zeroes
     gradients with set_to_none=True), so it is a common fine-tuning pattern, not an error."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise SaferunError(
+            f"build_optimizer returned a {type(optimizer).__name__}, not a torch.optim.Optimizer. "
+            f"For several optimizers, return a dict {{name: optimizer}} and call "
+            f"self.optimize(name, loss) for each in training_step.")
     frozen = {id(p): name for name, p in model.named_parameters() if not p.requires_grad}
     held = [frozen[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in frozen]
     if held:

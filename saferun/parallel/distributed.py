@@ -146,21 +146,23 @@ class GradientSync:
     before the next forward), so the ranks hold identical models for evaluation and saving.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, find_unused: bool) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, find_unused: bool,
+                 manual: bool = False) -> None:
         self.module, self.find_unused = model, find_unused
         self.ddp = ModelDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             find_unused_parameters=find_unused, forward_sync_buffers=False)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # "ddp" or "saferun", agreed after the first step. DDP's find_unused_parameters fails
         # on a parameter used both inside self.model(...) and outside it: saferun averages.
-        self.mode: Optional[str] = "saferun" if find_unused else None
+        # "manual": several optimizers, each optimize() averages its own (loop/manual.py).
+        self.mode: Optional[str] = "manual" if manual else "saferun" if find_unused else None
         self.ddp.__dict__["probing"] = self.mode is None
         self._all_forwarded = True  # DDP's constructor made rank 0's weights and buffers everyone's
 
     @property
     def model(self) -> nn.Module:
         """What `self.model` is during training_step."""
-        return self.module if self.mode == "saferun" else self.ddp
+        return self.module if self.mode in ("saferun", "manual") else self.ddp
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool, step: int) -> Iterator[None]:
@@ -173,7 +175,9 @@ class GradientSync:
             self._all_forwarded &= ddp.__dict__["forwarded"]
         if not last:
             return
-        if self.mode != "ddp":  # the probing step, or training_step bypasses DDP
+        if self.mode == "manual":
+            pass  # each optimize() averaged its optimizer's gradients
+        elif self.mode != "ddp":  # the probing step, or training_step bypasses DDP
             average_gradients(self.named, self.find_unused, step)
             if self.mode is None:
                 self._agree(step)

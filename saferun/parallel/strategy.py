@@ -68,6 +68,9 @@ class SingleProcess:
     def gather(self, obj: Any) -> Optional[list[Any]]:
         return distributed.gather(obj)
 
+    def average(self, named: list[tuple[str, torch.nn.Parameter]], step: int) -> None:
+        """Several optimizers (loop/manual.py): after one optimizer's backward, its gradients."""
+
 
 class DataParallel(SingleProcess):
     """Under torchrun, every rank holds the whole model; gradients are averaged once per
@@ -80,7 +83,8 @@ class DataParallel(SingleProcess):
     def __init__(self, trainer: ModelOwner, find_unused: bool) -> None:
         self._trainer = trainer
         self._device = trainer.device
-        self._sync = distributed.GradientSync(trainer.model, trainer.device, find_unused)
+        self._sync = distributed.GradientSync(trainer.model, trainer.device, find_unused,
+                                              manual=getattr(trainer, "_manual", None) is not None)
         self._pending: Optional[Control] = None  # requests not yet agreed
         self._agreed_signal: Optional[int] = None
 
@@ -95,6 +99,10 @@ class DataParallel(SingleProcess):
                 yield
         finally:
             trainer.model = module
+
+    def average(self, named: list[tuple[str, torch.nn.Parameter]], step: int) -> None:
+        """Several optimizers: each optimize() averages its own optimizer's gradients."""
+        distributed.average_gradients(named, self._sync.find_unused, step)
 
     def rank_local(self, control: Optional[Control]) -> Optional[Control]:
         """A request made between log points (on_train_step_end) waits for the next log point

@@ -1,0 +1,218 @@
+"""The step with several named optimizers, driven by the user's training_step.
+
+When `build_optimizer` returns `{name: optimizer}`, `training_step(batch)` calls
+`self.optimize(name, loss)` once per optimizer, in the order the algorithm needs (a GAN:
+the discriminator, then the generator on the same batch). Each call is the single-optimizer
+step's discipline for that optimizer alone:
+
+    backward(loss scaled by the GradScaler, into this optimizer's parameters only)
+    -> average those gradients over ranks (torchrun) -> unscale_ -> clip or measure the norm
+    -> (skip policy: drop this update if the loss or norm is not finite, agreed over ranks)
+    -> optimizer.step via the scaler -> zero_grad(set_to_none=True) -> its scheduler
+
+`backward(inputs=...)` keeps the gradients of one optimizer's loss out of the others'
+parameters (the generator's loss goes through the discriminator). After training_step, every
+optimizer must have been called once; the scaler updates once; the step records the sum of the
+losses and the total of the gradient norms (for the guards at log points) plus each one's own
+(`train/loss/<name>`, `train/grad_norm/<name>`), all on the device: no host read per step
+unless a skip policy asks, once per optimize().
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from ..callbacks import StepOutput
+from ..errors import SaferunError
+from ..parallel import distributed
+from .metrics import scalar_dict
+from .optimizers import build_named
+from .steps import clip_or_measure, loss_and_logs, short
+from .transfer import move_to_device
+
+log = logging.getLogger("saferun")
+
+
+class ManualOwner(Protocol):
+    """The part of the Trainer the manual step uses (a Protocol: no import of the trainer)."""
+
+    cfg: Any
+    model: torch.nn.Module
+    optimizer: Any  # NamedOptimizers
+    state: Any  # LoopState
+    device: torch.device
+    _scaler: Any  # GradScaler
+    _schedule: Any  # NamedSchedules
+    _strategy: Any  # SingleProcess or DataParallel
+    _guard: Any  # BadStepPolicy
+    _declared: Any  # DeclaredModes or None
+    _autocast: Any
+    _non_blocking: bool
+
+    def training_step(self, batch: Any) -> Any: ...
+    def batch_size(self, batch: Any) -> int: ...
+
+
+class ManualSteps:
+    """Runs one step of training_step with several optimizers and checks how it used them."""
+
+    def __init__(self, trainer: ManualOwner) -> None:
+        self._tr = trainer
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        self.names = list(trainer.optimizer)
+        # per optimizer: its parameters with their names (for the DDP average's messages)
+        self.params = {name: [(names[id(p)], p) for g in opt.param_groups for p in g["params"]]
+                       for name, opt in trainer.optimizer.items()}
+        self._done: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None  # in a step
+        self._skipped: list[str] = []
+        self._unused_pending = trainer.cfg.guards.unused_params
+
+    @classmethod
+    def build(cls, trainer: Any) -> "ManualSteps":
+        """`build_optimizer` returned {name: optimizer}: check them, put the containers in the
+        Trainer's `optimizer`, `scheduler` and `_schedule` (loop/optimizers.py), and return the
+        step that drives them."""
+        trainer.optimizer, trainer.scheduler, trainer._schedule = build_named(
+            trainer, trainer.optimizer, trainer.model)
+        return cls(trainer)
+
+    def step(self, micro_batches: Sequence[Any]) -> StepOutput:
+        """One step: training_step on the batch, which calls optimize() once per optimizer."""
+        tr = self._tr
+        assert len(micro_batches) == 1  # trainer.accumulate > 1 is refused at setup
+        if tr._guard.snapshot is not None:
+            tr._guard.snapshot.take()  # skip policy: the buffers as before this step
+        batch = micro_batches[0]
+        samples = tr.batch_size(batch)
+        batch = move_to_device(batch, tr.device, tr._non_blocking)
+        self._done, self._skipped = {}, []
+        try:
+            with tr._strategy.micro_batch(True):  # DDP: buffers broadcast after training_step
+                with tr._autocast():
+                    out = tr.training_step(batch)
+            done = self._done
+        finally:
+            self._done = None
+        step = tr.state.step + 1
+        missing = [n for n in self.names if n not in done]
+        if missing:
+            raise SaferunError(
+                f"step {step}: training_step did not call self.optimize(name, loss) for "
+                f"{', '.join(map(repr, missing))} (it called {', '.join(map(repr, done)) or 'none'}). "
+                f"With several optimizers every step updates each one once, so that its "
+                f"schedule, gradient norm and checkpoint state stay in step with the loop.")
+        self._unused_pending = False  # checked in the first step only
+        logs = _user_logs(out, step)
+        if tr._declared is not None:
+            tr._declared.check(step)
+        tr._scaler.update()  # once per step, after every optimizer's unscale_ and step
+        if self._skipped:
+            return self._skip_step(samples)
+        losses = [loss for loss, _ in done.values()]
+        norms = [norm for _, norm in done.values()]
+        for name, (loss, norm) in done.items():
+            logs[f"loss/{name}"], logs[f"grad_norm/{name}"] = loss, norm
+        tr.state.step = step
+        tr.state.samples_seen += samples
+        return StepOutput(loss=torch.stack(losses).sum(),
+                          grad_norm=torch.linalg.vector_norm(torch.stack(norms)),
+                          logs=logs, num_samples=samples)
+
+    def optimize(self, name: str, loss: torch.Tensor) -> None:
+        """`Trainer.optimize`: the single-optimizer discipline for optimizer `name` alone."""
+        tr = self._tr
+        step = tr.state.step + 1
+        if self._done is None:
+            raise SaferunError("self.optimize(name, loss) is called from training_step, while "
+                               "the loop runs a step (not from validation or after fit).")
+        if name not in tr.optimizer:
+            raise SaferunError(f"step {step}: self.optimize({name!r}, ...): no such optimizer; "
+                               f"build_optimizer named {', '.join(map(repr, self.names))}.")
+        if name in self._done:
+            raise SaferunError(
+                f"step {step}: self.optimize({name!r}, ...) was called twice in one step. Each "
+                f"optimizer steps once per step (its schedule, gradient-norm log and checkpoint "
+                f"follow the loop's steps); to update it twice, combine the losses or take "
+                f"another step.")
+        loss, _ = loss_and_logs(loss, step)
+        opt, scaler, params = tr.optimizer[name], tr._scaler, [p for _, p in self.params[name]]
+        with torch.autocast(tr.device.type, enabled=False):  # backward and step in full precision
+            # Only this optimizer's parameters get gradients: another optimizer's loss flowing
+            # through them (the generator's loss through the discriminator) leaves them alone.
+            scaler.scale(loss).backward(inputs=params)
+            self._check_unused(name)
+            tr._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
+            scaler.unscale_(opt)  # clip and measure the true gradients, not fp16-scaled ones
+            norm = clip_or_measure(params, tr.cfg.trainer.max_grad_norm)
+            loss = loss.detach()
+            if tr._guard.skip_nonfinite and _bad(loss, norm, tr._guard.grads_checked):
+                self._skipped.append(name)  # this update is dropped; the others stand
+            else:
+                scaler.step(opt)
+            opt.zero_grad(set_to_none=True)
+        tr._schedule.by_name[name].after_step()  # steps its scheduler if the optimizer stepped
+        self._done[name] = (loss, norm)
+
+    def _check_unused(self, name: str) -> None:
+        """guards.unused_params, per optimizer: its parameters this loss gave no gradient."""
+        if not self._unused_pending:
+            return
+        unused = [n for n, p in self.params[name] if p.grad is None]
+        if unused:
+            log.warning("%d parameter(s) of optimizer %r received no gradient from its loss in "
+                        "the first step: %s. Its loss does not depend on them; freeze them or "
+                        "move them to the optimizer whose loss trains them.", len(unused), name,
+                        short(unused))
+
+    def _skip_step(self, samples: int) -> StepOutput:
+        """guards.nonfinite=skip: one or more updates of this step were dropped. The buffers go
+        back to before the step (the bad batch's statistics too); the updates that were finite
+        stand, as they were applied before the bad loss existed."""
+        tr = self._tr
+        tr._guard.snapshot.restore()
+        step = tr.state.step + 1
+        tr.state.step = step
+        tr.state.samples_seen += samples
+        tr._guard.count_skip(step, f"non-finite loss or gradients for optimizer(s) "
+                                   f"{', '.join(map(repr, self._skipped))}; their update was skipped")
+        zero = torch.zeros((), device=tr.device)
+        return StepOutput(loss=zero, grad_norm=zero, num_samples=samples, skipped=True)
+
+
+def optimize(trainer: Any, name: str, loss: torch.Tensor) -> None:
+    """`Trainer.optimize`, or an error saying it needs several optimizers."""
+    manual: Optional[ManualSteps] = getattr(trainer, "_manual", None)
+    if manual is None:
+        raise SaferunError(
+            "self.optimize(name, loss) drives one of several named optimizers; this Trainer has "
+            "one optimizer (or is not set up), which the loop steps itself from the loss that "
+            "training_step returns. Return the loss, or return {name: optimizer} from "
+            "build_optimizer.")
+    manual.optimize(name, loss)
+
+
+def _user_logs(out: Any, step: int) -> dict[str, torch.Tensor]:
+    """training_step's return value with several optimizers: None or a dict of scalars."""
+    if out is None:
+        return {}
+    if isinstance(out, torch.Tensor):
+        raise SaferunError(
+            f"step {step}: with several optimizers training_step calls self.optimize(name, loss) "
+            f"for each and returns None or a dict of scalars to log, not a loss tensor (which "
+            f"optimizer would it train?).")
+    logs = {k: v.detach() for k, v in scalar_dict(out, "training_step").items()}
+    clash = [k for k in logs if k == "loss" or k.startswith(("loss/", "grad_norm/"))]
+    if clash:
+        raise SaferunError(f"step {step}: training_step returned {', '.join(clash)}: saferun "
+                           f"logs each optimizer's loss and gradient norm itself "
+                           f"(train/loss/<name>, train/grad_norm/<name>). Rename them.")
+    return logs
+
+
+def _bad(loss: torch.Tensor, norm: torch.Tensor, grads_checked: bool) -> bool:
+    """Is this update non-finite on any rank? One host read (the skip policy's price)."""
+    value = loss + norm if grads_checked else loss
+    return bool(distributed.all_reduce((~torch.isfinite(value)).int()))

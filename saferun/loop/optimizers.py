@@ -1,0 +1,214 @@
+"""Several named optimizers: the containers the Trainer holds in `optimizer` and `scheduler`
+when `build_optimizer` returns `{name: optimizer}`, and the checks made when they are built.
+
+The containers answer what the rest of saferun asks of one optimizer and one scheduler
+(`state_dict`, `load_state_dict`, `zero_grad`, `param_groups`, `step`), so checkpoints,
+rollback and a forced resume handle every optimizer by name. The step that drives them is
+`loop/manual.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+from ..checkpoint.store import CheckpointError
+from ..errors import ConfigError, SaferunError
+from ..schedules import Schedule
+from .steps import check_optimizer_params
+
+NAMED = "named"  # the key that marks a state dict of several optimizers or schedulers
+
+
+class NamedOptimizers(Mapping):
+    """`{name: optimizer}` in the order `build_optimizer` gave them."""
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+        self._by_name = dict(optimizers)
+
+    def __getitem__(self, name: str) -> torch.optim.Optimizer:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every optimizer's parameter groups, in name order (the groups themselves, not copies)."""
+        return [g for opt in self._by_name.values() for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self._by_name.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {NAMED: {name: opt.state_dict() for name, opt in self._by_name.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = _named_state(state, "optimizer")
+        check_same_names("optimizer", list(saved), list(self._by_name))
+        for name, opt in self._by_name.items():
+            opt.load_state_dict(saved[name])
+
+
+class NamedSchedulers(Mapping):
+    """`{name: scheduler}` for the optimizers that have one."""
+
+    def __init__(self, schedulers: Mapping[str, Any]) -> None:
+        self._by_name = dict(schedulers)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def step(self) -> None:  # a forced resume replays the schedules with it
+        for scheduler in self._by_name.values():
+            scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {NAMED: {name: s.state_dict() for name, s in self._by_name.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = _named_state(state, "scheduler")
+        check_same_names("scheduler", list(saved), list(self._by_name))
+        for name, scheduler in self._by_name.items():
+            scheduler.load_state_dict(saved[name])
+
+
+class NamedSchedules:
+    """One `Schedule` per optimizer; the rates are logged as `train/lr/<name>` (and
+    `train/lr/<name>/<group>` for its other parameter groups)."""
+
+    def __init__(self, optimizers: NamedOptimizers, schedulers: Mapping[str, Any],
+                 metric: Optional[str], validates: bool) -> None:
+        plateaus = [n for n, s in schedulers.items() if isinstance(s, ReduceLROnPlateau)]
+        if metric is not None and not plateaus:
+            raise ConfigError(f"trainer.sched_metric={metric!r} is set, but no optimizer's "
+                              f"scheduler is a ReduceLROnPlateau. Remove trainer.sched_metric.")
+        self.by_name = {name: Schedule(opt, schedulers.get(name),
+                                       metric if name in plateaus else None, validates)
+                        for name, opt in optimizers.items()}
+
+    def after_step(self) -> None:
+        for schedule in self.by_name.values():
+            schedule.after_step()
+
+    def after_validation(self, metrics: Mapping[str, float]) -> None:
+        for schedule in self.by_name.values():
+            schedule.after_validation(metrics)
+
+    def rates(self) -> dict[str, float]:
+        return {key.replace("train/lr", f"train/lr/{name}", 1): lr
+                for name, schedule in self.by_name.items() for key, lr in schedule.rates().items()}
+
+
+def build_named(trainer: Any, optimizers: Mapping[str, Any], model: nn.Module
+                ) -> tuple[NamedOptimizers, Optional[NamedSchedulers], NamedSchedules]:
+    """Check `build_optimizer`'s `{name: optimizer}` and build the schedules: (optimizers,
+    schedulers or None, schedules). Refuses what cannot be right, saying why."""
+    named = NamedOptimizers(optimizers)
+    check_named(named, model)
+    check_config(trainer.cfg)
+    # build_scheduler(optimizer) is called once per optimizer (the default: the `sched` node
+    # for each); `trainer.optimizer` is still build_optimizer's dict, to tell them apart.
+    schedulers = NamedSchedulers({name: s for name, s in (
+        (name, trainer.build_scheduler(opt)) for name, opt in named.items()) if s is not None})
+    t = trainer.cfg.trainer
+    schedules = NamedSchedules(named, schedulers, t.sched_metric, trainer.val_loader is not None)
+    return named, (schedulers if len(schedulers) else None), schedules
+
+
+def check_named(named: NamedOptimizers, model: nn.Module) -> None:
+    """Names are non-empty strings; each optimizer is one; each trainable parameter belongs
+    to exactly one optimizer (none holds a frozen one)."""
+    if not named:
+        raise SaferunError("build_optimizer returned an empty dict: name at least one optimizer.")
+    owner: dict[int, str] = {}
+    for name, opt in named.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise SaferunError(f"build_optimizer: optimizer names must be non-empty strings "
+                               f"without '/' (they name log keys); got {name!r}.")
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise SaferunError(f"build_optimizer: {name!r} is a {type(opt).__name__}, not a "
+                               f"torch.optim.Optimizer.")
+        check_optimizer_params(opt, model)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if owner.setdefault(id(p), name) != name:
+                    raise SaferunError(
+                        f"build_optimizer: parameter '{_name_of(p, model)}' is in both "
+                        f"{owner[id(p)]!r} and {name!r}. Each optimize(name, loss) steps only its "
+                        f"own optimizer's parameters, so a shared one would be updated twice per "
+                        f"step with gradients of different losses. Give each parameter to one "
+                        f"optimizer.")
+    orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    if orphans:
+        raise SaferunError(
+            f"build_optimizer: trainable parameter(s) {', '.join(orphans[:8])} are in no "
+            f"optimizer ({', '.join(named)}), so they would never train. Add them to one, or "
+            f"freeze them (trainer.frozen_modules).")
+
+
+def check_config(cfg: Any) -> None:
+    """The settings that cannot be right with several optimizers driven by training_step."""
+    t, g = cfg.trainer, cfg.guards
+    refusals = {
+        "trainer.accumulate": (t.accumulate > 1,
+            f"is {t.accumulate}: with several optimizers each optimize() steps at once, so a "
+            f"later loss in the same step (the generator's, through the discriminator that just "
+            f"stepped) sees the new weights; accumulated micro-batches would not equal one large "
+            f"batch. Raise trainer.batch_size instead"),
+        "trainer.compile": (t.compile, "is on: the compiled-against-eager check runs "
+                            "training_step's single loss; not supported with several optimizers"),
+        "trainer.ema": (t.ema.decay is not None, "is on: the average is updated by one "
+                        "optimizer's step hook; not supported with several optimizers yet"),
+        "guards.spikes": (g.spikes != "off", f"is {g.spikes}: the spike statistics are kept for "
+                          f"one loss and one gradient norm; set guards.spikes=off"),
+        "guards.anomaly_replay": (g.anomaly_replay, "is on: replaying a step would step the "
+                                  "optimizers again; set guards.anomaly_replay=false"),
+    }
+    for key, (refused, why) in refusals.items():
+        if refused:
+            raise ConfigError(f"{key} {why} (build_optimizer returned several optimizers).")
+
+
+def check_state_kind(saved: Mapping[str, Any], optimizer: Any) -> None:
+    """A checkpoint of one optimizer resumed into several, or the reverse: say so."""
+    several = NAMED in saved
+    if several != isinstance(optimizer, NamedOptimizers):
+        what = f"optimizers {', '.join(saved[NAMED])}" if several else "one optimizer"
+        raise CheckpointError(
+            f"the checkpoint holds {what}, but this Trainer's build_optimizer returns "
+            f"{'several' if not several else 'one'}. Resume with the Trainer that wrote it, "
+            f"or start a new run.")
+
+
+def check_same_names(kind: str, saved: list[str], mine: list[str]) -> None:
+    if sorted(saved) != sorted(mine):
+        raise CheckpointError(
+            f"the checkpoint's {kind}s are named {', '.join(saved) or 'none'}, this Trainer's "
+            f"{', '.join(mine) or 'none'}: each state is restored by name, so a renamed, added "
+            f"or removed {kind} cannot resume exactly. Keep the names, or start a new run.")
+
+
+def _named_state(state: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    if NAMED not in state:
+        raise CheckpointError(f"the checkpoint holds one {kind}, this Trainer has several "
+                              f"(named). Resume with the Trainer that wrote it, or start a new run.")
+    return state[NAMED]
+
+
+def _name_of(p: torch.Tensor, model: nn.Module) -> str:
+    return next((n for n, q in model.named_parameters() if q is p), "<not in the model>")
