@@ -1,6 +1,7 @@
 """Every shipped YAML composes and its _target_s instantiate (R8)."""
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -55,17 +56,21 @@ def test_config_composes_and_instantiates(path, tmp_path):
 
 def assert_built_as_configured(trainer, config):
     """Each component is the class its node names, with the node's arguments."""
-    optim = dict(config.optim)
-    assert type(trainer.optimizer) is get_class(optim.pop("_target_"))
-    group = dict(trainer.optimizer.param_groups[0])
-    group["lr"] = group.get("initial_lr", group["lr"])  # a schedule may have started its warm-up
-    for key, value in optim.items():
-        assert group[key] == (tuple(value) if isinstance(value, list) else value), key
+    # several named optimizers (the gan recipe): each is built from the optim node
+    several = isinstance(trainer.optimizer, Mapping)
+    for optimizer in trainer.optimizer.values() if several else [trainer.optimizer]:
+        optim = dict(config.optim)
+        assert type(optimizer) is get_class(optim.pop("_target_"))
+        group = dict(optimizer.param_groups[0])
+        group["lr"] = group.get("initial_lr", group["lr"])  # a schedule may have started its warm-up
+        for key, value in optim.items():
+            assert group[key] == (tuple(value) if isinstance(value, list) else value), key
     if config.sched is None:
         assert trainer.scheduler is None
     else:
         target = get_object(config.sched["_target_"])
-        assert isinstance(trainer.scheduler, target if isinstance(target, type) else LRScheduler)
+        for scheduler in trainer.scheduler.values() if several else [trainer.scheduler]:
+            assert isinstance(scheduler, target if isinstance(target, type) else LRScheduler)
     if config.model is not None:
         assert isinstance(trainer.model, get_class(config.model["_target_"]))
     built = [type(c) for c in trainer._callbacks.callbacks]
@@ -83,4 +88,4 @@ def test_every_yaml_on_disk_is_tested():
     assert len(on_disk) == len(shipped_configs())
     assert not [f for f in on_disk if f.endswith(".yml")], "use .yaml: Hydra only finds .yaml"
     # Update when adding a config: the parametrised test above must cover it.
-    assert len(shipped_configs()) == 26
+    assert len(shipped_configs()) == 29
