@@ -161,9 +161,12 @@ class BadStepPolicy:
         policy = g.nonfinite if kind == "non-finite" else g.spikes
         bad_step = tr.state.step - running.steps + 1 + first
         # the values and samples of the rank where it started, on every rank (torchrun)
+        # which of the step's logged values were not finite (several optimizers: loss/<name>)
+        logs = running.logs[first] if len(running.logs) == len(running.losses) else {}
         mine = ([*torch.stack([running.losses[first], running.grad_norms[first]]).tolist(),
-                 running.batches[first]] if rank == tr.ranks.rank else None)
-        loss, norm, where = distributed.broadcast(mine, src=rank)
+                 running.batches[first], [k for k, v in logs.items() if not math.isfinite(v)]]
+                if rank == tr.ranks.rank else None)
+        loss, norm, where, bad_logs = distributed.broadcast(mine, src=rank)
         on_rank = f" on rank {rank}" if tr.ranks.world_size > 1 else ""
         indices = [i for micro in (where[1] if where else ()) for i in (micro or ())]
         samples = (f"epoch {where[0]}, sample indices {short(indices)}" if indices
@@ -171,7 +174,9 @@ class BadStepPolicy:
         what = "non-finite values" if kind == "non-finite" else (
             f"a loss spike or gradient explosion (guards.spikes, threshold "
             f"{g.spike_threshold} robust sigmas over {g.spike_window} steps)")
-        report = f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm {norm}; {samples}."
+        named = f" (not finite: {', '.join(f'train/{k}' for k in bad_logs)})" if bad_logs else ""
+        report = (f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm "
+                  f"{norm}{named}; {samples}.")
         # checked first: a NaN already in the data is not a layer's fault
         bad_input = nonfinite_inputs(tr.train_loader, indices) if kind == "non-finite" else ""
         if bad_input:

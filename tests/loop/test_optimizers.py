@@ -147,8 +147,10 @@ def test_logs_name_each_optimizer_and_steps_read_nothing_from_the_device(tmp_pat
 def test_raise_policy_names_the_step_of_a_non_finite_loss(tmp_path):
     t = TwoOptimizers(config(tmp_path))
     t.nan_in, t.nan_at = "enc", 3
-    with pytest.raises(NonFiniteError, match="non-finite values at step 3"):
+    with pytest.raises(NonFiniteError, match="non-finite values at step 3") as e:
         t.fit()
+    # named: the encoder's loss (a NaN added to it leaves its gradients finite), not the head's
+    assert "(not finite: train/loss/enc);" in str(e.value)
 
 
 def test_skip_policy_drops_only_the_bad_optimizers_update(tmp_path):
