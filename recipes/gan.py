@@ -116,6 +116,10 @@ class GANTrainer(saferun.Trainer):
                 "loss_gen": _bce(d_fake, 1.0),
                 "d_real": torch.sigmoid(d_real).mean(), "d_fake": torch.sigmoid(d_fake).mean()}
 
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The images the generator makes from the batch's latent codes."""
+        return self.model.generator(batch[1])
+
     def after_fit(self, metrics: dict[str, float]) -> None:
         """Print a few generated digits as text."""
         if self.sample_digits <= 0:

@@ -36,9 +36,12 @@ class Curves(saferun.Callback):
 def test_golden_first_losses(tmp_path):
     assert torch.get_num_threads() == 1  # set by tests/conftest.py; numerics depend on it
     curves = Curves()
-    build_recipe("gan", tmp_path, "trainer.max_steps=5", "trainer.log_every_n_steps=1",
-                 "optim.lr=2e-3", "task.sample_digits=0", callbacks=[curves]).fit()
+    trainer = build_recipe("gan", tmp_path, "trainer.max_steps=5", "trainer.log_every_n_steps=1",
+                           "optim.lr=2e-3", "task.sample_digits=0", callbacks=[curves])
+    trainer.fit()
     assert curves.points == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+    images = trainer.predict(trainer.val_loader.dataset)  # generated from the codes
+    assert images.shape == (len(trainer.val_loader.dataset), 64) and images.abs().max() <= 1
 
 
 @pytest.mark.slow  # like digits' and charlm's in tests/guards/test_check.py; tabular's is the default one
@@ -165,3 +168,14 @@ def test_generated_digits_are_digits_of_every_class(tmp_path):
     assert confident.mean() >= 0.6
     shares = np.bincount(probs.argmax(axis=1)[confident], minlength=10) / confident.sum()
     assert (shares >= 0.02).sum() >= 9, shares
+
+
+def test_force_resume_with_a_new_learning_rate_applies_it_to_both_optimizers(tmp_path):
+    build_recipe("gan", tmp_path, "trainer.max_steps=4", "task.sample_digits=0").fit()
+    resumed = build_recipe("gan", tmp_path, "trainer.max_steps=6", "task.sample_digits=0",
+                           "optim.lr=3e-4", "resume=auto", "force_resume=true")
+    resumed.fit()
+    assert resumed.state.step == 6
+    for name in ("disc", "gen"):  # the configured rate, and each optimizer's own moments
+        assert resumed.optimizer[name].param_groups[0]["lr"] == 3e-4
+        assert resumed.optimizer[name].state_dict()["state"][0]["step"] == 6
