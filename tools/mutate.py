@@ -109,7 +109,7 @@ mutation("frozen modules get requires_grad=False", "saferun/modes.py",
          "        m.requires_grad_(False)\n", "        pass\n",
          f"{MODES}::test_frozen_module_stays_eval_without_grad_and_out_of_optimizer")
 mutation("an optimizer holding frozen parameters is said (a warning)", T,
-         "        check_optimizer_params(self.optimizer, model)\n", "",
+         "            check_optimizer_params(self.optimizer, model)\n", "",
          f"{MODES}::test_optimizer_over_all_parameters_with_a_frozen_part_warns_and_keeps_them")
 mutation("fit puts the model in train mode", "saferun/modes.py",
          "    model.train()\n    for m in frozen:", "    for m in frozen:",
@@ -193,6 +193,29 @@ mutation("validation means weighted by batch size", "saferun/metrics.py",
          "            weighted = v.detach().float() * n", "            weighted = v.detach().float()",
          "tests/unit/test_validation.py::test_means_are_weighted_by_batch_size")
 
+# ---------------------------------------------------------------- several optimizers
+MANUAL, OPTS = "saferun/loop/manual.py", "tests/loop/test_optimizers.py"
+HAND_WRITTEN = f"{OPTS}::test_each_update_equals_a_hand_written_loop_bitwise"
+mutation("several optimizers: a loss's gradients only in its optimizer's parameters", MANUAL,
+         "backward(inputs=params)", "backward()", HAND_WRITTEN)
+mutation("several optimizers: unscale_ per optimizer before its clip", MANUAL,
+         "            scaler.unscale_(opt)  #", "            pass  #", HAND_WRITTEN)
+mutation("several optimizers: zero_grad(set_to_none=True) after each update", MANUAL,
+         "            opt.zero_grad(set_to_none=True)", "            pass", HAND_WRITTEN)
+mutation("several optimizers: each scheduler steps after its optimizer", MANUAL,
+         "        tr._schedule.by_name[name].after_step()", "        pass", HAND_WRITTEN)
+mutation("several optimizers: gradients averaged over ranks", MANUAL,
+         "            tr._strategy.average(self.params[name], step)", "            pass",
+         "tests/recipes/test_gan.py::test_torchrun_two_ranks_agree_and_equal_one_process_over_the_global_batch")
+mutation("several optimizers: skip drops only the bad optimizer's update", MANUAL,
+         "if tr._guard.skip_nonfinite and _bad(", "if False and _bad(",
+         f"{OPTS}::test_skip_policy_drops_only_the_bad_optimizers_update")
+mutation("several optimizers: every optimizer restored from a checkpoint", "saferun/loop/optimizers.py",
+         "        for name, opt in self._by_name.items():\n            opt.load_state_dict(saved[name])",
+         "        pass", f"{OPTS}::test_resume_restores_every_optimizer_by_name_and_refuses_renamed_ones")
+mutation("several optimizers: a step must update each one", MANUAL,
+         "        if missing:\n", "        if False:\n", f"{OPTS}::test_wrong_use_is_refused_with_what_to_do")
+
 # ---------------------------------------------------------------- host syncs
 mutation("no host sync per step in the loop", T,
          "        self.state.samples_seen += samples\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
@@ -262,8 +285,8 @@ mutation("training forwards go through DDP", STRATEGY,  # DataParallel falls bac
          '        """Average the gradients',
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
 mutation("find_unused_parameters reaches DDP", STRATEGY,
-         "distributed.GradientSync(trainer.model, trainer.device, find_unused)",
-         "distributed.GradientSync(trainer.model, trainer.device, False)",
+         "distributed.GradientSync(trainer.model, trainer.device, find_unused,",
+         "distributed.GradientSync(trainer.model, trainer.device, False,",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
 mutation("every rank's RNG state in the checkpoint", CKPTR,
          "        per_rank = o._strategy.gather(mine)", "        per_rank = [mine]",
