@@ -136,6 +136,7 @@ def check_named(named: NamedOptimizers, model: nn.Module) -> None:
     if not named:
         raise SaferunError("build_optimizer returned an empty dict: name at least one optimizer.")
     owner: dict[int, str] = {}
+    in_model = {id(p) for p in model.parameters()}
     for name, opt in named.items():
         if not isinstance(name, str) or not name or "/" in name:
             raise SaferunError(f"build_optimizer: optimizer names must be non-empty strings "
@@ -146,6 +147,12 @@ def check_named(named: NamedOptimizers, model: nn.Module) -> None:
         check_optimizer_params(opt, model)
         for group in opt.param_groups:
             for p in group["params"]:
+                if id(p) not in in_model:
+                    raise SaferunError(
+                        f"build_optimizer: {name!r} holds a parameter of shape {tuple(p.shape)} "
+                        f"that is not in the model, so checkpoints would not hold its value "
+                        f"and a resume would not restore it. Make it part of the model (an "
+                        f"nn.Parameter attribute of a module).")
                 if owner.setdefault(id(p), name) != name:
                     raise SaferunError(
                         f"build_optimizer: parameter '{_name_of(p, model)}' is in both "

@@ -9,6 +9,7 @@ process and under torchrun.
 - `agreed(control)`: at a log point or validation, the callbacks' requests agreed across ranks.
 - `stop_agreed(signals)`: after each step, whether every rank leaves the loop now.
 - `gather(obj)`: at a checkpoint, each rank's own state (RNG, pending metrics) onto rank 0.
+- `average(named, step)`: several optimizers (`loop/manual.py`), after each optimize()'s backward.
 
 `SingleProcess` does the least at each point; `DataParallel` is DDP; `FullyShardedDataParallel`
 is FSDP2 (the model sharded in place by `fsdp.shard_model` during setup; checkpoints written
@@ -69,7 +70,8 @@ class SingleProcess:
         return distributed.gather(obj)
 
     def average(self, named: list[tuple[str, torch.nn.Parameter]], step: int) -> None:
-        """Several optimizers (loop/manual.py): after one optimizer's backward, its gradients."""
+        """Several optimizers (loop/manual.py): after one optimizer's backward, its gradients
+        averaged over ranks. One process: nothing to do."""
 
 
 class DataParallel(SingleProcess):

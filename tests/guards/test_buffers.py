@@ -52,3 +52,14 @@ def test_a_buffer_registered_after_the_snapshot_was_set_up_is_refused_on_restore
     model.register_buffer("late", torch.ones(2))
     with pytest.raises(SaferunError, match="registered buffers after training started"):
         snapshot.restore()
+
+
+def test_a_model_without_buffers_can_be_snapshot_every_step():
+    """The skip policy takes a snapshot every step: with no buffers (an MLP, a GAN) the second
+    take() raised "Tensor list must have at least one tensor" before the fix."""
+    model = nn.Linear(4, 2)
+    snapshot = BufferSnapshot(model)
+    for _ in range(3):
+        snapshot.take()
+        snapshot.restore()
+    assert list(model.buffers()) == []

@@ -216,6 +216,13 @@ class Orphan(TwoOptimizers):
         return {"head": torch.optim.SGD(self.model.head.parameters(), lr=0.1)}
 
 
+class Outside(TwoOptimizers):
+    def build_optimizer(self, params):
+        self.temperature = nn.Parameter(torch.ones(()))
+        named = super().build_optimizer(params)
+        return {**named, "temp": torch.optim.SGD([self.temperature], lr=0.1)}
+
+
 class OneOptimizer(ToyTrainer):
     def training_step(self, batch):
         loss = super().training_step(batch)
@@ -230,6 +237,7 @@ class OneOptimizer(ToyTrainer):
     (Tuple, SaferunError, "return a dict {name: optimizer}"),
     (Shared, SaferunError, "is in both 'all' and 'enc'"),
     (Orphan, SaferunError, "enc.0.weight, enc.0.bias are in no optimizer"),
+    (Outside, SaferunError, "'temp' holds a parameter of shape () that is not in the model"),
     (OneOptimizer, SaferunError, "this Trainer has one optimizer"),
 ])
 def test_wrong_use_is_refused_with_what_to_do(tmp_path, trainer, error, words):
