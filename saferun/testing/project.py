@@ -17,6 +17,8 @@ TEST_OVERRIDES: dict[str, list[str]] = {
     "tabular": ["trainer.device=cpu"],
     "charlm": ["trainer.device=cpu", "task.sample_chars=0", "trainer.batch_size=16",
                "data.samples_per_epoch=128", "data.max_chars=40000"],
+    # one pass of latent codes: an epoch of 22 steps, so that the resume test crosses one
+    "gan": ["trainer.device=cpu", "task.sample_digits=0", "data.repeats=1"],
 }
 GOLDEN_OVERRIDES: dict[str, list[str]] = {
     "digits": [],
@@ -24,6 +26,7 @@ GOLDEN_OVERRIDES: dict[str, list[str]] = {
     # a fixed corpus: the default one is this Python's standard library, which changes
     # between CPython releases; {corpus} is the path of corpus_text() written to a file
     "charlm": ["sched.warmup_steps=1", "data.files=['{corpus}']"],
+    "gan": ["optim.lr=2e-3"],  # train/loss: the sum of the discriminator's and generator's
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import saferun
-from recipe_tools import build_recipe, saferun_run
+from recipe_tools import assert_golden_losses, build_recipe, saferun_run
 
 JOB = str(Path(__file__).with_name("gan_job.py"))
 
@@ -33,7 +33,12 @@ class Curves(saferun.Callback):
         self.points += [metrics["train/loss/disc"], metrics["train/loss/gen"]]
 
 
-def test_golden_first_losses(tmp_path):
+def test_golden_file(tmp_path):
+    """recipes/golden/gan.json (train/loss: the two losses' sum), the file `saferun new` copies."""
+    assert_golden_losses("gan", tmp_path)
+
+
+def test_golden_first_losses_of_each_optimizer(tmp_path):
     assert torch.get_num_threads() == 1  # set by tests/conftest.py; numerics depend on it
     curves = Curves()
     trainer = build_recipe("gan", tmp_path, "trainer.max_steps=5", "trainer.log_every_n_steps=1",
