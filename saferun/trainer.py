@@ -189,7 +189,6 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
-        # several, named: training_step drives them (sets optimizer, scheduler and _schedule)
         self._manual = ManualSteps.build(self) if isinstance(self.optimizer, Mapping) else None
         if self._manual is None:
             check_optimizer_params(self.optimizer, model)
@@ -299,9 +298,7 @@ class Trainer:
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
                           spike=spike, loss_spike=loss_spike)
 
-    def optimize(self, name: str, loss: torch.Tensor) -> None:
-        """Several optimizers: from training_step, backward `loss` into `name`'s and step it."""
-        optimize(self, name, loss)
+    optimize = optimize  # several optimizers: training_step calls self.optimize(name, loss)
 
     def _forward_backward(self, micro_batches: Sequence[Any]
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:

@@ -63,9 +63,10 @@ class ManualSteps:
         self._tr = trainer
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         self.names = list(trainer.optimizer)
-        # per optimizer: its parameters with their names (for the DDP average's messages)
-        self.params = {name: [(names[id(p)], p) for g in opt.param_groups for p in g["params"]]
-                       for name, opt in trainer.optimizer.items()}
+        # per optimizer: its trainable parameters with their names (for the DDP average's
+        # messages); a frozen one it holds gets no gradient, so it stays as it is
+        self.params = {name: [(names[id(p)], p) for g in opt.param_groups for p in g["params"]
+                              if p.requires_grad] for name, opt in trainer.optimizer.items()}
         self._done: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None  # in a step
         self._skipped: list[str] = []
         self._unused_pending = trainer.cfg.guards.unused_params
@@ -183,7 +184,10 @@ class ManualSteps:
 
 
 def optimize(trainer: Any, name: str, loss: torch.Tensor) -> None:
-    """`Trainer.optimize`, or an error saying it needs several optimizers."""
+    """`Trainer.optimize(name, loss)`: with several optimizers (`build_optimizer` returned
+    {name: optimizer}), called in training_step once per optimizer, in the order the algorithm
+    needs: backward `loss` into optimizer `name`'s parameters only and step it, with the loop's
+    discipline (see this module's docstring)."""
     manual: Optional[ManualSteps] = getattr(trainer, "_manual", None)
     if manual is None:
         raise SaferunError(

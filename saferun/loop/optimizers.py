@@ -9,6 +9,7 @@ rollback and a forced resume handle every optimizer by name. The step that drive
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
@@ -132,7 +133,7 @@ def build_named(trainer: Any, optimizers: Mapping[str, Any], model: nn.Module
 
 def check_named(named: NamedOptimizers, model: nn.Module) -> None:
     """Names are non-empty strings; each optimizer is one; each trainable parameter belongs
-    to exactly one optimizer (none holds a frozen one)."""
+    to exactly one optimizer, and every parameter they hold is the model's."""
     if not named:
         raise SaferunError("build_optimizer returned an empty dict: name at least one optimizer.")
     owner: dict[int, str] = {}
@@ -219,3 +220,30 @@ def _named_state(state: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
 
 def _name_of(p: torch.Tensor, model: nn.Module) -> str:
     return next((n for n, q in model.named_parameters() if q is p), "<not in the model>")
+
+
+# ---------------------------------------------------------------- for `saferun check`
+
+NO_SINGLE_LOSS = ("not checked: several optimizers (training_step updates each one itself and "
+                  "returns no single loss to measure)")
+
+
+def each_optimizer_moves(trainer: Any, batch: Any, steps: int) -> tuple[str, str]:
+    """The one-batch check with several optimizers: their losses may be adversarial (a GAN's
+    cannot all fall), so each optimizer's updates must move its parameters, its loss finite.
+    Returns (status, finding)."""
+    def held(name: str) -> list[torch.Tensor]:
+        return [p for g in trainer.optimizer[name].param_groups for p in g["params"]]
+
+    names = list(trainer.optimizer)
+    before = {n: [p.detach().clone() for p in held(n)] for n in names}
+    logs = [trainer.train_step([batch]).logs for _ in range(steps)]
+    losses = {n: [float(d[f"loss/{n}"]) for d in logs] for n in names}
+    still = [n for n in names if all(torch.equal(b, p) for b, p in zip(before[n], held(n)))]
+    bad = [n for n in names if not all(math.isfinite(v) for v in losses[n])]
+    trend = ", ".join(f"{n} {v[0]:.4g} -> {v[-1]:.4g}" for n, v in losses.items())
+    if still or bad:
+        return "fail", (f"on one repeated batch, optimizer(s) {', '.join(still + bad)} did not "
+                        f"move their parameters or had a non-finite loss ({trend}).")
+    return "pass", (f"several optimizers, each moves its parameters on one repeated batch "
+                    f"(losses may be adversarial: {trend})")
