@@ -36,20 +36,19 @@ from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
-from .loop.manual import ManualSteps, optimize
+from .loop.manual import optimize, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device
 from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
-from .loop.steps import (check_optimizer_params, clip_or_measure, explained, loss_and_logs,
-                         resolve_device, total_norm, trainable_parameters)
+from .loop.steps import (clip_or_measure, explained, loss_and_logs, resolve_device, total_norm,
+                         trainable_parameters)
 from .parallel import distributed
 from .parallel.fsdp import shard_model
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
-from .schedules import Schedule
 
 log = logging.getLogger("saferun")
 
@@ -189,12 +188,7 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
-        self._manual = ManualSteps.build(self) if isinstance(self.optimizer, Mapping) else None
-        if self._manual is None:
-            check_optimizer_params(self.optimizer, model)
-            self.scheduler = self.build_scheduler(self.optimizer)
-            self._schedule = Schedule(self.optimizer, self.scheduler, t.sched_metric,
-                                      validates=self.val_loader is not None)
+        self._manual = setup_optimizers(self, model)  # + schedules; several: the step driving them
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)

@@ -109,7 +109,7 @@ mutation("frozen modules get requires_grad=False", "saferun/modes.py",
          "        m.requires_grad_(False)\n", "        pass\n",
          f"{MODES}::test_frozen_module_stays_eval_without_grad_and_out_of_optimizer")
 mutation("an optimizer holding frozen parameters is said (a warning)", T,
-         "            check_optimizer_params(self.optimizer, model)\n", "",
+         "    check_optimizer_params(trainer.optimizer, model)\n", "",
          f"{MODES}::test_optimizer_over_all_parameters_with_a_frozen_part_warns_and_keeps_them")
 mutation("fit puts the model in train mode", "saferun/modes.py",
          "    model.train()\n    for m in frozen:", "    for m in frozen:",

@@ -21,6 +21,7 @@ unless a skip policy asks, once per optimize().
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
@@ -30,7 +31,8 @@ from ..errors import SaferunError
 from ..parallel import distributed
 from .metrics import scalar_dict
 from .optimizers import build_named
-from .steps import clip_or_measure, loss_and_logs, short
+from ..schedules import Schedule
+from .steps import check_optimizer_params, clip_or_measure, loss_and_logs, short
 from .transfer import move_to_device
 
 log = logging.getLogger("saferun")
@@ -70,15 +72,6 @@ class ManualSteps:
         self._done: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None  # in a step
         self._skipped: list[str] = []
         self._unused_pending = trainer.cfg.guards.unused_params
-
-    @classmethod
-    def build(cls, trainer: Any) -> "ManualSteps":
-        """`build_optimizer` returned {name: optimizer}: check them, put the containers in the
-        Trainer's `optimizer`, `scheduler` and `_schedule` (loop/optimizers.py), and return the
-        step that drives them."""
-        trainer.optimizer, trainer.scheduler, trainer._schedule = build_named(
-            trainer, trainer.optimizer, trainer.model)
-        return cls(trainer)
 
     def step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One step: training_step on the batch, which calls optimize() once per optimizer."""
@@ -181,6 +174,23 @@ class ManualSteps:
                                    f"{', '.join(map(repr, self._skipped))}; their update was skipped")
         zero = torch.zeros((), device=tr.device)
         return StepOutput(loss=zero, grad_norm=zero, num_samples=samples, skipped=True)
+
+
+def setup_optimizers(trainer: Any, model: torch.nn.Module) -> Optional[ManualSteps]:
+    """After `build_optimizer` (Trainer.setup): set the Trainer's `scheduler` and `_schedule`.
+    One optimizer: None (the loop's own step drives it). {name: optimizer}: check them, put
+    the containers in `optimizer`, `scheduler`, `_schedule` (loop/optimizers.py) and return
+    the step that drives them."""
+    if isinstance(trainer.optimizer, Mapping):
+        trainer.optimizer, trainer.scheduler, trainer._schedule = build_named(
+            trainer, trainer.optimizer, model)
+        return ManualSteps(trainer)
+    check_optimizer_params(trainer.optimizer, model)
+    trainer.scheduler = trainer.build_scheduler(trainer.optimizer)
+    trainer._schedule = Schedule(trainer.optimizer, trainer.scheduler,
+                                 trainer.cfg.trainer.sched_metric,
+                                 validates=trainer.val_loader is not None)
+    return None
 
 
 def optimize(trainer: Any, name: str, loss: torch.Tensor) -> None:
