@@ -246,9 +246,13 @@ def test_wrong_use_is_refused_with_what_to_do(tmp_path, trainer, error, words):
     assert words in str(e.value)
 
 
-def test_accumulation_is_refused_with_the_reason(tmp_path):
-    with pytest.raises(ConfigError, match="trainer.accumulate is 2: .* Raise trainer.batch_size"):
-        TwoOptimizers(config(tmp_path, accumulate=2)).setup()
+@pytest.mark.parametrize("setting, words", [
+    ({"accumulate": 2}, "trainer.accumulate is 2: .* Raise trainer.batch_size"),
+    ({"ema": {"decay": 0.99}}, "trainer.ema is on: .* not supported with several optimizers"),
+])
+def test_settings_that_cannot_be_right_are_refused_with_the_reason(tmp_path, setting, words):
+    with pytest.raises(ConfigError, match=words):
+        TwoOptimizers(config(tmp_path, **setting)).setup()
 
 
 class Renamed(TwoOptimizers):
