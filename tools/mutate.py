@@ -140,8 +140,8 @@ mutation("clip to max_grad_norm", T,
          "clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
          "clip_or_measure(self._params, None)",
          f"{STEP}::test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm")
-mutation("measure the norm without clip_grad_norm_(inf)", T,
-         "        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])",
+mutation("measure the norm without clip_grad_norm_(inf)", "saferun/loop/steps.py",
+         "        return total_norm([p.grad for p in params if p.grad is not None])",
          '        return torch.nn.utils.clip_grad_norm_(params, float("inf"))',
          f"{STEP}::test_measuring_without_clipping_never_touches_gradients")
 mutation("accumulation weights micro-batches", T,
@@ -362,12 +362,12 @@ mutation("files fsynced", "saferun/checkpoint.py",
          "        f.flush()\n        os.fsync(f.fileno())\n    return {",
          "        f.flush()\n    return {",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
-mutation("the temporary directory fsynced before the rename", "saferun/checkpoint.py",
-         "        _fsync_dir(tmp)\n", "",
+mutation("the temporary directory fsynced before the rename", "saferun/checkpoint/store.py",
+         "    _fsync_dir(tmp)\n    old = None\n", "    old = None\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
-mutation("the parent fsynced after the rename", "saferun/checkpoint.py",
-         "        os.replace(tmp, final)\n        _fsync_dir(root)\n",
-         "        os.replace(tmp, final)\n",
+mutation("the parent fsynced after the rename", "saferun/checkpoint/store.py",
+         "    os.replace(tmp, final)\n    _fsync_dir(root)\n",
+         "    os.replace(tmp, final)\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("written under a temporary name", "saferun/checkpoint.py",
          '    tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"\n', "    tmp = final\n",
@@ -386,10 +386,10 @@ mutation("keep_last", "saferun/checkpoint.py",
          "listed[:-keep_last]", "listed[:-keep_last - 1]",
          f"{CKPT}::test_keep_last_and_best")
 mutation("save_best keeps the best", CKPTR,
-         "keep=[Path(self.best[1])] if self.best else (), current=path)", "keep=(), current=path)",
+         "keep=[Path(self.best[1])] if self.best else (), current=done)", "keep=(), current=done)",
          f"{CKPT}::test_keep_last_and_best")
 mutation("model.pt holds the final weights", CKPTR,
-         '            save_weights(Path(o.state.run_dir) / "model.pt", o.model.state_dict())\n',
+         '            save_weights(Path(o.state.run_dir) / "model.pt", weights)\n',
          "            pass\n",
          f"{CKPT}::test_a_checkpoint_holds_the_whole_training_state")
 mutation("resume=auto starts fresh without a checkpoint", T,
@@ -443,7 +443,7 @@ mutation("checked before each validation", T,
          "        if False:\n            return None  # rolled back",
          f"{NONFINITE}::test_a_non_finite_step_is_caught_before_validation")
 mutation("check_params adds the parameters", T,
-         'extra = {"train/param_norm": torch.nn.utils.get_total_norm(self._params)} if g.check_params else {}',
+         'extra = {"train/param_norm": total_norm(self._params)} if g.check_params else {}',
          "extra = {}",
          f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
 mutation("non-finite parameters are bad", T,
