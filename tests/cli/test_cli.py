@@ -131,6 +131,7 @@ def test_bad_input_exits_non_zero_naming_the_key(tmp_path, override, words):
     assert not list(tmp_path.glob("runs/*/*/summary.json"))  # no work was done
 
 
+@pytest.mark.slow  # three Hydra start-ups for Hydra's own flags (9 s)
 def test_help_cfg_and_info_behave_as_in_hydra(tmp_path):
     help_text = saferun("run", "--help", cwd=tmp_path).stdout
     assert "== Config groups" in help_text and "optim: adam, adamw, sgd" in help_text

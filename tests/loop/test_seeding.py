@@ -16,7 +16,7 @@ def train(tmp_path, seed, context):
     return weights(t)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path, context):
     a, b, c = train(tmp_path, 1, context), train(tmp_path, 1, context), train(tmp_path, 2, context)
     assert all(torch.equal(a[k], b[k]) for k in a)
