@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import platform
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
@@ -201,6 +202,8 @@ class Checkpointer:
         o = self._owner
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
+            if self.pending_resume is None and o.state.step == 0:  # a fresh start
+                rundir.refuse_fresh_start_over(checkpoint_root(o.state.run_dir))
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
@@ -327,10 +330,13 @@ class Checkpointer:
         if key not in metrics:
             raise ConfigError(f"trainer.save_best={key!r}, but validation reports only "
                               f"{', '.join(metrics)}.")
-        if self.best is None:
+        value = metrics[key]
+        if math.isnan(value):  # never the best; and a NaN best is beaten by any number
+            return False
+        if self.best is None or math.isnan(self.best[0]):
             return True
-        return metrics[key] < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
-            else metrics[key] > self.best[0]
+        return value < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
+            else value > self.best[0]
 
 
 def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:

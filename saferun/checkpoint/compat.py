@@ -15,7 +15,7 @@ EXACTNESS_KEYS = ("seed", "model", "data", "collate_fn", "task", "optim", "sched
                   "trainer.batch_size",
                   "trainer.accumulate", "trainer.num_workers", "trainer.shuffle",
                   "trainer.drop_last", "trainer.precision", "trainer.frozen_modules",
-                  "trainer.max_grad_norm", "trainer.sched_metric",
+                  "trainer.max_grad_norm", "trainer.sched_metric", "trainer.ema",
                   "guards.nonfinite", "guards.spikes")  # which steps are skipped or rolled back
 # Under a spike policy that drops steps (skip, rollback), which steps are spikes.
 SPIKE_KEYS = ("guards.spike_window", "guards.spike_threshold", "guards.spike_warmup")

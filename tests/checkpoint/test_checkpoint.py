@@ -413,3 +413,17 @@ def test_a_failed_save_leaves_the_previous_checkpoints(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     assert [p.name for p in list_checkpoints(root)] == ["step-00000002"]
     assert load_latest(root)[1]["loop"]["step"] == 2
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_save_best_never_keeps_a_nan_as_the_best(tmp_path, mode):
+    from saferun.checkpoint.checkpointer import Checkpointer
+
+    cfg = toy_config(tmp_path, save_best="val/loss", save_best_mode=mode)
+    c = Checkpointer(ToyTrainer(cfg))
+    assert not c._improves({"val/loss": float("nan")}, "val/loss")  # a NaN is never the best
+    c.best = (float("nan"), "step-00000005")  # a NaN best (saved by an older saferun)
+    assert c._improves({"val/loss": 0.5}, "val/loss")  # is beaten by any number
+    c.best = (0.5, "step-00000010")
+    assert c._improves({"val/loss": 0.4 if mode == "min" else 0.6}, "val/loss")
+    assert not c._improves({"val/loss": float("nan")}, "val/loss")
