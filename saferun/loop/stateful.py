@@ -55,6 +55,11 @@ def compute_all(metrics: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     read: a 1-D result becomes name/0, name/1, ...; a dict result name/key."""
     values: dict[str, torch.Tensor] = {}
     for name, metric in metrics.items():
+        if not getattr(metric, "update_called", True):  # torchmetrics would report a default 0
+            raise SaferunError(
+                f"metric {name!r} was never updated during validation, so it has no value "
+                f"(torchmetrics would report its default, e.g. 0.0). Call "
+                f"self.metrics[{name!r}].update(preds, target) in validation_step.")
         _flatten(name, metric.compute(), values)
     return values
 

@@ -3,6 +3,7 @@ whole pass, reported as val/<name> with no host sync per batch; mistakes named."
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from saferun.errors import SaferunError
@@ -67,7 +68,17 @@ class Matrix(ToyTrainer):
         return {"confusion": MulticlassConfusionMatrix(3, validate_args=False)}
 
 
+class NeverUpdated(ToyTrainer):
+    def build_metrics(self):
+        return {"f1": MulticlassF1Score(3, validate_args=False)}
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"loss": F.cross_entropy(self.model(x), y)}  # forgets self.metrics["f1"].update
+
+
 @pytest.mark.parametrize("cls, match", [
+    (NeverUpdated, "metric 'f1' was never updated during validation"),
     (Clash, "validation_step returns \\['acc'\\], which a metric"),
     (NotAMetric, "metric 'f1' is a function, not a torchmetrics.Metric"),
     (Matrix, "metric 'confusion' computed \\(3, 3\\)")])
