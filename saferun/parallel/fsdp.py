@@ -149,3 +149,25 @@ def reshard(model: nn.Module) -> None:
         for module in model.modules():
             if is_sharded(module):
                 module.reshard()  # type: ignore[operator]
+
+
+def check_even_evaluation(loader: Any, limit: Any) -> None:
+    """Under fsdp every forward all-gathers parameters, a collective: a rank with one more
+    validation batch than another would meet the other's metric reduction with a forward's
+    all-gather. Refuse at setup, with the counts, when the ranks' batch counts differ."""
+    if loader is None:
+        return
+    try:
+        mine = len(loader)
+    except TypeError:  # an iterable dataset: its length is unknown before the pass
+        return
+    mine = mine if limit is None else min(mine, limit)
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    if len(set(every)) > 1:
+        raise ConfigError(
+            f"trainer.strategy=fsdp: the ranks get {every} validation batches (rank 0, 1, ...), "
+            f"but every FSDP forward is a collective, so all ranks must run as many. Choose "
+            f"trainer.val_batch_size (or the validation set's size) so that every rank's share "
+            f"splits into the same number of batches (e.g. len(val) divisible by world size x "
+            f"val_batch_size), or set trainer.limit_val_batches to at most {min(every)}.")

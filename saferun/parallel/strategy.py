@@ -151,6 +151,8 @@ class FullyShardedDataParallel(DataParallel):
         self._pending: Optional[Control] = None
         self._agreed_signal: Optional[int] = None
         self.saves: Any = None  # the Checkpointer's ShardedWriter, set at its first save
+        fsdp.check_even_evaluation(getattr(trainer, "val_loader", None),
+                                   trainer.cfg.trainer.limit_val_batches)  # type: ignore[attr-defined]
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
         return self._sync.micro_batch(last, self._trainer.state.step + 1)  # type: ignore[attr-defined]

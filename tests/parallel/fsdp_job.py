@@ -9,7 +9,8 @@ configured strategy (fsdp or ddp), then write each rank's view of the result int
 - (`model.pt`, rank 0, is saferun's own export: the whole weights.)
 
 PLANT_JSON holds SelfSignalling's keyword arguments (tests/toys.py), plus `submodules: true`
-for a training_step that calls the model's submodules instead of the model.
+for a training_step that calls the model's submodules instead of the model, and
+`val_samples` (64) for the validation set's size.
 """
 
 from __future__ import annotations
@@ -60,15 +61,15 @@ class Stack(nn.Module):
 
 class StackTrainer(SelfSignalling):
     def __init__(self, cfg: Any, submodules: bool = False, batchnorm: bool = True,
-                 **plant: Any) -> None:
+                 val_samples: int = 64, **plant: Any) -> None:
         super().__init__(cfg, **plant)
-        self.submodules, self.batchnorm = submodules, batchnorm
+        self.submodules, self.batchnorm, self.val_samples = submodules, batchnorm, val_samples
 
     def build_model(self) -> nn.Module:
         return Stack(batchnorm=self.batchnorm)
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        x, y = make_classification(64, seed=1)
+        x, y = make_classification(self.val_samples, seed=1)
         return AugmentedDataset(), TensorDataset(x, y)
 
     def training_step(self, batch: Any) -> torch.Tensor:

@@ -256,6 +256,16 @@ def test_a_stateless_optimizer_resumes_its_scheduled_learning_rate(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_validation_batches_uneven_over_ranks_are_refused_at_setup(tmp_path):
+    # 17 samples in batches of 8: rank 0 gets 9 (2 batches), rank 1 8 (1 batch); its extra
+    # forward's all-gather would meet the other rank's metric reduction
+    proc = torchrun(job_config(tmp_path / "run"), {"val_samples": 17})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("the ranks get [2, 1] validation batches") == 2, out[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any training
+
+
 @pytest.mark.slow
 def test_an_exception_on_rank_1_ends_the_job(tmp_path):
     proc = torchrun(job_config(tmp_path / "run"), {"fail_at": 3, "on_rank": 1})
