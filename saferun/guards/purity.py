@@ -202,6 +202,9 @@ def check_purity(before: Optional[Fingerprint], model: nn.Module, changed: float
     if before is None:
         return
     problems = diff(before, fingerprint(model)) if changed else []
+    if changed and not problems:  # the flag is summed over ranks: another rank's model changed
+        problems = ["not on this rank, but on another rank (its error names what changed); "
+                    "every rank stops, as their models now differ"]
     if eval_grad_mode == "inference_mode":
         problems += find_inference_tensors(model)  # metadata only: no sync
     if problems:

@@ -88,11 +88,12 @@ class Case(saferun.Trainer):
 
     def __init__(self, cfg: Any, path: str = "model", aux: bool = False,
                  stream: Optional[str] = None, controls: Sequence[dict] = (),
-                 block_at: int = -1, loader: Optional[str] = None, **kw: Any) -> None:
+                 block_at: int = -1, loader: Optional[str] = None, impure_on: int = -1,
+                 **kw: Any) -> None:
         super().__init__(cfg, callbacks=[Decide(**c) for c in controls] or [Decide(-1, "", -1)],
                          **kw)
         self.path, self.aux, self.stream, self.block_at = path, aux, stream, block_at
-        self.loader = loader
+        self.loader, self.impure_on = loader, impure_on  # impure_on: that rank's eval mutates
         self.ids: list[int] = []
 
     def build_model(self) -> nn.Module:
@@ -130,6 +131,8 @@ class Case(saferun.Trainer):
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         x, y = batch
+        if self.ranks.rank == self.impure_on:
+            self.model.backbone[2].calls += 1  # evaluation that changes a buffer, on one rank
         return {"loss": F.cross_entropy(self.model(x), y)}
 
 

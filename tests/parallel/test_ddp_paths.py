@@ -96,11 +96,13 @@ CASES = {
     # DataLoaders built by the user
     "loader_random": dict(loader="random"),
     "loader_distributed": dict(loader="distributed"),
+    # evaluation that changes the model on rank 1 only: both ranks must stop
+    "impure_rank1": dict(impure_on=1, max_steps=4, val_every_n_steps=4),
     # last, as it leaves the process group unusable: rank 1 waits for a message that never
     # comes while rank 0 waits in the gradient all-reduce (gloo's default wait is 30 min)
     "timeout": dict(block_at=2, collective_timeout=3),
 }
-CASE_KEYS = ("path", "aux", "controls", "stream", "block_at", "loader")
+CASE_KEYS = ("path", "aux", "controls", "stream", "block_at", "loader", "impure_on")
 
 
 def case(name, root, **override):
@@ -198,6 +200,13 @@ def test_a_user_loader_with_a_distributed_sampler_trains_on_the_global_batch(lau
     one = reference()
     keys = set(one) - {"backbone.2.mean"}
     assert_same({k: r0["state"][k] for k in keys}, {k: one[k] for k in keys}, exact=False)
+
+
+def test_evaluation_that_changes_the_model_on_one_rank_stops_every_rank(launched):
+    r0, r1 = results(launched / "impure_rank1")
+    assert r0["step"] == r1["step"] == 4
+    assert "backbone.2.calls" in r1["error"] and "changed during evaluation" in r1["error"]
+    assert "evaluation changed the model" in r0["error"] and "on another rank" in r0["error"]
 
 
 def test_a_sharded_stream_gives_each_rank_and_worker_its_own_items(launched):
