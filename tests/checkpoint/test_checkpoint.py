@@ -352,8 +352,9 @@ def test_a_crash_between_the_renames_of_a_step_saved_again_loses_nothing(tmp_pat
 
 
 def test_grad_scaler_state_is_saved_and_restored(tmp_path):
-    def run(max_steps, resume=None):
-        cfg = toy_config(tmp_path, max_steps=max_steps, save_every_n_steps=5)
+    def run(max_steps, resume=None, run_dir="run"):
+        cfg = toy_config(tmp_path, max_steps=max_steps, save_every_n_steps=5,
+                         run_dir=str(tmp_path / run_dir))
         cfg["resume"] = resume
         t = ScaledOnCpu(cfg)
         t.fit()
@@ -362,7 +363,7 @@ def test_grad_scaler_state_is_saved_and_restored(tmp_path):
     first = run(5)  # growth_interval=2: the scale doubled twice by step 5
     saved = load_latest(tmp_path / "run" / "checkpoints")[1]["scaler"]
     assert saved == first._scaler.state_dict() and saved["scale"] == 2.0**12
-    straight = run(9)  # a fresh run in the same directory: its own checkpoints up to step 9
+    straight = run(9, run_dir="straight")
     resumed = run(9, resume=str(tmp_path / "run" / "checkpoints" / "step-00000005"))
     assert resumed._scaler.state_dict() == straight._scaler.state_dict()
     assert resumed._scaler.get_scale() == 2.0**14
