@@ -202,8 +202,6 @@ class Checkpointer:
         o = self._owner
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
-            if self.pending_resume is None and o.state.step == 0:  # a fresh start
-                rundir.refuse_fresh_start_over(checkpoint_root(o.state.run_dir))
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))

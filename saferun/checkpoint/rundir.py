@@ -21,7 +21,6 @@ from typing import Any, Mapping, Optional
 
 from ..parallel import distributed
 from ..errors import SaferunError
-from .store import CheckpointError, list_checkpoints
 
 LOCK_FILE = ".saferun.lock"
 _held: set[int] = set()  # descriptors of the locks this process holds
@@ -143,16 +142,3 @@ def write_config(run_dir: str, config: Mapping[str, Any]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def refuse_fresh_start_over(root: Path) -> None:
-    """A run starting from step 0 where checkpoints of another course already are: its saves
-    would overwrite theirs step by step and its logs would mix with theirs."""
-    found = list_checkpoints(root)
-    if found:
-        raise CheckpointError(
-            f"the run directory {root.parent} already holds checkpoints ({found[0].name} .. "
-            f"{found[-1].name}) and this run starts from step 0 (resume is not set): its "
-            f"checkpoints and logs would mix with theirs. To continue that run, set "
-            f"resume=auto. To start over, use another run directory (hydra.run.dir=... on the "
-            f"command line, trainer.run_dir in Python) or move {root} away first.")

@@ -237,15 +237,6 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     assert second["optimizer"]["param_groups"][0]["lr"] == 0.2
 
 
-def test_a_fresh_start_over_another_runs_checkpoints_is_refused(tmp_path):
-    ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2)).fit()
-    root = tmp_path / "run" / "checkpoints"
-    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    with pytest.raises(saferun.SaferunError, match="already holds checkpoints .*resume=auto"):
-        ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2)).fit()
-    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
-
-
 def test_a_changed_weight_average_refuses_resume(tmp_path):
     cfg = toy_config(tmp_path, max_steps=4)
     cfg["trainer"]["ema"] = {"decay": 0.99}
