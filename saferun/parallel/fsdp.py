@@ -101,7 +101,27 @@ def units(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
                 found += [(f"{n}.{i}" if n else str(i), c) for i, c in enumerate(children)]
     # a unit inside another is sharded first (fully_shard works inside out): sort deepest first
     unique = {id(m): (n, m) for n, m in found}
-    return sorted(unique.values(), key=lambda nm: -nm[0].count("."))
+    ordered = sorted(unique.values(), key=lambda nm: -nm[0].count("."))
+    _refuse_tied_across(ordered)
+    return ordered
+
+
+def _refuse_tied_across(found: list[tuple[str, nn.Module]]) -> None:
+    """A parameter shared by two units (tied weights) cannot be sharded by both: FSDP2 fails
+    at the first forward with an error that seems to blame training_step. Say so at setup."""
+    owner: dict[int, str] = {}
+    for name, unit in found:  # deepest first: a parameter belongs to the innermost unit
+        inner = {id(p) for n, m in found if n.startswith(name + ".") for p in m.parameters()}
+        for pname, p in unit.named_parameters():
+            if id(p) in inner:
+                continue
+            if id(p) in owner and owner[id(p)] != name:
+                raise ConfigError(
+                    f"trainer.fsdp.shard: the parameter {name}.{pname} is also in unit "
+                    f"{owner[id(p)]} (tied weights), and FSDP2 can shard a parameter in one unit "
+                    f"only. Shard units that do not share it (leave the modules that tie it to "
+                    f"the root unit), or untie the weights.")
+            owner[id(p)] = name
 
 
 class ShardedSync:

@@ -166,6 +166,18 @@ def test_what_fsdp_cannot_do_right_is_refused_naming_the_key(key, value, named):
         fsdp.check(t, distributed.Ranks(0, 2, 0), torch.device("cpu"))
 
 
+def test_weights_tied_across_two_units_are_refused_naming_both():
+    from fsdp_job import Stack
+
+    from saferun.parallel.fsdp import units
+
+    model = Stack()
+    model.blocks[2].fc.weight = model.blocks[0].fc.weight  # tied across two units
+    with pytest.raises(ConfigError, match=r"blocks\.2\.fc\.weight is also in unit blocks\.0"):
+        units(model, [])
+    assert [n for n, _ in units(Stack(), [])] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
 def test_the_default_units_are_the_blocks_of_a_stack_and_named_units_must_exist():
     from fsdp_job import Stack
 
