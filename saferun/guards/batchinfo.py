@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
@@ -64,8 +65,10 @@ def nonfinite_inputs(loader: Any, indices: list[int]) -> str:
             f"drop rows with missing values).")
 
 
-def tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    return [(n, v) for n, v in _leaves(batch, "batch") if isinstance(v, torch.Tensor)]
+def tensors(batch: Any, root: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in a nested batch (dicts, named tuples, lists, tuples,
+    dataclasses)."""
+    return [(n, v) for n, v in _leaves(batch, root) if isinstance(v, torch.Tensor)]
 
 
 def _leaves(obj: Any, name: str) -> Iterator[tuple[str, Any]]:
@@ -80,6 +83,9 @@ def _leaves(obj: Any, name: str) -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _leaves(v, f"{name}[{i}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _leaves(getattr(obj, f.name), f"{name}.{f.name}")
     else:
         yield name, obj
 

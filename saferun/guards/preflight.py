@@ -17,16 +17,16 @@ spawn and forkserver workers while they unpickle it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
 from ..errors import SaferunError
+from .batchinfo import tensors
 from .generators import Finding, find_rng_objects, rng_kind, rng_objects, scan_rng
 from .pickling import find_unpicklable
 
@@ -124,7 +124,7 @@ def check_batch_on_cpu(batch: Any, path: str = "batch") -> None:
     Workers should return CPU tensors: CUDA cannot be re-initialised in a
     forked worker, and CUDA tensors sent between processes are fragile.
     """
-    for where, t in _tensors(batch, path):
+    for where, t in tensors(batch, path):
         if t.device.type != "cpu":
             raise SaferunError(
                 f"{where} is a tensor on {t.device}, delivered by a DataLoader worker. CUDA in "
@@ -139,21 +139,3 @@ def _repeats(loader: DataLoader) -> str:
         return "every worker copies it in the same state, so all workers repeat the same draws"
     return ("every worker copies it in the same state at the start of every epoch, so all "
             "workers and all epochs repeat the same draws")
-
-
-def _tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in a nested batch."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{path}[{k!r}]")
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        for f, v in zip(obj._fields, obj):
-            yield from _tensors(v, f"{path}.{f}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), f"{path}.{f.name}")

@@ -116,3 +116,21 @@ def test_any_exception_keeps_its_type_and_a_users_own_class_is_left_as_raised(tm
         assert "raise raised" in str(info.value) and info.value.__cause__ is raised
     else:  # the user's own class: untouched
         assert info.value is raised
+
+
+def test_nan_input_fields_are_named_in_dataclass_and_dict_batches():
+    import dataclasses
+
+    from saferun.guards.batchinfo import describe_batch, nonfinite_fields
+
+    @dataclasses.dataclass
+    class Batch:
+        image: torch.Tensor
+        label: torch.Tensor
+
+    x = torch.zeros(4, 3)
+    x[2, 1] = float("nan")
+    assert nonfinite_fields(Batch(x, torch.zeros(4)), [10, 11, 12, 13]) == \
+        ["batch.image in dataset samples [12] (1 in all)"]
+    assert nonfinite_fields({"image": x}) == ["batch['image'] in samples [2] (1 in all)"]
+    assert describe_batch(Batch(x, torch.zeros(4)))[0].startswith("batch.image: float32 (4, 3)")
