@@ -12,6 +12,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # 10 s of subprocesses; test_step_micro_benchmark_runs_and_reports is the fast slice
 def test_benchmark_smoke_run_writes_its_report(tmp_path):
     # hand and saferun only: a Lightning process spends ~10 s importing lightning alone.
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--smoke", "--device", "cpu",

@@ -103,6 +103,7 @@ def test_metrics_and_weight_average_agree_across_ranks_and_with_one_process(two_
             roc_auc_score(y, probs, multi_class="ovr", average="macro"), rel=1e-5)
 
 
+@pytest.mark.slow  # 8 s; the one-node torchrun tests in this file cover the same step
 def test_two_nodes_on_localhost(two_ranks, tmp_path):
     run_dir = tmp_path / "run"
     cfg = plain_config(run_dir, batch_size=16)
