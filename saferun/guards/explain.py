@@ -8,6 +8,7 @@ replay runs in the step's modes under `torch.no_grad()` (forward only: no gradie
 optimizer touched) with every RNG and every buffer (BatchNorm statistics) restored after it,
 so the training state is as the failure left it. An in-place autograd error is replayed with
 backward under anomaly mode instead (gradients restored after it) to name the forward line.
+With several optimizers, the replay's `self.optimize()` calls step nothing (explain_optimize.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from torch import nn
 from ..errors import SaferunError
 from ..loop.seeding import preserved_rng
 from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
+from .explain_optimize import (in_optimize as _in_optimize, manual as _manual,
+                               replaying as _replaying)
 from .replay import _forward_trace
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -112,6 +115,8 @@ def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str
         me = f.f_locals.get("self")
         if f.f_code.co_name == "_forward_backward" and me is owner and "batch" in f.f_locals:
             return "training", f.f_locals["batch"]
+        if f.f_code.co_name == "step" and me is _manual(owner) and "batch" in f.f_locals:
+            return "training", f.f_locals["batch"]  # several optimizers (loop/manual.py)
         if f.f_code.co_name == "validate" and me is getattr(owner, "_evaluator", None) \
                 and "batch" in f.f_locals:
             from ..loop.transfer import move_to_device
@@ -130,7 +135,7 @@ def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) ->
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     module, inputs, replayed = _locate(owner, model, phase, batch)
     what, fix = _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs)
-    lines = [f"{hook} failed at step {step}: {what}"]
+    lines = [f"{hook} failed at step {step}{_in_optimize(exc, owner)}: {what}"]
     if fix:
         lines.append(f"  what to do: {fix}")
     if module is not None:
@@ -243,7 +248,8 @@ def _locate(owner: FailureOwner, model: nn.Module, phase: str, batch: Any
     step_fn = owner.training_step if phase == "training" else owner.validation_step
     modes = (contextlib.nullcontext() if phase == "training" else owner._evaluator.evaluating())
     try:
-        with _state_kept(model), preserved_rng(), modes, torch.no_grad(), owner._autocast():
+        with _state_kept(model), preserved_rng(), modes, torch.no_grad(), owner._autocast(), \
+                _replaying(owner, backward=False):
             try:
                 step_fn(batch)
             except Exception:
@@ -278,12 +284,12 @@ def _inplace_trace(owner: FailureOwner, model: nn.Module, batch: Any) -> Optiona
     replay of forward and backward under anomaly mode (RNG, buffers, gradients restored)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _state_kept(model), preserved_rng(), owner._autocast():
+        with _state_kept(model), preserved_rng(), owner._autocast(), _replaying(owner, True):
             with torch.autograd.detect_anomaly(check_nan=False):
                 try:
                     out = owner.training_step(batch)
-                    loss = out["loss"] if isinstance(out, dict) else out
-                    loss.backward()
+                    if getattr(owner, "_manual", None) is None:  # several: optimize() did it
+                        (out["loss"] if isinstance(out, dict) else out).backward()
                 except RuntimeError:
                     pass
     trace = _forward_trace([str(w.message) for w in caught])

@@ -20,19 +20,22 @@ unless a skip policy asks, once per optimize().
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..callbacks import StepOutput
 from ..errors import SaferunError
 from ..parallel import distributed
+from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
 from .optimizers import build_named
 from ..schedules import Schedule
-from .steps import check_optimizer_params, clip_or_measure, loss_and_logs, short
+from .steps import check_optimizer_params, clip_or_measure, short
 from .transfer import move_to_device
 
 log = logging.getLogger("saferun")
@@ -72,6 +75,7 @@ class ManualSteps:
         self._done: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None  # in a step
         self._skipped: list[str] = []
         self._unused_pending = trainer.cfg.guards.unused_params
+        self._replay: Optional[bool] = None  # an explanation's replay: optimize() updates nothing
 
     def step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One step: training_step on the batch, which calls optimize() once per optimizer."""
@@ -115,10 +119,12 @@ class ManualSteps:
                           grad_norm=torch.linalg.vector_norm(torch.stack(norms)),
                           logs=logs, num_samples=samples)
 
-    def optimize(self, name: str, loss: torch.Tensor) -> None:
+    def optimize(self, name: str, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """`Trainer.optimize`: the single-optimizer discipline for optimizer `name` alone."""
         tr = self._tr
         step = tr.state.step + 1
+        if self._replay is not None:
+            return self._replayed(name, loss)
         if self._done is None:
             raise SaferunError("self.optimize(name, loss) is called from training_step, while "
                                "the loop runs a step (not from validation or after fit).")
@@ -131,12 +137,18 @@ class ManualSteps:
                 f"optimizer steps once per step (its schedule, gradient-norm log and checkpoint "
                 f"follow the loop's steps); to update it twice, combine the losses or take "
                 f"another step.")
-        loss, _ = loss_and_logs(loss, step)
+        loss = checked_loss(name, loss, step)
         opt, scaler, params = tr.optimizer[name], tr._scaler, [p for _, p in self.params[name]]
         with torch.autocast(tr.device.type, enabled=False):  # backward and step in full precision
             # Only this optimizer's parameters get gradients: another optimizer's loss flowing
             # through them (the generator's loss through the discriminator) leaves them alone.
-            scaler.scale(loss).backward(inputs=params)
+            try:
+                scaler.scale(loss).backward(inputs=params, retain_graph=retain_graph)
+            except RuntimeError as exc:  # the ordering slip or a shared graph, in the user's terms
+                slip = graph_slip(exc, name, step, {n: self.params[n] for n in self._done})
+                if slip is None:
+                    raise
+                raise slip from exc
             self._check_unused(name)
             tr._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
             scaler.unscale_(opt)  # clip and measure the true gradients, not fp16-scaled ones
@@ -147,8 +159,27 @@ class ManualSteps:
             else:
                 scaler.step(opt)
             opt.zero_grad(set_to_none=True)
+        # A fused optimizer (or an update through .data) changes the weights without telling
+        # autograd: mark them changed, so that a graph saved before this update (the ordering
+        # slip, a retained graph) is refused by autograd's version check, never used stale.
+        increment_version(params)
         tr._schedule.by_name[name].after_step()  # steps its scheduler if the optimizer stepped
         self._done[name] = (loss, norm)
+
+    @contextlib.contextmanager
+    def replaying(self, backward: bool) -> Iterator[None]:
+        """guards/explain.py replays a failed step's training_step: optimize() then steps no
+        optimizer, scheduler or scaler; with `backward` (the in-place trace) it only runs the
+        backward, whose gradients the replay restores."""
+        self._replay = backward
+        try:
+            yield
+        finally:
+            self._replay = None
+
+    def _replayed(self, name: str, loss: Any) -> None:
+        if self._replay and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward(inputs=[p for _, p in self.params[name]])
 
     def _check_unused(self, name: str) -> None:
         """guards.unused_params, per optimizer: its parameters this loss gave no gradient."""
@@ -193,11 +224,13 @@ def setup_optimizers(trainer: Any, model: torch.nn.Module) -> Optional[ManualSte
     return None
 
 
-def optimize(trainer: Any, name: str, loss: torch.Tensor) -> None:
+def optimize(trainer: Any, name: str, loss: torch.Tensor, retain_graph: bool = False) -> None:
     """`Trainer.optimize(name, loss)`: with several optimizers (`build_optimizer` returned
     {name: optimizer}), called in training_step once per optimizer, in the order the algorithm
     needs: backward `loss` into optimizer `name`'s parameters only and step it, with the loop's
-    discipline (see this module's docstring)."""
+    discipline (see this module's docstring). `retain_graph=True` keeps the graph for a later
+    optimize() whose loss shares it; autograd refuses that later backward if it needs a value
+    this update changed (saferun marks the updated parameters changed, fused optimizers too)."""
     manual: Optional[ManualSteps] = getattr(trainer, "_manual", None)
     if manual is None:
         raise SaferunError(
@@ -205,7 +238,7 @@ def optimize(trainer: Any, name: str, loss: torch.Tensor) -> None:
             "one optimizer (or is not set up), which the loop steps itself from the loss that "
             "training_step returns. Return the loss, or return {name: optimizer} from "
             "build_optimizer.")
-    manual.optimize(name, loss)
+    manual.optimize(name, loss, retain_graph)
 
 
 def _user_logs(out: Any, step: int) -> dict[str, torch.Tensor]:

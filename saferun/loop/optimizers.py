@@ -145,7 +145,7 @@ def check_named(named: NamedOptimizers, model: nn.Module) -> None:
         if not isinstance(opt, torch.optim.Optimizer):
             raise SaferunError(f"build_optimizer: {name!r} is a {type(opt).__name__}, not a "
                                f"torch.optim.Optimizer.")
-        check_optimizer_params(opt, model)
+        check_optimizer_params(opt, model, name)
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in in_model:

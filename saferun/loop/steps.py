@@ -103,10 +103,12 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module,
+                           name: Optional[str] = None) -> None:
     """Warn (once, at setup) if the optimizer also holds frozen parameters: harmless while they
     get no gradient (torch's optimizers skip a parameter whose .grad is None, and saferun zeroes
-    gradients with set_to_none=True), so it is a common fine-tuning pattern, not an error."""
+    gradients with set_to_none=True), so it is a common fine-tuning pattern, not an error.
+    `name`: which of several optimizers it is (build_optimizer's key)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise SaferunError(
             f"build_optimizer returned a {type(optimizer).__name__}, not a torch.optim.Optimizer. "
@@ -116,12 +118,13 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -
     held = [frozen[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in frozen]
     if held:
         log.warning(
-            "the optimizer also holds %d frozen parameters (%s). They stay unchanged: they get no "
+            "the optimizer%s also holds %d frozen parameters (%s). They stay unchanged: they get no "
             "gradient, and the optimizer skips parameters without one (no weight decay, no "
             "momentum, no state for them). Only if something gave them a gradient (requires_grad "
             "set back to True, a zero_grad(set_to_none=False)) would they move. To leave them "
             "out, build the optimizer from build_optimizer's params argument.",
-            len(held), short(held, 3))
+            "" if name is None else f" {name!r} (self.optimize({name!r}, loss))", len(held),
+            short(held, 3))
 
 
 def short(items: Sequence[Any], limit: int = 16) -> str:

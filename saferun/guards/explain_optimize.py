@@ -1,0 +1,44 @@
+"""The several-optimizer step's part of an explanation (guards/explain.py): which
+`self.optimize(name, loss)` call raised, and a replay of training_step in which optimize()
+updates nothing (loop/manual.py `ManualSteps.replaying`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def manual(owner: Any) -> Any:
+    """The step of several optimizers (ManualSteps), or a sentinel that is no frame's self."""
+    return getattr(owner, "_manual", None) or _NONE
+
+
+def replaying(owner: Any, backward: bool) -> Any:
+    """Several optimizers: the replay's optimize() calls step no optimizer, scheduler or
+    scaler (`backward`: they run the backward only, for the in-place trace)."""
+    steps = getattr(owner, "_manual", None)
+    return steps.replaying(backward) if steps is not None else contextlib.nullcontext()
+
+
+def in_optimize(exc: BaseException, owner: Any) -> str:
+    """", in self.optimize('gen', loss) (the backward of its loss)" when an optimize() call
+    raised `exc`, else ""."""
+    tb, name, part = exc.__traceback__, None, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if name is None and code.co_name == "optimize" and \
+                tb.tb_frame.f_locals.get("self") is manual(owner):
+            name = tb.tb_frame.f_locals.get("name")
+        elif name is not None and not part and code.co_filename.startswith(_TORCH_DIR):
+            part = (" (the backward of its loss)" if "autograd" in code.co_filename
+                    or code.co_name == "backward" else " (its optimizer's step)")
+        tb = tb.tb_next
+    return f", in self.optimize({name!r}, loss){part}" if name is not None else ""
+
+
+_NONE = object()
