@@ -197,7 +197,7 @@ mutation("validation means weighted by batch size", "saferun/metrics.py",
 MANUAL, OPTS = "saferun/loop/manual.py", "tests/loop/test_optimizers.py"
 HAND_WRITTEN = f"{OPTS}::test_each_update_equals_a_hand_written_loop_bitwise"
 mutation("several optimizers: a loss's gradients only in its optimizer's parameters", MANUAL,
-         "backward(inputs=params)", "backward()", HAND_WRITTEN)
+         "backward(inputs=params, retain_graph", "backward(retain_graph", HAND_WRITTEN)
 mutation("several optimizers: unscale_ per optimizer before its clip", MANUAL,
          "            scaler.unscale_(opt)  #", "            pass  #", HAND_WRITTEN)
 mutation("several optimizers: zero_grad(set_to_none=True) after each update", MANUAL,
@@ -215,6 +215,35 @@ mutation("several optimizers: every optimizer restored from a checkpoint", "safe
          "        pass", f"{OPTS}::test_resume_restores_every_optimizer_by_name_and_refuses_renamed_ones")
 mutation("several optimizers: a step must update each one", MANUAL,
          "        if missing:\n", "        if False:\n", f"{OPTS}::test_wrong_use_is_refused_with_what_to_do")
+ERRS, CHECKS = "tests/loop/test_optimize_errors.py", "saferun/loop/manual_checks.py"
+mutation("several optimizers: an error in training_step is explained", "saferun/guards/explain.py",
+         '            return "training", f.f_locals["batch"]  # several optimizers',
+         '            return None  # several optimizers',
+         f"{ERRS}::test_an_error_in_training_step_is_explained_and_the_replay_changes_nothing")
+mutation("several optimizers: the explanation's replay steps no optimizer", MANUAL,
+         "        if self._replay is not None:\n            return self._replayed(name, loss)\n", "",
+         f"{ERRS}::test_an_error_in_training_step_is_explained_and_the_replay_changes_nothing")
+mutation("several optimizers: the explanation names the optimize() call that raised",
+         "saferun/guards/explain_optimize.py",
+         '    return f", in self.optimize({name!r}, loss){part}" if name is not None else ""',
+         '    return ""',
+         f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
+mutation("several optimizers: the ordering slip and a shared graph are named", MANUAL,
+         "                if slip is None:\n                    raise\n", "                raise\n",
+         f"{ERRS}::test_the_ordering_slip_is_named_with_what_to_do_also_for_a_fused_optimizer",
+         f"{ERRS}::test_a_shared_graph_is_named_with_the_options")
+mutation("several optimizers: an ordering slip is told from an in-place op in the user's code",
+         CHECKS, "            return None  # an in-place operation", "            pass  #",
+         f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
+mutation("several optimizers: updated parameters marked changed (fused optimizers)", MANUAL,
+         "        increment_version(params)\n", "",
+         f"{ERRS}::test_the_ordering_slip_is_named_with_what_to_do_also_for_a_fused_optimizer")
+mutation("several optimizers: retain_graph reaches backward", MANUAL,
+         "retain_graph=retain_graph)", ")",
+         f"{ERRS}::test_retain_graph_gives_each_optimizer_the_gradient_of_the_loss_as_computed")
+mutation("several optimizers: a loss that cannot train names the optimizer", CHECKS,
+         "    if not loss.requires_grad:\n", "    if False:\n",
+         f"{ERRS}::test_a_loss_that_cannot_train_names_the_optimizer_and_the_step")
 
 # ---------------------------------------------------------------- host syncs
 mutation("no host sync per step in the loop", T,
