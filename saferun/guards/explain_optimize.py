@@ -35,8 +35,10 @@ def in_optimize(exc: BaseException, owner: Any) -> str:
                 tb.tb_frame.f_locals.get("self") is manual(owner):
             name = tb.tb_frame.f_locals.get("name")
         elif name is not None and not part and code.co_filename.startswith(_TORCH_DIR):
-            part = (" (the backward of its loss)" if "autograd" in code.co_filename
-                    or code.co_name == "backward" else " (its optimizer's step)")
+            where = code.co_filename[len(_TORCH_DIR):]
+            part = (" (the backward of its loss)" if where.startswith("autograd")
+                    or code.co_name == "backward" else " (its optimizer's step)"
+                    if where.startswith(("optim", "amp")) else "")
         tb = tb.tb_next
     return f", in self.optimize({name!r}, loss){part}" if name is not None else ""
 
