@@ -179,7 +179,7 @@ class ManualSteps:
 
     def _replayed(self, name: str, loss: Any) -> None:
         if self._replay and isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.backward(inputs=[p for _, p in self.params[name]])
+            loss.backward(inputs=[p for _, p in self.params.get(name, ())])
 
     def _check_unused(self, name: str) -> None:
         """guards.unused_params, per optimizer: its parameters this loss gave no gradient."""
