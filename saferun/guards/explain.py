@@ -27,6 +27,8 @@ from ..loop.seeding import preserved_rng
 from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import (in_optimize as _in_optimize, manual as _manual,
                                replaying as _replaying)
+from .explain_ranks import (collective_failed, locate_in_traceback, report_collective_failure,
+                            several_ranks)
 from .replay import _forward_trace
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -91,11 +93,16 @@ class FailureOwner(Protocol):
 
     def training_step(self, batch: Any) -> Any: ...
     def validation_step(self, batch: Any) -> Any: ...
+    def predict_step(self, batch: Any) -> Any: ...
 
 
 def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCodeError]:
     """If `exc` was raised while a training or validation step ran, the explained error
     (raise it `from exc`); else None. Never raises itself."""
+    if collective_failed(exc):  # under torchrun, because another rank failed: not this step
+        report_collective_failure(exc, owner.state.rank, owner.state.step,
+                                  owner.cfg.trainer.collective_timeout)
+        return None
     if type(exc) not in _TYPED:  # e.g. a user's own exception class: left exactly as raised
         return None
     try:
@@ -107,8 +114,12 @@ def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCod
         return None
 
 
+_EVALUATING = {"validate": "validation", "predict": "predict"}
+_HOOKS = {"training": "training_step", "validation": "validation_step", "predict": "predict_step"}
+
+
 def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:
-    """('training' or 'validation', the batch on the device) from the traceback's frames."""
+    """('training', 'validation' or 'predict', the batch on the device) from the traceback."""
     tb = exc.__traceback__
     while tb is not None:
         f = tb.tb_frame
@@ -117,12 +128,12 @@ def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str
             return "training", f.f_locals["batch"]
         if f.f_code.co_name == "step" and me is _manual(owner) and "batch" in f.f_locals:
             return "training", f.f_locals["batch"]  # several optimizers (loop/manual.py)
-        if f.f_code.co_name == "validate" and me is getattr(owner, "_evaluator", None) \
-                and "batch" in f.f_locals:
+        if f.f_code.co_name in _EVALUATING and type(me).__name__ == "Evaluator" \
+                and "batch" in f.f_locals:  # the trainer's, or trainer.ema's
             from ..loop.transfer import move_to_device
 
-            return "validation", move_to_device(f.f_locals["batch"], f.f_locals["self"]._device,
-                                                False)
+            return _EVALUATING[f.f_code.co_name], move_to_device(f.f_locals["batch"], me._device,
+                                                                 False)
         tb = tb.tb_next
     return None
 
@@ -130,12 +141,14 @@ def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str
 def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) -> UserCodeError:
     model = _plain(owner.model)
     step = owner.state.step + 1 if phase == "training" else owner.state.step
-    hook = "training_step" if phase == "training" else "validation_step"
+    hook = _HOOKS[phase]
     fields = describe_batch(batch)
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    module, inputs, replayed = _locate(owner, model, phase, batch)
+    module, inputs, replayed = ((*locate_in_traceback(exc, model), None) if several_ranks()
+                                else _locate(owner, model, phase, batch))
     what, fix = _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs)
-    lines = [f"{hook} failed at step {step}{_in_optimize(exc, owner)}: {what}"]
+    on_rank = f" on rank {owner.state.rank}" if several_ranks() else ""
+    lines = [f"{hook} failed at step {step}{_in_optimize(exc, owner)}{on_rank}: {what}"]
     if fix:
         lines.append(f"  what to do: {fix}")
     if module is not None:
@@ -176,7 +189,8 @@ def _diagnose(message: str, exc: BaseException, owner: FailureOwner, model: nn.M
     params = [p for p in model.parameters()]
     where = f"module {module}" if module else "the code named below"
     if _INPLACE in message:
-        trace = _inplace_trace(owner, model, batch) if phase == "training" else None
+        trace = (_inplace_trace(owner, model, batch)
+                 if phase == "training" and not several_ranks() else None)
         what = ("an in-place operation changed a tensor that autograd had saved for backward "
                 f"({message.split(':', 1)[-1].split('; expected')[0].strip()}).")
         if trace:
@@ -245,7 +259,7 @@ def _locate(owner: FailureOwner, model: nn.Module, phase: str, batch: Any
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave) for m in model.modules()]
-    step_fn = owner.training_step if phase == "training" else owner.validation_step
+    step_fn = getattr(owner, _HOOKS[phase])
     modes = (contextlib.nullcontext() if phase == "training" else owner._evaluator.evaluating())
     try:
         with _state_kept(model), preserved_rng(), modes, torch.no_grad(), owner._autocast(), \

@@ -27,15 +27,16 @@ class Evaluator:
 
     def __init__(self, model: nn.Module, device: torch.device, non_blocking: bool,
                  autocast: Callable[[], ContextManager[Any]], eval_grad_mode: str,
-                 purity: bool, metrics: Mapping[str, Any] = {}) -> None:
+                 purity: bool, metrics: Mapping[str, Any] = {}, owner: Any = None) -> None:
         self._model, self._device, self._non_blocking = model, device, non_blocking
         self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
         self._metrics = metrics  # stateful (torchmetrics): reset before a pass, computed after
+        self._owner = owner  # the Trainer: an error in its step is explained (guards/explain.py)
 
     def for_model(self, model: nn.Module) -> "Evaluator":
         """The same evaluation of another model (the averaged weights, trainer.ema)."""
         return Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
-                         self._purity, self._metrics)
+                         self._purity, self._metrics, self._owner)
 
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -61,7 +62,11 @@ class Evaluator:
                     break
                 if stopped():
                     raise StopRequested  # preemption must not wait for a long evaluation
-                out = step_fn(move_to_device(batch, self._device, self._non_blocking))
+                try:
+                    out = step_fn(move_to_device(batch, self._device, self._non_blocking))
+                except Exception as exc:  # here, not in fit: validate() is also called alone
+                    self._raise_explained(exc)
+                    raise
                 means.add(scalar_dict(out, "validation_step"), batch_size(batch))
         probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
         computed = compute_all(self._metrics)  # under torchrun: gathers every rank's state
@@ -76,7 +81,11 @@ class Evaluator:
         before = fingerprint(self._model) if self._purity else None
         with self.evaluating():
             for batch in loader:
-                outputs.append(step_fn(move_to_device(batch, self._device, self._non_blocking)))
+                try:
+                    outputs.append(step_fn(move_to_device(batch, self._device, self._non_blocking)))
+                except Exception as exc:
+                    self._raise_explained(exc)
+                    raise
         if before is not None:
             check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),
                          self._grad_mode, step)
@@ -85,3 +94,12 @@ class Evaluator:
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
             return torch.cat(outputs).cpu()
         return [to_host(o) for o in outputs]
+
+    def _raise_explained(self, exc: BaseException) -> None:
+        """Raise `exc` explained in the user's terms (the step, the batch, the module), if it
+        can be; else return (the caller re-raises it as it was)."""
+        from ..guards.explain import explain_failure  # after a failure only
+
+        error = explain_failure(exc, self._owner) if self._owner is not None else None
+        if error is not None:
+            raise error from exc
