@@ -87,7 +87,10 @@ class DigitsTrainer(saferun.Trainer):
 
     def build_metrics(self) -> dict[str, torchmetrics.Metric]:
         # validate_args=False: the argument checks read tensor values (a host sync per batch).
-        return {"f1": MulticlassF1Score(num_classes=10, average="macro", validate_args=False)}
+        # then super()'s: the `metrics` config nodes (+metrics.NAME._target_=... on the command
+        # line), which replace a metric of the same name
+        return {"f1": MulticlassF1Score(num_classes=10, average="macro", validate_args=False),
+                **super().build_metrics()}
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch
@@ -96,6 +99,7 @@ class DigitsTrainer(saferun.Trainer):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         images, labels = batch
         logits = self.model(images)
-        self.metrics["f1"].update(logits, labels)
+        for metric in self.metrics.values():
+            metric.update(logits, labels)
         return {"loss": F.cross_entropy(logits, labels),
                 "acc": (logits.argmax(dim=1) == labels).float().mean()}

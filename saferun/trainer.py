@@ -193,7 +193,7 @@ class Trainer:
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
-        self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device)
+        self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
                                     t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self)
         self.state.run_dir = t.run_dir or os.path.join(

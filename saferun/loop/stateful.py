@@ -22,8 +22,20 @@ from ..errors import SaferunError
 from ..parallel import distributed
 
 
-def prepared_metrics(metrics: Any, device: torch.device) -> dict[str, Any]:
-    """Check `build_metrics()`'s result and move each metric to `device`."""
+def prepared_metrics(metrics: Any, device: torch.device, configured: Any = None
+                     ) -> dict[str, Any]:
+    """Check `build_metrics()`'s result and move each metric to `device`. `configured`: the
+    `metrics` config nodes, each of which must have been built (an override of build_metrics
+    that ignores them would drop `+metrics.NAME...` from the command line without a word)."""
+    missing = [str(k) for k, node in (configured or {}).items() if node and k not in (metrics or {})]
+    if missing:
+        raise SaferunError(
+            f"the config sets metrics.{missing[0]}, but build_metrics() returned "
+            f"{sorted(metrics or {}) or 'no metrics'}: this Trainer overrides build_metrics, and "
+            f"its override decides the metrics, so {', '.join('val/' + m for m in missing)} would "
+            f"never be reported. Merge the configured ones in the override (return "
+            f"{{**super().build_metrics(), ...}}) and update every metric in validation_step "
+            f"(for m in self.metrics.values(): m.update(...)), or remove metrics.{missing[0]}.")
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):

@@ -41,11 +41,14 @@ def test_run_writes_config_summary_and_tensorboard_and_prints_the_run_dir(tmp_pa
 def test_multirun_gives_each_job_a_directory_and_prints_a_summary(tmp_path):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
+    # a metric added on the command line (the README's example), beside the recipe's val/f1
     proc = saferun("run", "-m", *FAST, "optim.lr=1e-3,3e-3", "trainer.ema.decay=0.9",
-                   "hydra.sweep.dir=sweep", cwd=tmp_path)
+                   "+metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
+                   "+metrics.auroc.num_classes=10", "hydra.sweep.dir=sweep", cwd=tmp_path)
     for job, lr in (("0", 1e-3), ("1", 3e-3)):
         summary = json.loads((tmp_path / "sweep" / job / "summary.json").read_text())
         assert summary["step"] == 10 and "val_ema/acc" in summary["metrics"]
+        assert {"val/auroc", "val/f1", "val_ema/auroc"} <= set(summary["metrics"])
         assert (tmp_path / "sweep" / job / "model_ema.pt").is_file()
         # the HParams view: one table over the sweep's runs, each with its lr and metrics
         acc = EventAccumulator(str(tmp_path / "sweep" / job / "tensorboard"))
@@ -54,7 +57,7 @@ def test_multirun_gives_each_job_a_directory_and_prints_a_summary(tmp_path):
                 for tag, raw in acc.PluginTagToContent("hparams").items()}
         assert data["_hparams_/session_start_info"].session_start_info.hparams[
             "optim.lr"].number_value == pytest.approx(lr)
-        assert {"val/acc", "val/f1", "val_ema/acc"} <= {
+        assert {"val/acc", "val/f1", "val_ema/acc", "val/auroc"} <= {
             m.name.tag for m in data["_hparams_/experiment"].experiment.metric_infos}
     table = (tmp_path / "sweep" / "summary.txt").read_text().splitlines()
     assert table[0].split()[:2] == ["job", "overrides"] and "val/acc" in table[0]

@@ -96,3 +96,19 @@ def test_an_unsynced_metric_is_refused_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SaferunError, match="'f1' has sync_on_compute=False"):
         prepared_metrics(unsynced, torch.device("cpu"))
+
+
+def test_configured_metrics_an_override_of_build_metrics_drops_are_refused(tmp_path):
+    """`+metrics.auroc...` on the command line of a Trainer whose build_metrics ignores the
+    config would never report val/auroc, and say nothing; merging super()'s is accepted."""
+    cfg = toy_config(tmp_path, max_steps=2, val_every_n_steps=2)
+    cfg["metrics"] = {"auroc": METRICS["auroc"], "off": None}  # a null node: switched off
+    with pytest.raises(SaferunError, match=r"the config sets metrics.auroc, but build_metrics\(\) "
+                                           r"returned \['f1'\]: this Trainer overrides"):
+        NeverUpdated(cfg).setup()
+
+    class Merged(ToyTrainer):
+        def build_metrics(self):
+            return {**super().build_metrics(), "f1": MulticlassF1Score(3, validate_args=False)}
+
+    assert set(Merged(cfg).fit()) >= {"val/auroc", "val/f1"}
