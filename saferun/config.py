@@ -118,6 +118,10 @@ class TrainerConfig:
             )
         if min(self.compile_rtol, self.compile_atol) < 0:
             raise ConfigError("trainer.compile_rtol and trainer.compile_atol must be >= 0.")
+        for key in ("save_best", "sched_metric"):  # now, not after training to a validation
+            if str(getattr(self, key)).startswith("val_ema/") and not getattr(self.ema, "decay", 0):
+                raise ConfigError(f"trainer.{key}={getattr(self, key)} watches the weight average, "
+                                  f"but trainer.ema is off: set trainer.ema.decay (e.g. 0.999).")
 
 
 NONFINITE_POLICIES = ("raise", "skip", "rollback", "off")

@@ -28,6 +28,9 @@ def test_dict_and_dataclass_inputs_agree():
     ({"optim": {"lrr": 0.1}}, ["optim", "lrr", "Accepted"]),
     ({"optim": {"_target_": "torch.optim.Adamm"}}, ["optim._target_", "torch.optim.Adamm"]),
     ({"sched": {"lr": 1}}, ["sched", "_target_"]),
+    ({"trainer": {"save_best": "val_ema/acc"}},
+     ["trainer.save_best=val_ema/acc", "trainer.ema is off", "trainer.ema.decay"]),
+    ({"trainer": {"sched_metric": "val_ema/loss"}}, ["trainer.sched_metric=val_ema/loss"]),
 ])
 def test_bad_config_names_the_key(override, words):
     with pytest.raises(saferun.ConfigError) as e:
