@@ -6,6 +6,7 @@ already host floats, so none of them adds a host sync.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -16,6 +17,9 @@ from typing import Any, Mapping, Optional
 from .callbacks import Callback, TrainerView
 
 log = logging.getLogger("saferun")
+
+
+_HPARAMS_SUFFIX = ".hparams"  # the event file of the HParams entry (TensorBoardLogger)
 
 
 class TensorBoardLogger(Callback):
@@ -91,13 +95,21 @@ class TensorBoardLogger(Callback):
 
     def _write_hparams(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         """The HParams view's entry: the config's values and the final metrics' names (their
-        values are the scalars already written under those tags), at the final step, so a
-        resumed run's purge hides an earlier entry."""
+        values are the scalars already written under those tags). TensorBoard takes an entry
+        from the first event file of the directory that holds one (a purge does not hide it),
+        so it goes into a file of its own, which the end of a resumed run replaces: a
+        finished run continued with a larger max_steps shows the config it ended with."""
         from torch.utils.tensorboard.summary import hparams
+        from torch.utils.tensorboard.writer import FileWriter
 
+        log_dir = self._writer.get_logdir()
+        for earlier in glob.glob(os.path.join(glob.escape(log_dir), "*" + _HPARAMS_SUFFIX)):
+            os.remove(earlier)
+        writer = FileWriter(log_dir, filename_suffix=_HPARAMS_SUFFIX)
         finals = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
         for summary in hparams(hparam_values(view.config), finals):
-            self._writer.file_writer.add_summary(summary, view.step)
+            writer.add_summary(summary, view.step)
+        writer.close()
 
     def _write(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._writer is None:

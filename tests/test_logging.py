@@ -135,6 +135,24 @@ def test_hparams_view_holds_the_config_and_the_final_metrics(tmp_path):
     assert acc.Scalars("val/acc")[-1].value == pytest.approx(final["val/acc"])
 
 
+def test_a_finished_run_continued_shows_the_config_it_ended_with_in_the_hparams_view(tmp_path):
+    """TensorBoard reads an HParams entry from the first event file that holds one: the entry
+    of the first end (max_steps 4) must not stand for the run that went on to 8."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    cfg = toy_config(tmp_path, max_steps=4, log_every_n_steps=4, val_every_n_steps=4,
+                     tensorboard=True)
+    ToyTrainer(cfg).fit()
+    cfg["trainer"]["max_steps"], cfg["resume"] = 8, "auto"
+    ToyTrainer(cfg).fit()
+    session = plugin_data_pb2.HParamsPluginData.FromString(read_events(tmp_path / "run")
+        .PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+    assert session.hparams["trainer.max_steps"].number_value == 8
+    assert session.hparams["resume"].string_value == "auto"
+    # (the scalars are not compared here: two writers of one process within one second can
+    # get file names that TensorBoard sorts out of order, .11 before .9; separate runs cannot)
+
+
 class NanOnceAt7(ToyTrainer):
     fired = False
 
