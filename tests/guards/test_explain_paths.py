@@ -70,3 +70,26 @@ def test_an_error_in_validation_during_fit_is_explained_once(tmp_path):
     trainer.broken = True
     message = explained(trainer.fit, "validation_step", 2)
     assert message.count("original error:") == 1
+
+
+def test_the_module_is_read_from_the_traceback_with_what_it_received():
+    """Under torchrun the module is read from the traceback instead of found by a replay (which
+    may wait in a collective): the deepest module running, and its arguments, *args too."""
+    from torch import nn
+
+    from saferun.guards.explain_ranks import locate_in_traceback
+
+    class Joined(nn.Module):
+        def forward(self, *parts):
+            return torch.cat(parts, dim=1)  # parts of different batch sizes: raises here
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(12, 3))
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(4, 8))
+    assert locate_in_traceback(info.value, model) == ("'1' (Linear)",
+                                                      "input[0]: float32 (4, 16) cpu")
+    model = nn.Sequential(nn.ReLU(), Joined())
+    with pytest.raises(RuntimeError) as info:
+        model[1](model[0](torch.randn(4, 6)), torch.randn(5, 2))
+    assert locate_in_traceback(info.value, model) == (
+        "'1' (Joined)", "input[0]: float32 (4, 6) cpu; input[1]: float32 (5, 2) cpu")
