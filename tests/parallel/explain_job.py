@@ -7,8 +7,9 @@ forward on the failing rank alone would wait for, or pair with, a collective of 
 
 PLANT_JSON: `at` (the step), `on_rank` (-1: every rank), `where` ("train": training_step at
 step `at`, "val": validation_step in the validation after step `at`), `loader` ("distributed"
-or "random": a DataLoader built by the user, with no mistake planted), `steps_log` (write each
-rank's final parameters and buffers to <run_dir>/final_rank<R>.pt).
+or "random": a DataLoader built by the user, with no mistake planted). A run that ends writes
+each rank's whole final parameters to <run_dir>/final_rank<R>.pt; a SaferunError (a refusal at
+setup, or an explained error) is written to <run_dir>/error_rank<R>.txt before it propagates.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> None:
     job = Job(cfg, **plant)
     try:
         job.fit()
-    except saferun.SaferunError as e:  # a refusal at setup: every rank writes it
+    except saferun.SaferunError as e:
         os.makedirs(cfg["trainer"]["run_dir"], exist_ok=True)
         with open(os.path.join(cfg["trainer"]["run_dir"], f"error_rank{job.ranks.rank}.txt"),
                   "w") as f:
