@@ -97,15 +97,15 @@ class FailureOwner(Protocol):
 
 
 def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCodeError]:
-    """If `exc` was raised while a training or validation step ran, the explained error
+    """If `exc` was raised while a training, validation or predict step ran, the explained error
     (raise it `from exc`); else None. Never raises itself."""
-    if collective_failed(exc):  # under torchrun, because another rank failed: not this step
-        report_collective_failure(exc, owner.state.rank, owner.state.step,
-                                  owner.cfg.trainer.collective_timeout)
-        return None
-    if type(exc) not in _TYPED:  # e.g. a user's own exception class: left exactly as raised
-        return None
     try:
+        if collective_failed(exc):  # under torchrun, because another rank failed: not this step
+            report_collective_failure(exc, owner.state.rank, owner.state.step,
+                                      owner.cfg.trainer.collective_timeout)
+            return None
+        if type(exc) not in _TYPED:  # e.g. a user's own exception class: left exactly as raised
+            return None
         found = _failing_step(exc, owner)
         if found is None:
             return None
