@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from typing import Iterator, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from .errors import ConfigError, SaferunError
 
 log = logging.getLogger("saferun")
+_TRAINING = operator.attrgetter("training")
 
 
 def resolve_modules(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -103,7 +105,7 @@ class DeclaredModes:
 
     def check(self, step: int) -> None:
         """Raise `SaferunError` naming the first module whose mode differs from its declaration."""
-        actual = [m.training for m in self.modules]  # one comprehension: ~30 ns per module
+        actual = list(map(_TRAINING, self.modules))  # C calls only: ~30 ns per module
         if actual == self.expected:
             return
         i = next(i for i, (a, e) in enumerate(zip(actual, self.expected)) if a != e)

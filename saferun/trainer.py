@@ -43,8 +43,8 @@ from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device
 from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
-from .loop.steps import (clip_or_measure, explained, loss_and_logs, resolve_device, total_norm,
-                         trainable_parameters)
+from .loop.steps import (accumulate, clip_or_measure, explained, loss_and_logs, resolve_device,
+                         total_norm, trainable_parameters)
 from .parallel import distributed
 from .parallel.fsdp import shard_model
 from .parallel.strategy import strategy_for
@@ -191,6 +191,7 @@ class Trainer:
         self._manual = setup_optimizers(self, model)  # + schedules; several: the step driving them
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
+        self._idle_scaler = None if self._scaler.is_enabled() else self._scaler  # see train_step
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
@@ -271,20 +272,25 @@ class Trainer:
         if self._manual is not None:  # several optimizers: training_step calls optimize()
             return self._manual.step(micro_batches)
         opt, scaler, guard = self.optimizer, self._scaler, self._guard
+        scaling = scaler is not self._idle_scaler  # fp16 (or a scaler set since): else no-op calls
         if guard.snapshot is not None:
             guard.snapshot.take()  # under a skip policy: the buffers as before this step
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
-        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
+        if scaling:
+            scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
         grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:  # once, after the first backward
             self._unused_check_pending = report_unused_parameters(self.model)
         spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)  # device
         if guard.skips and guard.bad_now(loss, grad_norm, spike):
             return guard.skip(loss, grad_norm, samples)  # one host sync per step
-        scaler.step(opt)
-        scaler.update()
+        if scaling:  # the scaler skips the update on inf/NaN gradients, then adapts its scale
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         self._schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         self.state.step += 1
@@ -294,28 +300,22 @@ class Trainer:
 
     optimize = optimize  # several optimizers: training_step calls self.optimize(name, loss)
 
-    def _forward_backward(self, micro_batches: Sequence[Any]
-                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        """Forward and backward over the micro-batches: (mean loss, mean logs, samples)."""
-        sizes = [self.batch_size(b) for b in micro_batches]
-        total = sum(sizes)
-        loss_sum: Optional[torch.Tensor] = None
-        logs_sum: dict[str, torch.Tensor] = {}
-        for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
-            batch = move_to_device(batch, self.device, self._non_blocking)
-            with self._strategy.micro_batch(i == len(sizes) - 1):
-                with self._autocast():
-                    loss, logs = loss_and_logs(self.training_step(batch), self.state.step + 1)
-                # Weight each micro-batch by its share of the samples, so that the accumulated
-                # gradient equals the gradient of the whole batch's mean loss.
-                if size != total:
-                    loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}
-                self._scaler.scale(loss).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            for k, v in logs.items():
-                logs_sum[k] = logs_sum[k] + v if k in logs_sum else v
-        assert loss_sum is not None
-        return loss_sum, logs_sum, total
+    def _forward_backward(self, micro_batches: Sequence[Any], share: float = 1.0,
+                          last: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """Forward and backward over the micro-batches: (mean loss, mean logs, samples). One
+        (trainer.accumulate=1) runs here; several go through `accumulate`, which calls back for
+        each with its share of the step's samples and whether it is the last."""
+        if len(micro_batches) != 1:
+            return accumulate(self._forward_backward, micro_batches, self.batch_size)
+        samples = self.batch_size(micro_batches[0])
+        batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
+        with self._strategy.micro_batch(last):
+            with self._autocast():
+                loss, logs = loss_and_logs(self.training_step(batch), self.state.step + 1)
+            if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
+                loss, logs = loss * share, {k: v * share for k, v in logs.items()}
+            (self._scaler.scale(loss) if self._scaler is not self._idle_scaler else loss).backward()
+        return loss.detach(), logs, samples
 
     def validate(self) -> dict[str, float]:
         """Average `validation_step` over the validation set, in eval mode without autograd."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -14,13 +14,14 @@ from ..errors import ConfigError, SaferunError
 from .metrics import scalar_dict
 
 log = logging.getLogger("saferun")
+StepParts = tuple[torch.Tensor, dict[str, torch.Tensor], int]  # (loss, logs, samples)
 
 
 def loss_and_logs(out: Any, step: int, need_grad: bool = True
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Split training_step's output into the loss and the extra scalars, checking both."""
     logs: dict[str, torch.Tensor] = {}
-    if isinstance(out, Mapping):
+    if type(out) is not torch.Tensor and isinstance(out, Mapping):  # (abc's check is a Python call)
         if "loss" not in out:
             raise SaferunError(f"training_step returned a dict without 'loss' at step {step} "
                                f"(keys: {', '.join(map(str, out))}).")
@@ -35,6 +36,26 @@ def loss_and_logs(out: Any, step: int, need_grad: bool = True
             f"the loss at step {step} does not require grad, so backward() cannot train anything. "
             f"Was it computed under torch.no_grad(), detached, or from frozen parameters only?")
     return out, logs
+
+
+def accumulate(forward_backward: Callable[[Sequence[Any], float, bool], StepParts],
+               micro_batches: Sequence[Any], batch_size: Callable[[Any], int]) -> StepParts:
+    """trainer.accumulate > 1: each micro-batch through the one-micro-batch `forward_backward`
+    (the Trainer's), its loss weighted by its share of the step's samples, so that the
+    accumulated gradient equals the gradient of the whole batch's mean loss; only the last
+    lets DDP average the gradients. Returns the summed (mean loss, mean logs, samples)."""
+    sizes = [batch_size(b) for b in micro_batches]
+    total = sum(sizes)
+    loss_sum: Optional[torch.Tensor] = None
+    logs_sum: dict[str, torch.Tensor] = {}
+    for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
+        share = size / total if size != total else 1.0
+        loss, logs, _ = forward_backward((batch,), share, i == len(sizes) - 1)
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        for k, v in logs.items():
+            logs_sum[k] = logs_sum[k] + v if k in logs_sum else v
+    assert loss_sum is not None
+    return loss_sum, logs_sum, total
 
 
 def _not_a_loss(out: Any) -> tuple[str, str]:
@@ -78,7 +99,8 @@ def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> to
     """
     if max_norm is None:
         return total_norm([p.grad for p in params if p.grad is not None])
-    return _global(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm if type(norm) is torch.Tensor else _global(norm)  # (no failed getattr per step)
 
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 
 from ..errors import SaferunError
 
+_TENSOR = {torch.Tensor}  # a batch's element types, for the hot path's check (no generator)
+
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in a nested batch (tuples, lists, dicts, dataclasses) to `device`.
@@ -22,9 +24,10 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     A NumPy array or a tensor that fails to move raises `SaferunError` naming its
     place in the batch.
     """
-    if type(batch) in (list, tuple) and all(type(t) is torch.Tensor for t in batch):
+    if type(batch) in (list, tuple) and set(map(type, batch)) == _TENSOR:
         try:  # the common (inputs, targets) batch, without building a path per element
-            return type(batch)(t.to(device, non_blocking=non_blocking) for t in batch)
+            moved = [t.to(device, non_blocking=non_blocking) for t in batch]
+            return moved if type(batch) is list else tuple(moved)
         except (RuntimeError, TypeError):
             pass  # the walk below names the tensor that failed
 
