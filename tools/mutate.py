@@ -131,10 +131,12 @@ mutation("zero_grad(set_to_none=True)", T,
          "        opt.zero_grad(set_to_none=False)\n        self._schedule.after_step()",
          f"{STEP}::test_grads_are_set_to_none_after_each_step")
 mutation("clip after unscale", T,
-         "        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
+         "        if scaling:\n"
+         "            scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
          "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n",
          "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n"
-         "        scaler.unscale_(opt)\n",
+         "        if scaling:\n"
+         "            scaler.unscale_(opt)\n",
          f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured")
 mutation("clip to max_grad_norm", T,
          "clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
@@ -145,19 +147,30 @@ mutation("measure the norm without clip_grad_norm_(inf)", "saferun/loop/steps.py
          '        return torch.nn.utils.clip_grad_norm_(params, float("inf"))',
          f"{STEP}::test_measuring_without_clipping_never_touches_gradients")
 mutation("accumulation weights micro-batches", T,
-         "                if size != total:", "                if False:",
+         "            if share != 1.0:", "            if False:",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch", DIFF)
-mutation("accumulation weights by share of samples, not by count", T,
-         "loss, logs = loss * (size / total), {k: v * (size / total) for k, v in logs.items()}",
-         "loss, logs = loss / len(sizes), {k: v / len(sizes) for k, v in logs.items()}",
+mutation("accumulation weights by share of samples, not by count", "saferun/loop/steps.py",
+         "share = size / total if size != total else 1.0",
+         "share = 1 / len(sizes) if size != total else 1.0",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
+mutation("accumulation: DDP averages gradients after the last micro-batch only", "saferun/loop/steps.py",
+         "forward_backward((batch,), share, i == len(sizes) - 1)",
+         "forward_backward((batch,), share, True)",
+         f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
+mutation("a GradScaler set after setup is used", T,
+         "        scaling = scaler is not self._idle_scaler", "        scaling = False",
+         "tests/loop/test_precision.py::test_steps_the_grad_scaler_skips_do_not_advance_the_schedule")
+mutation("an fp32 step makes no call into the disabled GradScaler", T,
+         "self._idle_scaler = None if self._scaler.is_enabled() else self._scaler",
+         "self._idle_scaler = None",
+         f"{STEP}::test_an_fp32_step_of_one_micro_batch_calls_no_grad_scaler_and_no_accumulation")
 mutation("accumulate micro-batches per optimizer step", BATCHES,
          "take(batches, self._t.accumulate)", "take(batches, 1)",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
 mutation("scheduler steps once per optimizer step", T,
-         "                self._scaler.scale(loss).backward()\n",
-         "                self._scaler.scale(loss).backward()\n"
-         "                if self.scheduler is not None:\n                    self.scheduler.step()\n",
+         "            (self._scaler.scale(loss) if self._scaler is not self._idle_scaler else loss).backward()\n",
+         "            (self._scaler.scale(loss) if self._scaler is not self._idle_scaler else loss).backward()\n"
+         "            if self.scheduler is not None:\n                self.scheduler.step()\n",
          f"{STEP}::test_scheduler_steps_once_per_optimizer_step")
 mutation("bf16 autocast", "saferun/precision.py",
          '    if precision == "fp32":', '    if precision in ("fp32", "bf16"):',

@@ -1,6 +1,7 @@
 """Guarantees 2, 4 and 7: zeroing, clipping, measuring, accumulation and precision."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -129,6 +130,38 @@ def test_gradients_are_unscaled_before_they_are_clipped_or_measured(tmp_path, ma
     delta = torch.cat([(before[k] - v).flatten() for k, v in weights(t).items()])
     expected = 0.05 * (0.01 if max_norm else true_norm.item())  # SGD: lr * (clipped) gradient
     assert math.isclose(delta.norm().item(), expected, rel_tol=1e-3)
+
+
+def _functions_called(step, *args):
+    """(file, function) of every Python function that runs during step(*args)."""
+    called = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.add((frame.f_code.co_filename, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        step(*args)
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def test_an_fp32_step_of_one_micro_batch_calls_no_grad_scaler_and_no_accumulation(tmp_path):
+    # The hot path (docs/benchmarks.md): a disabled scaler's calls are no-ops, and one
+    # micro-batch needs no weights or sums; both are Python calls a step can do without.
+    t = Plain(toy_config(tmp_path))
+    t.setup()
+    x, y = next(iter(t.train_loader))
+    called = _functions_called(t.train_step, [(x, y)])
+    assert ("_forward_backward" in {name for _, name in called}
+            and not {(f, n) for f, n in called if f.endswith("grad_scaler.py") or n == "accumulate"})
+    # Two micro-batches go through accumulate, still without the disabled scaler.
+    called = _functions_called(t.train_step, [(x[:5], y[:5]), (x[5:], y[5:])])
+    assert "accumulate" in {name for _, name in called}
+    assert not {n for f, n in called if f.endswith("grad_scaler.py")}
+    assert t.state.step == 2 and t._scaler.get_scale() == 1.0  # (a disabled scaler's scale)
 
 
 def test_max_epochs_stops_after_that_many_passes(tmp_path):
