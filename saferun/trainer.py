@@ -191,7 +191,6 @@ class Trainer:
         self._manual = setup_optimizers(self, model)  # + schedules; several: the step driving them
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
-        self._idle_scaler = None if self._scaler.is_enabled() else self._scaler  # see train_step
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
@@ -272,25 +271,20 @@ class Trainer:
         if self._manual is not None:  # several optimizers: training_step calls optimize()
             return self._manual.step(micro_batches)
         opt, scaler, guard = self.optimizer, self._scaler, self._guard
-        scaling = scaler is not self._idle_scaler  # fp16 (or a scaler set since): else no-op calls
         if guard.snapshot is not None:
             guard.snapshot.take()  # under a skip policy: the buffers as before this step
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
-        if scaling:
-            scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
+        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
         grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:  # once, after the first backward
             self._unused_check_pending = report_unused_parameters(self.model)
         spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)  # device
         if guard.skips and guard.bad_now(loss, grad_norm, spike):
             return guard.skip(loss, grad_norm, samples)  # one host sync per step
-        if scaling:  # the scaler skips the update on inf/NaN gradients, then adapts its scale
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         self._schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         self.state.step += 1
@@ -314,7 +308,7 @@ class Trainer:
                 loss, logs = loss_and_logs(self.training_step(batch), self.state.step + 1)
             if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
                 loss, logs = loss * share, {k: v * share for k, v in logs.items()}
-            (self._scaler.scale(loss) if self._scaler is not self._idle_scaler else loss).backward()
+            self._scaler.scale(loss).backward()
         return loss.detach(), logs, samples
 
     def validate(self) -> dict[str, float]:

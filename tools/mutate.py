@@ -131,12 +131,10 @@ mutation("zero_grad(set_to_none=True)", T,
          "        opt.zero_grad(set_to_none=False)\n        self._schedule.after_step()",
          f"{STEP}::test_grads_are_set_to_none_after_each_step")
 mutation("clip after unscale", T,
-         "        if scaling:\n"
-         "            scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
+         "        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
          "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n",
          "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n"
-         "        if scaling:\n"
-         "            scaler.unscale_(opt)\n",
+         "        scaler.unscale_(opt)\n",
          f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured")
 mutation("clip to max_grad_norm", T,
          "clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
@@ -157,19 +155,12 @@ mutation("accumulation: DDP averages gradients after the last micro-batch only",
          "forward_backward((batch,), share, i == len(sizes) - 1)",
          "forward_backward((batch,), share, True)",
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
-mutation("a GradScaler set after setup is used", T,
-         "        scaling = scaler is not self._idle_scaler", "        scaling = False",
-         "tests/loop/test_precision.py::test_steps_the_grad_scaler_skips_do_not_advance_the_schedule")
-mutation("an fp32 step makes no call into the disabled GradScaler", T,
-         "self._idle_scaler = None if self._scaler.is_enabled() else self._scaler",
-         "self._idle_scaler = None",
-         f"{STEP}::test_an_fp32_step_of_one_micro_batch_calls_no_grad_scaler_and_no_accumulation")
 mutation("accumulate micro-batches per optimizer step", BATCHES,
          "take(batches, self._t.accumulate)", "take(batches, 1)",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
 mutation("scheduler steps once per optimizer step", T,
-         "            (self._scaler.scale(loss) if self._scaler is not self._idle_scaler else loss).backward()\n",
-         "            (self._scaler.scale(loss) if self._scaler is not self._idle_scaler else loss).backward()\n"
+         "            self._scaler.scale(loss).backward()\n",
+         "            self._scaler.scale(loss).backward()\n"
          "            if self.scheduler is not None:\n                self.scheduler.step()\n",
          f"{STEP}::test_scheduler_steps_once_per_optimizer_step")
 mutation("bf16 autocast", "saferun/precision.py",
