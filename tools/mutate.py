@@ -574,6 +574,13 @@ mutation("declared modes checked every step", T,
          "            self._declared.check(self.state.step + 1)", "            pass",
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
+mutation("declared modes: each module's mode read", "saferun/modes.py",
+         "        actual = list(map(_TRAINING, self.modules))", "        actual = list(self.expected)",
+         f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
+         f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
+mutation("a flat tuple batch stays a tuple on the device", "saferun/loop/transfer.py",
+         "            return moved if type(batch) is list else tuple(moved)", "            return moved",
+         "tests/unit/test_data.py::test_a_flat_tuple_or_list_of_tensors_is_moved_and_keeps_its_type")
 mutation("preflight errors stop the run", PREFLIGHT,
          "            report.raise_errors()", "            pass",
          f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")

@@ -39,6 +39,13 @@ def test_nested_batches_are_moved_and_keep_their_types():
     assert moved["n"] == 7 and moved["none"] is None
 
 
+def test_a_flat_tuple_or_list_of_tensors_is_moved_and_keeps_its_type():  # the step's shortcut
+    for batch in ((torch.ones(2), torch.zeros(2, dtype=torch.long)), [torch.ones(2)]):
+        moved = move_to_device(batch, META)
+        assert type(moved) is type(batch) and len(moved) == len(batch)
+        assert all(t.device == META and t.dtype == b.dtype for t, b in zip(moved, batch))
+
+
 def test_object_with_its_own_to_is_moved_with_it():
     class Graph:
         def __init__(self, nodes):
