@@ -10,6 +10,7 @@ import glob
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any, Mapping, Optional
@@ -59,8 +60,13 @@ class TensorBoardLogger(Callback):
         # flush_secs: events reach the disk within 10 s (and at each checkpoint and the end)
         # without a flush per log point, which would cost the loop a file write every
         # log_every_n_steps steps.
-        self._writer = SummaryWriter(self.log_dir or os.path.join(view.run_dir, "tensorboard"),
-                                     flush_secs=10, purge_step=view.step if resumed else None)
+        log_dir = self.log_dir or os.path.join(view.run_dir, "tensorboard")
+        earlier = _event_files(log_dir) if resumed else set()
+        self._writer = SummaryWriter(log_dir, flush_secs=10,
+                                     purge_step=view.step if resumed else None)
+        mine = _event_files(log_dir) - earlier
+        if earlier and mine and min(mine) < max(earlier):
+            self._writer = _reopen_sorted_last(self._writer, log_dir, mine, max(earlier), view.step)
         if resumed and self._last_step == view.step:
             self._write(view.step, dict(self._last_scalars))
 
@@ -124,6 +130,40 @@ class TensorBoardLogger(Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+
+
+def _event_files(log_dir: str) -> set[str]:
+    """The names of the scalar event files in `log_dir` (not the HParams entry's)."""
+    if not os.path.isdir(log_dir):
+        return set()
+    return {n for n in os.listdir(log_dir)
+            if _EVENT_FILE.match(n) and not n.endswith(_HPARAMS_SUFFIX)}
+
+
+def _reopen_sorted_last(writer: Any, log_dir: str, mine: set[str], latest: str, step: int) -> Any:
+    """TensorBoard reads a directory's event files in name order, and a purge hides only the
+    steps read before it, so a resumed writer's file must sort after every earlier one. The
+    name starts with the second the file was opened; one opened within the same second as an
+    earlier writer can sort first (pid 1000 < 999, counter .10 < .9) and the earlier run's
+    steps would then show twice. Drop that file, wait for the next second, open again."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer.close()
+    for name in mine:
+        os.remove(os.path.join(log_dir, name))
+    match = _EVENT_FILE.match(latest)
+    assert match is not None
+    wait = int(match.group(1)) + 1 - time.time()
+    if wait > 5:  # written by a machine whose clock runs ahead: waiting would not end soon
+        log.warning("The TensorBoard event file %s is dated %.0f s in the future (another "
+                    "machine's clock?): TensorBoard may show steps after %d twice for this run.",
+                    latest, wait, step)
+    else:
+        time.sleep(max(wait, 0.0))
+    return SummaryWriter(log_dir, flush_secs=10, purge_step=step)
 
 
 def hparam_values(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -401,6 +401,24 @@ def test_resuming_a_finished_run_does_not_redo_its_final_validation(tmp_path):
     assert_same(final_state(run_dir), state)
 
 
+def test_a_resumed_writer_opened_within_the_earlier_writers_second_still_hides_its_steps(tmp_path):
+    # TensorBoard reads event files in name order; a name starts with the second it was opened,
+    # then host, pid and a counter, so a resume within that second can sort first (pid 1000 <
+    # 999, .10 < .9) and the purge would come before the steps it must hide. Planted: the
+    # earlier run's file is renamed into the next second, where the resumed writer's sorts first.
+    from toys import SelfSignalling
+
+    run_dir = tmp_path / "run"
+    SelfSignalling(validating_config(run_dir)).fit()
+    curves = val_curves(run_dir)
+    (earlier,) = [p for p in (run_dir / "tensorboard").iterdir() if not p.name.endswith(".hparams")]
+    parts = earlier.name.split(".")
+    parts[3] = "%010d" % (time.time() + 2)
+    earlier.rename(earlier.with_name(".".join(parts)))
+    SelfSignalling(validating_config(run_dir, resume="auto")).fit()
+    assert val_curves(run_dir) == curves
+
+
 def test_a_run_whose_shielded_workers_outlive_fit_still_exits(tmp_path):
     # Persistent workers live as long as their loader (here, to interpreter exit), where
     # multiprocessing ends them with SIGTERM, which shielded workers do not act on.
