@@ -754,6 +754,10 @@ mutation("the weight average is resumed from the checkpoint", CKPTR,
          '            o._ema.load_state_dict(state.get("ema"))\n        loop = state["loop"]',
          '            o._ema.load_state_dict(None)\n        loop = state["loop"]',
          f"{RESUME}::test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights")
+mutation("a resumed TensorBoard file sorts after the earlier ones", LOGGERS,
+         "        if earlier and mine and min(mine) < max(earlier):\n",
+         "        if False:\n",
+         f"{RESUME}::test_a_resumed_writer_opened_within_the_earlier_writers_second_still_hides_its_steps")
 mutation("a rollback hides later TensorBoard steps", LOGGERS,
          "        if self._writer is not None:  # a rollback mid-run: hide what came after the checkpoint\n",
          "        if False:\n",
