@@ -213,7 +213,7 @@ class Config:
     """Named callback `_target_` nodes ({name: node}), called in this order."""
     logger: Any = field(default_factory=default_loggers)
     """Named logger `_target_` nodes (rank 0, after callbacks); default: `default_loggers()`. A mapping
-    given is the whole set (`{}`: none); to add one: {**default_loggers(), "mine": {...}}."""
+    given is the whole set (`{}`: none) unless a name maps to None: then it edits the defaults."""
     metrics: Any = None
     """{name: torchmetrics.Metric `_target_` node} for the default `Trainer.build_metrics`."""
     task: Any = None
@@ -221,8 +221,8 @@ class Config:
     name: str = "run"
     """Name of the run; the command line puts runs under runs/<name>/."""
     resume: Optional[str] = None
-    """auto (the newest good checkpoint in trainer.run_dir, else a fresh start), or the path
-    of a checkpoint or of a run directory to continue from."""
+    """auto (the newest good checkpoint in trainer.run_dir, else a fresh start), fresh (start over
+    there: an earlier run's checkpoints and logs are moved aside), or a checkpoint's or run's path."""
     force_resume: bool = False
     """Resume even if the config differs from the checkpoint's in keys that change results."""
     seed: int = 0
@@ -264,9 +264,14 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
     except OmegaConfBaseException as e:
         raise ConfigError(_describe_omegaconf_error(e)) from None
     assert isinstance(result, Config)
-    # The logger mapping given is the whole set (`{}`: none); the merge kept the defaults too.
-    if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):
-        result.logger = {k: v for k, v in result.logger.items() if k in cfg["logger"]}
+    # The logger set given is whole ({}: none); with a NAME: None it edits the defaults (the merge).
+    given = cfg.get("logger") if isinstance(cfg, Mapping) else None
+    if isinstance(given, Mapping):
+        removed = {k for k, v in given.items() if v is None}
+        if removed - set(default_loggers()):
+            raise ConfigError(f"logger: None removes a default logger ({', '.join(default_loggers())}),"
+                              f" not {', '.join(sorted(removed - set(default_loggers())))}.")
+        result.logger = {k: v for k, v in result.logger.items() if v is not None and (removed or k in given)}
     return result
 
 

@@ -143,7 +143,7 @@ def test_task_hooks_finish_validation_and_after_fit(tmp_path):
 
     rec.events.clear()
     with pytest.raises(KeyError):
-        Failing(toy_config(tmp_path, max_steps=4), callbacks=[rec]).fit()
+        Failing(toy_config(tmp_path / "failing", max_steps=4), callbacks=[rec]).fit()
     assert ("after_fit", 0) not in rec.events
 
 

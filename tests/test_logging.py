@@ -110,7 +110,32 @@ def test_an_empty_logger_mapping_means_no_loggers_from_python_and_the_command_li
     both = load_config({"logger": {**default_loggers(), "lines": {"_target_": "saferun.loggers.LogLines"}}})
     assert list(both.logger) == ["tensorboard", "jsonl", "lines"]
     assert compose_config(["logger.jsonl=null"]).logger == {  # the defaults less one
-        "tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}, "jsonl": None}
+        "tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger"}}
+
+
+def test_a_logger_set_to_none_removes_that_one_from_the_defaults_in_python_as_on_the_command_line():
+    from saferun.cli import compose_config
+    from saferun.config import load_config
+    from saferun.errors import ConfigError
+    from saferun.loggers import TensorBoardLogger
+    from saferun.loop.components import configured_callbacks
+
+    tensorboard = {"_target_": "saferun.loggers.TensorBoardLogger"}
+    mine = {"_target_": "saferun.loggers.LogLines"}
+    cfg = load_config({"logger": {"jsonl": None}})  # was: no logger at all
+    assert cfg.logger == {"tensorboard": tensorboard} == compose_config(["logger.jsonl=null"]).logger
+    assert load_config(cfg).logger == cfg.logger  # a Config given again keeps its set
+    assert load_config({"logger": {"jsonl": None, "mine": mine}}).logger == {
+        "tensorboard": tensorboard, "mine": mine}  # +logger.mine=... logger.jsonl=null
+    assert load_config({"logger": {"mine": mine}}).logger == {"mine": mine}  # no None: whole
+    # on the command line the composed set is whole: logger=jsonl less jsonl is none at all
+    assert compose_config(["logger=jsonl", "logger.jsonl=null"]).logger == {}
+    with pytest.raises(ConfigError, match="None removes a default logger .*not jsnol"):
+        load_config({"logger": {"jsnol": None}})
+    built = configured_callbacks(load_config({"logger": {"jsonl": None}, "trainer": {
+        "progress_bar": False}}), True, "cpu")
+    assert [type(c) for c in built if isinstance(c, TensorBoardLogger)] == [TensorBoardLogger]
+    assert len(built) == 2  # TensorBoard, and the log lines
 
 
 def test_hparams_view_holds_the_config_and_the_final_metrics(tmp_path):

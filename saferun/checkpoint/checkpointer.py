@@ -28,7 +28,8 @@ from ..version import __version__
 from . import rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_checkpoint, save_weights, set_aside_newer)
+                    load_latest, rotate, save_checkpoint, save_weights)
+from .superseded import FRESH, set_aside_newer, start_fresh
 
 log = logging.getLogger("saferun")
 
@@ -166,7 +167,7 @@ class Checkpointer:
         every entry point uses them; `fit` then restores the rest (`resume`)."""
         o = self._owner
         resume = o.cfg.resume
-        if resume is None:
+        if resume is None or resume == FRESH:
             return
         where = Path(o.state.run_dir) if resume == "auto" else Path(resume)
         if (where / "manifest.json").is_file():
@@ -197,11 +198,13 @@ class Checkpointer:
         self.pending_resume = found
 
     def begin_run(self) -> None:
-        """Check and lock the run directory (one writer at a time), resume, and only then,
-        with the run accepted, record its config in <run_dir>/config.yaml."""
+        """Check and lock the run directory (one writer at a time), start fresh or resume, and
+        only then, with the run accepted, record its config in <run_dir>/config.yaml."""
         o = self._owner
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
+            if self.pending_resume is None and o.state.step == 0:
+                start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main)  # an earlier run: aside
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))

@@ -30,7 +30,6 @@ import re
 import resource
 import secrets
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -239,8 +238,8 @@ def load_latest(root: Path, map_location: Any = "cpu") -> Optional[tuple[Path, d
         raise CheckpointError(
             f"every checkpoint in {root} is damaged, so nothing was loaded:\n"
             + "\n".join(damaged) + f"\nTo resume from a good copy elsewhere, set resume=PATH. To "
-            f"start over on purpose, move them away first (mv {root} {root}.damaged) or use "
-            f"another run directory.")
+            f"start over on purpose, set resume=fresh (they are moved aside, nothing deleted), "
+            f"or use another run directory.")
     return None
 
 
@@ -253,11 +252,11 @@ def rotate(root: Path, keep_last: int, keep: Iterable[Path] = (),
     them would delete the good new ones.
     """
     kept = {p.resolve() for p in keep}
-    limit = _step_of(current) if current is not None else math.inf
-    found = [p for p in list_checkpoints(root) if _step_of(p) <= limit]
-    whole = {_step_of(p) for p in found if ".replaced-" not in p.name}
+    limit = step_of(current) if current is not None else math.inf
+    found = [p for p in list_checkpoints(root) if step_of(p) <= limit]
+    whole = {step_of(p) for p in found if ".replaced-" not in p.name}
     # a replaced copy is redundant once its step was saved again in full
-    redundant = [p for p in found if ".replaced-" in p.name and _step_of(p) in whole]
+    redundant = [p for p in found if ".replaced-" in p.name and step_of(p) in whole]
     listed = [p for p in found if p not in redundant]
     for path in redundant + listed[:-keep_last]:
         if path.resolve() not in kept:
@@ -266,26 +265,7 @@ def rotate(root: Path, keep_last: int, keep: Iterable[Path] = (),
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def set_aside_newer(root: Path, resumed: Path) -> Optional[Path]:
-    """Move the checkpoints under `root` that a run resumed from `resumed` (another timeline's
-    past) must not be mixed with into `root/superseded-<time>/`: every one of a later step
-    than `resumed`, and, when `resumed` lies elsewhere, every one. A later `resume=auto` then
-    finds only this run's own checkpoints; nothing is deleted. Returns the folder, if any."""
-    resumed = resumed.resolve()
-    inside = resumed.parent == root.resolve()
-    stale = [p for p in list_checkpoints(root)
-             if not inside or (p.resolve() != resumed and _step_of(p) > _step_of(resumed))]
-    if not stale:
-        return None
-    aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
-    aside.mkdir()
-    for path in stale:
-        path.rename(aside / path.name)
-    _fsync_dir(root)
-    return aside
-
-
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     m = _STEP_DIR.match(path.name)
     assert m is not None, path
     return int(m.group(1))

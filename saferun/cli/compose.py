@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = ()) -> Any:
     """The `saferun.Config` that `saferun run OVERRIDES` would train with (no run directory)."""
     from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
 
     from ..config import load_config
 
@@ -28,7 +27,18 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = (
         overrides.append(f"hydra.searchpath=[{paths}]")
     with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    return load_config(OmegaConf.to_container(cfg, resolve=True))
+    return load_config(plain_config(cfg))
+
+
+def plain_config(cfg: Any) -> dict[str, Any]:
+    """The composed config as plain data. Its logger set is whole: `logger.NAME=null` has
+    removed NAME from it, so the None entries go (in Python, a None edits the defaults)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict)
+    plain["logger"] = {k: v for k, v in (plain.get("logger") or {}).items() if v is not None}
+    return plain
 
 
 def _register_with_hydra() -> None:

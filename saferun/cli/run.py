@@ -94,20 +94,21 @@ def _train(cfg: Any) -> Optional[float]:
     """One Hydra job: validate the config, build the recipe's Trainer, fit, write the summary."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
-    from omegaconf import OmegaConf
 
+    from ..checkpoint.superseded import note_log_files
     from ..config import load_config
     from ..errors import SaferunError
 
     from ..parallel.distributed import broadcast, ranks_from_env
 
+    note_log_files()  # before anything is logged: where this run's lines in saferun.log start
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     main = ranks_from_env().is_main
     started = time.time()
     try:
         # Resolved once, on rank 0, for every rank (interpolations such as ${now:} could differ).
-        plain = broadcast(OmegaConf.to_container(cfg, resolve=True))
+        plain = broadcast(compose.plain_config(cfg))
         plain["trainer"]["run_dir"] = run_dir
         config = load_config(plain)
         if config.task is None:

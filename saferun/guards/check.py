@@ -84,7 +84,8 @@ def _short_session(cfg: Config, tmp: str) -> Config:
     t = dataclasses.replace(cfg.trainer, max_steps=STEPS, log_every_n_steps=STEPS,
                             val_every_n_steps=None, limit_val_batches=2, save_every_n_steps=None,
                             progress_bar=False, run_dir=tmp)
-    return dataclasses.replace(cfg, trainer=t, logger={}, resume=None)
+    # Every check trains afresh in `tmp`: each explicitly starts over (the previous moved aside).
+    return dataclasses.replace(cfg, trainer=t, logger={}, resume="fresh")
 
 
 def _pickling(make: Factory, cfg: Config) -> CheckResult:

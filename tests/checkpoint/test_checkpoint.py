@@ -274,7 +274,7 @@ def test_resume_auto_refuses_when_every_checkpoint_is_damaged(tmp_path):
     message = str(e.value)
     assert "every checkpoint" in message and "damaged" in message
     assert "step-00000002: " in message and "step-00000004: " in message
-    assert f"mv {root} {root}.damaged" in message and "resume=PATH" in message
+    assert "set resume=fresh (they are moved aside" in message and "resume=PATH" in message
     assert CountingSteps.steps_run == 0  # nothing trained, nothing written
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
 

@@ -197,3 +197,46 @@ def test_a_save_that_cannot_be_written_says_which_and_why(tmp_path):
     assert "keep_last=K needs room for K+1 checkpoints" in proc.stderr
     assert "enforce fail" not in proc.stderr
     assert not list((tmp_path / "full" / "checkpoints").iterdir())  # no partial files left
+
+
+def earlier_run(run_dir):
+    """An earlier run's files in `run_dir`: checkpoints, metrics.jsonl, config.yaml, model.pt
+    (a toy run in this process) and its text log; returns them with their bytes."""
+    from toys import ToyTrainer, toy_config
+
+    cfg = toy_config(run_dir.parent, run_dir=str(run_dir), max_steps=2, log_every_n_steps=1)
+    cfg["logger"] = {"jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
+    ToyTrainer(cfg).fit()
+    (run_dir / "saferun.log").write_text("[a line of the earlier run]\n")
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in run_dir.rglob("*")
+            if p.is_file() and p.name != ".saferun.lock"}
+
+
+def test_resume_fresh_sets_the_earlier_run_and_its_text_log_aside_and_logger_jsonl_null_drops_one(tmp_path):
+    earlier = earlier_run(tmp_path / "exp")
+    saferun("run", *FAST, "hydra.run.dir=exp", "resume=fresh", "logger.jsonl=null", cwd=tmp_path)
+    run_dir = tmp_path / "exp"
+    [aside] = [p for p in run_dir.iterdir() if p.name.startswith("superseded-")]
+    assert {p.relative_to(aside).as_posix(): p.read_bytes() for p in aside.rglob("*")
+            if p.is_file()} == earlier  # nothing of this run was written into them
+    log = (run_dir / "saferun.log").read_text()
+    assert "resume=fresh" in log and aside.name in log and "[a line of the earlier run]" not in log
+    # logger.jsonl=null: the default loggers less metrics.jsonl
+    assert not (run_dir / "metrics.jsonl").exists() and (run_dir / "tensorboard").is_dir()
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 10
+
+
+@pytest.mark.slow  # two Hydra start-ups (8 s); Python: tests/checkpoint/test_fresh_start.py
+def test_a_fresh_start_over_another_runs_checkpoints_is_refused_from_the_command_line(tmp_path):
+    earlier = earlier_run(tmp_path / "exp")
+    proc = saferun("run", *FAST, "hydra.run.dir=exp", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "holds the checkpoints of another run" in proc.stderr
+    assert "resume=auto" in proc.stderr and "resume=fresh" in proc.stderr
+    now = {p.relative_to(tmp_path / "exp").as_posix(): p.read_bytes()
+           for p in (tmp_path / "exp").rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert {k: v for k, v in now.items() if k != ".saferun.lock"} == earlier
+    # logger=jsonl then logger.jsonl=null: the composed set is whole, so no logger at all
+    saferun("run", *FAST, "hydra.run.dir=other", "logger=jsonl", "logger.jsonl=null", cwd=tmp_path)
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+    assert not (tmp_path / "other" / "tensorboard").exists()

@@ -79,7 +79,8 @@ def test_predict_that_changes_the_model_is_named(tmp_path):
 
 def test_eval_purity_adds_no_host_sync(tmp_path):
     def count(purity):
-        cfg = toy_config(tmp_path, max_steps=20, log_every_n_steps=10, val_every_n_steps=10)
+        cfg = toy_config(tmp_path / f"purity-{purity}", max_steps=20, log_every_n_steps=10,
+                         val_every_n_steps=10)  # each run its own run directory
         cfg["guards"] = {"eval_purity": purity}
         with HostSyncCounter() as counter:
             ToyTrainer(cfg).fit()
@@ -238,6 +239,7 @@ def test_a_skipped_spike_leaves_parameters_and_buffers_as_before_it(tmp_path):
     skipped = SpikesAt(cfg)
     skipped.fit()
     cfg["trainer"]["max_steps"] = 29
+    cfg["trainer"]["run_dir"] = str(tmp_path / "before")  # a run of its own
     before = SpikesAt(cfg)
     before.fit()
     a, b = weights(skipped), weights(before)  # BatchNorm statistics and batch count included

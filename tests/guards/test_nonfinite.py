@@ -86,6 +86,7 @@ def test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step(tmp_path
     skipped = BadAt(cfg)
     metrics = skipped.fit()
     cfg["trainer"]["max_steps"] = 6
+    cfg["trainer"]["run_dir"] = str(tmp_path / "six")  # a run of its own
     six = BadAt(cfg)
     six.fit()
     assert metrics["train/skipped_steps"] == 1.0 and skipped.state.step == 7

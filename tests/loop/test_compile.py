@@ -21,7 +21,8 @@ class NoDropout(ToyTrainer):
 def test_compiled_training_matches_eager_and_keeps_state_dict_keys(tmp_path, backend):
     eager = NoDropout(toy_config(tmp_path, max_steps=5))
     eager.fit()
-    compiled = NoDropout(toy_config(tmp_path, max_steps=5, compile=True, compile_backend=backend))
+    compiled = NoDropout(toy_config(tmp_path / "compiled", max_steps=5, compile=True,
+                                    compile_backend=backend))
     compiled.fit()
     keys = list(compiled.model.state_dict())
     assert keys == list(eager.model.state_dict())

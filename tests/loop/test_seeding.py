@@ -7,8 +7,8 @@ from saferun.data import make_loader, set_loader_epoch
 from toys import AugmentedTrainer, DrawsDataset, toy_config, weights
 
 
-def train(tmp_path, seed, context):
-    cfg = toy_config(tmp_path, max_steps=8, num_workers=2, multiprocessing_context=context,
+def train(tmp_path, seed, context, name):
+    cfg = toy_config(tmp_path / name, max_steps=8, num_workers=2, multiprocessing_context=context,
                      batch_size=16)
     cfg["seed"] = seed
     t = AugmentedTrainer(cfg)
@@ -18,7 +18,8 @@ def train(tmp_path, seed, context):
 
 @pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path, context):
-    a, b, c = train(tmp_path, 1, context), train(tmp_path, 1, context), train(tmp_path, 2, context)
+    a, b, c = (train(tmp_path, 1, context, "a"), train(tmp_path, 1, context, "b"),
+               train(tmp_path, 2, context, "c"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 

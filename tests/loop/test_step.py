@@ -72,8 +72,8 @@ def test_measured_norm_is_logged_when_clipping_is_off(tmp_path):
 def test_accumulated_micro_batches_equal_one_large_batch(tmp_path, micro, accumulate):
     # 24 x 3 over 64 samples gives micro-batches of 24, 24 and 16: weights follow the sizes
     big = Plain(toy_config(tmp_path, batch_size=64, max_steps=1, shuffle=False))
-    small = Plain(toy_config(tmp_path, batch_size=micro, accumulate=accumulate,
-                                    max_steps=1, shuffle=False))
+    small = Plain(toy_config(tmp_path / "small", batch_size=micro, accumulate=accumulate,
+                             max_steps=1, shuffle=False))
     big.fit()
     small.fit()
     wb, ws = weights(big), weights(small)

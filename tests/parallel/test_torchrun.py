@@ -232,3 +232,29 @@ def test_a_run_directory_in_use_stops_every_rank_with_the_reason(tmp_path):
     out = proc.stdout + proc.stderr
     assert out.count(f"run directory {run_dir} is in use by another run (pid {os.getpid()} ") >= 2
     assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.slow  # two torchrun jobs; one process: tests/checkpoint/test_fresh_start.py
+def test_a_fresh_start_over_another_run_stops_every_rank_and_resume_fresh_sets_it_aside_once(tmp_path):
+    from toys import ToyTrainer
+
+    run_dir = tmp_path / "run"
+    ToyTrainer(plain_config(run_dir, batch_size=16, save_every_n_steps=4)).fit()
+    files = lambda path: {p.relative_to(path).as_posix(): p.read_bytes()  # noqa: E731
+                          for p in path.rglob("*") if p.is_file() and p.name != ".saferun.lock"}
+    earlier = files(run_dir)
+    proc = torchrun(plain_config(run_dir, batch_size=16), {"plain": True})
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count(f"the run directory {run_dir} holds the checkpoints "
+                                             f"of another run (the latest: step 8") >= 2
+    assert files(run_dir) == earlier  # no rank wrote anything
+    cfg = plain_config(run_dir, batch_size=16, save_every_n_steps=4)
+    cfg["resume"] = "fresh"
+    proc = torchrun(cfg, {"plain": True})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [aside] = [p for p in run_dir.iterdir() if p.name.startswith("superseded-")]
+    assert files(aside) == earlier
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == [
+        "step-00000004", "step-00000008"]
+    assert all(torch.equal(a, b) for a, b in zip(rank_weights(run_dir, 0).values(),
+                                                    rank_weights(run_dir, 1).values()))

@@ -144,7 +144,7 @@ def test_randomness_in_validation_does_not_change_training(tmp_path):
             return super().validation_step(batch)
 
     def train(every):
-        t = RandomVal(toy_config(tmp_path, max_steps=12, val_every_n_steps=every))
+        t = RandomVal(toy_config(tmp_path / str(every), max_steps=12, val_every_n_steps=every))
         t.fit()
         return weights(t)
 

@@ -1,0 +1,143 @@
+"""An earlier timeline in the run directory is set aside, never mixed with this run's, never
+deleted: `move_aside` is the one place that moves it, into `<dir>/superseded-<time>/`.
+
+- `set_aside_newer`: a resume from an older checkpoint (or from another directory) moves the
+  checkpoints a later `resume=auto` must not pick up.
+- `start_fresh`: a run that starts from step 0 where an earlier run left its files. With that
+  run's checkpoints there and `resume` unset, the user most likely forgot `resume=auto`: refused,
+  naming what is there. With `resume=fresh`, or when the earlier run left only logs (it crashed
+  before its first checkpoint), that run's checkpoints and logs are moved aside, so this run's
+  metrics.jsonl, TensorBoard events and text log hold this run alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import SaferunError
+from ..parallel import distributed
+from .store import list_checkpoints, step_of
+
+log = logging.getLogger("saferun")
+
+FRESH = "fresh"  # resume=fresh: start over here, the earlier run's files moved aside
+# What a run writes in its run directory (saferun.log: the command line's text log, Hydra's
+# job log). Not .hydra/: the command line has written this run's there already.
+RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "saferun.log", "config.yaml",
+             "summary.json", "model.pt", "model_ema.pt")
+
+
+def move_aside(parent: Path, paths: Sequence[Path]) -> Optional[Path]:
+    """Move `paths` (entries of `parent`) into a new `parent/superseded-<time>-<hex>/` by
+    renames; return it, or None when there is nothing to move."""
+    if not paths:
+        return None
+    aside = parent / f"superseded-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    moved: list[Path] = []
+    try:
+        for path in paths:
+            _close_log_files(path)
+            path.rename(aside / path.name)
+            moved.append(path)
+    except OSError:  # all or nothing: put back what was moved
+        for path in moved:
+            (aside / path.name).rename(path)
+        aside.rmdir()
+        raise
+    for path in moved:  # this run's first lines, logged before now, stay with this run
+        start = _log_starts.get(str(path.absolute()))
+        if start is not None:
+            with open(aside / path.name, "r+b") as f:
+                f.seek(start)
+                mine = f.read()
+                f.truncate(start)
+            path.write_bytes(mine)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return aside
+
+
+def set_aside_newer(root: Path, resumed: Path) -> Optional[Path]:
+    """Move the checkpoints under `root` that a run resumed from `resumed` (another timeline's
+    past) must not be mixed with into `root/superseded-<time>/`: every one of a later step
+    than `resumed`, and, when `resumed` lies elsewhere, every one. A later `resume=auto` then
+    finds only this run's own checkpoints. Returns the folder, if any."""
+    resumed = resumed.resolve()
+    inside = resumed.parent == root.resolve()
+    return move_aside(root, [p for p in list_checkpoints(root)
+                             if not inside or (p.resolve() != resumed and step_of(p) > step_of(resumed))])
+
+
+def start_fresh(run_dir: str, resume: Optional[str], main: bool) -> None:
+    """This run starts from step 0 in `run_dir`: refuse it over another run's checkpoints
+    unless `resume` is `fresh`; move an earlier run's files aside. Rank 0 decides and moves
+    (under the run directory's lock); every rank gets the verdict before any writes."""
+    error = None
+    if main:
+        try:
+            _clear(Path(run_dir), resume)
+        except SaferunError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"could not move the earlier run's files in {run_dir} aside "
+                     f"({e.strerror or e}): nothing of this run was written. Fix the "
+                     f"permissions or use another run directory.")
+    error = distributed.broadcast(error)
+    if error is not None:
+        raise SaferunError(error)
+
+
+def _clear(path: Path, resume: Optional[str]) -> None:
+    found = list_checkpoints(path / "checkpoints")
+    if found and resume != FRESH:
+        raise SaferunError(
+            f"the run directory {path} holds the checkpoints of another run (the latest: step "
+            f"{step_of(found[-1])}, {found[-1]}) and this run starts from step 0 (resume is not "
+            f"set): it would overwrite them step by step, append its logs to theirs, and a "
+            f"later resume=auto could pick their newer checkpoint. To continue that run, set "
+            f"resume=auto. To start over here, set resume=fresh: its checkpoints and logs are "
+            f"moved into {path}/superseded-<time>/ (nothing is deleted). Or use another run "
+            f"directory (hydra.run.dir=... on the command line, trainer.run_dir in Python).")
+    earlier = [path / name for name in RUN_FILES if (path / name).exists()]
+    aside = move_aside(path, earlier)
+    if aside is not None:
+        why = "resume=fresh" if resume == FRESH else \
+            f"resume={resume}: no checkpoint, but an earlier attempt's logs" if resume else \
+            "no checkpoint, but an earlier attempt's logs"
+        log.warning("Starting from step 0 (%s): the earlier run's %s moved to %s, nothing "
+                    "deleted; this run's logs start empty.", why,
+                    ", ".join(p.name for p in earlier), aside)
+
+
+_log_starts: dict[str, int] = {}  # a log file's size when this run began to append to it
+
+
+def note_log_files() -> None:
+    """Remember the size of each log file this process appends to (the command line's
+    saferun.log, opened by Hydra), before the run logs anything: if an earlier run's log is
+    set aside, the lines this run logged before that come back to this run's log."""
+    for handler in _file_handlers():
+        if os.path.exists(handler.baseFilename):
+            _log_starts[handler.baseFilename] = os.path.getsize(handler.baseFilename)
+
+
+def _close_log_files(path: Path) -> None:
+    """Close a logging file handler writing to `path`: its next line opens a new file at the
+    same name, not the moved one."""
+    for handler in _file_handlers():
+        if Path(handler.baseFilename) == path.absolute():
+            handler.close()
+
+
+def _file_handlers() -> list[logging.FileHandler]:
+    return [h for logger in (logging.getLogger(), log) for h in logger.handlers
+            if isinstance(h, logging.FileHandler)]
