@@ -17,7 +17,7 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ..parallel import distributed
 from ..errors import SaferunError
@@ -132,9 +132,11 @@ def _not_writable(path: Path, error: Optional[OSError]) -> str:
 
 
 def write_config(run_dir: str, config: Mapping[str, Any]) -> None:
-    """Write the run's resolved config to `<run_dir>/config.yaml` (atomically)."""
+    """Write the run's resolved config to `<run_dir>/config.yaml` (atomically), and what
+    `when_accepted` asked to write with it."""
     import yaml
 
+    global _with_config
     path = Path(run_dir) / "config.yaml"
     tmp = path.with_name(f".tmp-config-{secrets.token_hex(4)}.yaml")
     try:
@@ -142,3 +144,16 @@ def write_config(run_dir: str, config: Mapping[str, Any]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    if _with_config is not None and Path(_with_config[0]) == Path(run_dir):
+        _with_config[1]()
+    _with_config = None
+
+
+_with_config: Optional[tuple[str, Callable[[], None]]] = None
+
+
+def when_accepted(run_dir: str, write: Callable[[], None]) -> None:
+    """Call `write` when the run in `run_dir` is accepted, with its config.yaml: the command
+    line writes Hydra's .hydra/ files so, and a refused run leaves them as they were."""
+    global _with_config
+    _with_config = (run_dir, write)

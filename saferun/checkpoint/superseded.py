@@ -27,7 +27,7 @@ log = logging.getLogger("saferun")
 
 FRESH = "fresh"  # resume=fresh: start over here, the earlier run's files moved aside
 # What a run writes in its run directory (saferun.log: the command line's text log, Hydra's
-# job log). Not .hydra/: the command line has written this run's there already.
+# job log). Not .hydra/: the command line rewrites it once this run is accepted.
 RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "saferun.log", "config.yaml",
              "summary.json", "model.pt", "model_ema.pt")
 
@@ -107,7 +107,9 @@ def _clear(path: Path, resume: Optional[str]) -> None:
             f"resume=auto. To start over here, set resume=fresh: its checkpoints and logs are "
             f"moved into {path}/superseded-<time>/ (nothing is deleted). Or use another run "
             f"directory (hydra.run.dir=... on the command line, trainer.run_dir in Python).")
-    earlier = [path / name for name in RUN_FILES if (path / name).exists()]
+    # (a log file this process opened empty, Hydra's saferun.log in a new directory, is this run's)
+    earlier = [p for p in (path / name for name in RUN_FILES)
+               if p.exists() and _log_starts.get(str(p.absolute())) != 0]
     aside = move_aside(path, earlier)
     if aside is not None:
         why = "resume=fresh" if resume == FRESH else \

@@ -31,12 +31,31 @@ def run(args: list[str]) -> None:
     task = _train
     if ranks_from_env().world_size > 1:
         args, task = _join_torchrun_job(args)
+    global _WRITE_HYDRA_DIR
+    _WRITE_HYDRA_DIR = not any("hydra.output_subdir=" in arg for arg in args)
+    if _WRITE_HYDRA_DIR:  # written by _train once the run is accepted, not before
+        args = args + ["hydra.output_subdir=null"]
     sys.argv = ["saferun"] + args
     hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
     if ranks_from_env().world_size > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+_WRITE_HYDRA_DIR = False  # saferun, not Hydra, writes <run dir>/.hydra/ (after acceptance)
+
+
+def _write_hydra_dir(run_dir: str, cfg: Any, hydra_cfg: Any) -> None:
+    """Hydra's .hydra/config.yaml, hydra.yaml and overrides.yaml, as Hydra writes them."""
+    from omegaconf import OmegaConf
+
+    folder = Path(run_dir) / ".hydra"
+    folder.mkdir(exist_ok=True)
+    hydra = OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg)})
+    hydra.hydra.output_subdir = ".hydra"
+    for name, node in (("config", cfg), ("hydra", hydra), ("overrides", hydra_cfg.overrides.task)):
+        (folder / f"{name}.yaml").write_text(OmegaConf.to_yaml(node))
 
 
 def _check_run_dir_arg(args: list[str]) -> None:
@@ -95,6 +114,7 @@ def _train(cfg: Any) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
 
+    from ..checkpoint.rundir import when_accepted
     from ..checkpoint.superseded import note_log_files
     from ..config import load_config
     from ..errors import SaferunError
@@ -118,6 +138,8 @@ def _train(cfg: Any) -> Optional[float]:
         task_class = get_class(task.pop("_target_"))
         if main:  # config.yaml: written by fit() once the run directory and resume are accepted
             print(f"saferun: run directory {run_dir}", flush=True)
+            if _WRITE_HYDRA_DIR:  # and .hydra/ with it
+                when_accepted(run_dir, lambda: _write_hydra_dir(run_dir, cfg, hydra_cfg))
         trainer = task_class(config, **task)
         metrics = trainer.fit()
     except SaferunError as e:

@@ -25,6 +25,9 @@ def test_run_writes_config_summary_and_tensorboard_and_prints_the_run_dir(tmp_pa
     assert len(runs) == 1
     run_dir = runs[0]
     assert proc.stdout.count(f"run directory {run_dir}") == 2  # at start and at end
+    # a new directory: nothing set aside (Hydra's saferun.log, opened empty, is this run's)
+    assert not list(run_dir.glob("superseded-*")) and "step 10/10" in (run_dir / "saferun.log").read_text()
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text().splitlines() == [f"- {a}" for a in FAST]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 10 and summary["overrides"] == FAST
     assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
@@ -234,8 +237,9 @@ def test_a_fresh_start_over_another_runs_checkpoints_is_refused_from_the_command
     assert "holds the checkpoints of another run" in proc.stderr
     assert "resume=auto" in proc.stderr and "resume=fresh" in proc.stderr
     now = {p.relative_to(tmp_path / "exp").as_posix(): p.read_bytes()
-           for p in (tmp_path / "exp").rglob("*") if p.is_file() and ".hydra" not in p.parts}
+           for p in (tmp_path / "exp").rglob("*") if p.is_file()}
     assert {k: v for k, v in now.items() if k != ".saferun.lock"} == earlier
+    assert not (tmp_path / "exp" / ".hydra").exists()  # written only once a run is accepted
     # logger=jsonl then logger.jsonl=null: the composed set is whole, so no logger at all
     saferun("run", *FAST, "hydra.run.dir=other", "logger=jsonl", "logger.jsonl=null", cwd=tmp_path)
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
