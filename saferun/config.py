@@ -264,14 +264,9 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
     except OmegaConfBaseException as e:
         raise ConfigError(_describe_omegaconf_error(e)) from None
     assert isinstance(result, Config)
-    # The logger set given is whole ({}: none); with a NAME: None it edits the defaults (the merge).
-    given = cfg.get("logger") if isinstance(cfg, Mapping) else None
-    if isinstance(given, Mapping):
-        removed = {k for k, v in given.items() if v is None}
-        if removed - set(default_loggers()):
-            raise ConfigError(f"logger: None removes a default logger ({', '.join(default_loggers())}),"
-                              f" not {', '.join(sorted(removed - set(default_loggers())))}.")
-        result.logger = {k: v for k, v in result.logger.items() if v is not None and (removed or k in given)}
+    if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):  # merged into the defaults
+        from .loggers import chosen_loggers
+        result.logger = chosen_loggers(cfg["logger"], result.logger, default_loggers())
     return result
 
 
