@@ -16,6 +16,7 @@ import time
 from typing import Any, Mapping, Optional
 
 from .callbacks import Callback, TrainerView
+from .errors import ConfigError
 
 log = logging.getLogger("saferun")
 
@@ -283,6 +284,19 @@ class LogLines(Callback):
 
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         log.info(format_metrics(view, metrics))
+
+
+def chosen_loggers(given: Mapping[str, Any], merged: Mapping[str, Any],
+                   defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The `logger` set of a config: `given` is the whole set (`{}`: none) unless a name in it
+    maps to None; then it edits the defaults (`merged`: the defaults updated by it), as
+    `logger.NAME=null` does on the command line. A None for a name that is not a default
+    logger is refused: a misspelt removal would remove nothing, silently."""
+    removed = {k for k, v in given.items() if v is None}
+    if removed - set(defaults):
+        raise ConfigError(f"logger: None removes a default logger ({', '.join(defaults)}), not "
+                          f"{', '.join(sorted(removed - set(defaults)))}.")
+    return {k: v for k, v in merged.items() if v is not None and (removed or k in given)}
 
 
 def format_metrics(view: TrainerView, metrics: Mapping[str, float]) -> str:
