@@ -162,8 +162,6 @@ def test_a_run_dir_that_cannot_be_one_is_refused_before_hydra_writes_into_it(tmp
 
 
 def test_refused_resumes_leave_the_run_as_it_was(tmp_path):
-    from saferun.checkpoint import list_checkpoints
-
     run = ["run", *FAST, "hydra.run.dir=stable", "trainer.save_every_n_steps=2", "trainer.keep_last=2"]
     run_dir = tmp_path / "stable"
     saferun(*run, "trainer.max_steps=4", cwd=tmp_path)
@@ -171,7 +169,17 @@ def test_refused_resumes_leave_the_run_as_it_was(tmp_path):
     refused = saferun(*run, "trainer.max_steps=6", "resume=auto", "seed=7", cwd=tmp_path, check=False)
     assert refused.returncode == 1 and "seed: 0 -> 7" in refused.stderr
     assert (run_dir / "config.yaml").read_text() == written  # the refused values are nowhere
-    # (a forced resume's values are in config.yaml and used: tests/resume/test_run_dir.py)
+    # (a forced resume's values are in config.yaml and used: tests/checkpoint/test_run_dir.py)
+
+
+@pytest.mark.slow  # in-process: tests/checkpoint/test_checkpoint.py, test_fresh_start.py
+def test_every_checkpoint_damaged_is_refused_from_the_command_line_leaving_the_run(tmp_path):
+    from saferun.checkpoint import list_checkpoints
+
+    run = ["run", *FAST, "hydra.run.dir=stable", "trainer.save_every_n_steps=2", "trainer.keep_last=2"]
+    run_dir = tmp_path / "stable"
+    saferun(*run, "trainer.max_steps=4", cwd=tmp_path)
+    written = (run_dir / "config.yaml").read_text()
     for path in list_checkpoints(run_dir / "checkpoints"):  # every checkpoint damaged
         (path / "state.pt").write_bytes((path / "state.pt").read_bytes()[:1000])
     files = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
