@@ -770,9 +770,9 @@ mutation("the step rolled back to is not validated again", T,
          "        if self.val_loader is None or self._validated_at == self.state.step:",
          "        if self.val_loader is None:",
          "tests/test_logging.py::test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl")
-mutation("logger: {} means no loggers", "saferun/config.py",
-         '        result.logger = {k: v for k, v in result.logger.items() if k in cfg["logger"]}\n',
-         "        pass\n",
+mutation("logger: {} means no loggers", LOGGERS,
+         "    return {k: v for k, v in merged.items() if v is not None and (removed or k in given)}\n",
+         "    return {k: v for k, v in merged.items() if v is not None}\n",
          "tests/test_logging.py::test_an_empty_logger_mapping_means_no_loggers_from_python_and_the_command_line")
 
 
