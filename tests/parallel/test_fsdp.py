@@ -211,6 +211,27 @@ def test_fsdp_equals_ddp_after_ten_steps(fsdp_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_four_processes_shard_in_quarters_and_equal_ddp(tmp_path):
+    runs = {}
+    for strategy in ("fsdp", "ddp"):
+        runs[strategy] = tmp_path / strategy
+        proc = torchrun(job_config(runs[strategy], strategy=strategy), nproc=4)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    ckpt = runs["fsdp"] / "checkpoints" / f"step-{STEPS:08d}"
+    assert {f"__{r}_0.distcp" for r in range(4)} <= set(os.listdir(ckpt))
+    counted = [json.loads((runs["fsdp"] / f"bytes_rank{r}.json").read_text()) for r in range(4)]
+    whole = counted[0]["whole"]
+    assert sum(c["params"] for c in counted) == whole  # no parameter held twice
+    # FSDP2 splits each tensor's rows in ceil(rows/4) chunks: rows 30 -> 8, 8, 8, 6 (the last
+    # rank holds less); far from the whole model a replicated copy would hold on each rank
+    assert all(0.15 * whole < c["params"] < 0.3 * whole for c in counted)
+    ddp, fsdp = load(runs["ddp"], "model.pt"), load(runs["fsdp"], "model.pt")
+    assert ddp.keys() == fsdp.keys()
+    for k in ddp:
+        torch.testing.assert_close(fsdp[k], ddp[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_killed_and_resumed_equals_uninterrupted_bitwise(fsdp_run, tmp_path):
     run_dir = tmp_path / "run"
     killed = torchrun(job_config(run_dir), {"signal_at": 8, "signum": int(signal.SIGKILL),
