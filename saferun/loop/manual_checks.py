@@ -28,7 +28,9 @@ from .steps import _not_a_loss, short
 _INPLACE = "modified by an inplace operation"
 _FREED = "backward through the graph a second time"
 # "...: [torch.FloatTensor [16, 3]], which is output 0 of AsStrided, is at version 2; expected"
-_SAVED = re.compile(r"\[\S+ \[([\d, ]*)\]\].*? is at version (\d+); expected version")
+# (a parameter is a leaf, named without "which is output", or a view of one, "of AsStrided")
+_SAVED = re.compile(r"\[\S+ \[([\d, ]*)\]\](?:, which is output \d+ of (\w+),)? is at "
+                    r"version (\d+); expected version")
 
 Named = Sequence[tuple[str, torch.Tensor]]  # (parameter name, parameter)
 
@@ -96,14 +98,14 @@ def graph_slip(exc: RuntimeError, name: str, step: int, earlier: Mapping[str, Na
 
 
 def _stepped_params(message: str, earlier: Mapping[str, Named]) -> list[str]:
-    """The earlier optimizers' parameters that can be the tensor autograd names: the same
-    number of elements (it may name a transposed view) at the version the parameter is at now
-    (a view shares its base's version counter)."""
+    """The earlier optimizers' parameters that can be the tensor autograd names: a leaf or a
+    view of one with the same number of elements (it may name a transposed view) at the
+    version the parameter is at now (a view shares its base's version counter)."""
     found = _SAVED.search(message)
-    if found is None:
-        return []
+    if found is None or found.group(2) not in (None, "AsStrided"):
+        return []  # the output of an operation (a user's in-place op on an activation)
     dims = [int(d) for d in found.group(1).replace(" ", "").split(",") if d]
-    numel, version = math.prod(dims), int(found.group(2))
+    numel, version = math.prod(dims), int(found.group(3))
     return [n for params in earlier.values() for n, p in params
             if p.numel() == numel and p._version == version]
 

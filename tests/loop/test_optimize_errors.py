@@ -214,6 +214,37 @@ def test_retain_graph_is_refused_when_the_later_backward_needs_the_updated_weigh
     assert "retain_graph=True does not change this" in str(e.value)
 
 
+
+class InplaceLikeAParameter(TwoOptimizers):
+    """After the head's update, a user's in-place op on an activation that has head.weight's
+    shape and, in-place op by op, its version: autograd's error names that activation (the
+    output of Sigmoid), which no parameter can be; it is not the ordering slip."""
+
+    def build_optimizer(self, params):
+        return {"head": torch.optim.SGD(self.model.head.parameters(), lr=0.1),
+                "enc": torch.optim.SGD(self.model.enc.parameters(), lr=0.1)}
+
+    def training_step(self, batch):
+        x, y = batch
+        h = self.model.enc(x)
+        self.optimize("head", F.cross_entropy(self.model.head(h.detach()), y))
+        z = torch.sigmoid(h[:3])  # (3, 16), as head.weight
+        for _ in range(self.model.head.weight._version):
+            z.mul_(1.0)
+        self.optimize("enc", F.cross_entropy(self.model.head(torch.cat([z, h[3:]])), y))
+
+
+def test_a_users_inplace_op_matching_a_parameters_shape_and_version_is_not_the_slip(tmp_path):
+    with pytest.raises(RuntimeError) as e:
+        InplaceLikeAParameter(config(tmp_path, max_steps=1)).fit()
+    text = str(e.value)
+    assert "output 0 of Sigmoid, is at version" in text  # the collision this test is about
+    assert "before self.optimize('head', ...) ran" not in text, text
+    assert text.startswith("training_step failed at step 1, in self.optimize('enc', loss) "
+                           "(the backward of its loss): an in-place operation"), text
+    assert "z = torch.sigmoid(h[:3])" in text  # the anomaly-mode replay names the forward line
+
+
 # ------------------------------------------------------------------ messages name the optimizer
 
 class NotReduced(TwoOptimizers):
