@@ -18,6 +18,7 @@ import os
 import re
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -25,6 +26,7 @@ from .batchinfo import describe_batch
 
 log = logging.getLogger("saferun")
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
                    r"Timed out waiting|collective operation timeout|NCCL (error|communicator was aborted)|"
                    r"remote worker crash|ProcessGroup\w* .*(aborted|shut ?down)", re.I)
@@ -36,8 +38,18 @@ def several_ranks() -> bool:
 
 
 def collective_failed(exc: BaseException) -> bool:
-    """Under torchrun: a collective's error caused by another rank (gone or late)."""
-    return isinstance(exc, RuntimeError) and several_ranks() and bool(_PEER.search(str(exc)))
+    """Under torchrun: a collective's error caused by another rank (gone or late). Raised by
+    torch itself: a user's own RuntimeError whose message happens to match is the user's."""
+    return (isinstance(exc, RuntimeError) and several_ranks() and bool(_PEER.search(str(exc)))
+            and _raised_in_torch(exc))
+
+
+def _raised_in_torch(exc: BaseException) -> bool:
+    """Is the traceback's innermost frame torch's (a collective, DDP's backward)?"""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR)
 
 
 def report_collective_failure(exc: BaseException, rank: int, step: int, timeout: float) -> None:

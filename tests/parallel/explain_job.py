@@ -6,7 +6,8 @@ rank, as a cross-rank normalisation does) before the planted mistake, so that a 
 forward on the failing rank alone would wait for, or pair with, a collective of the others.
 
 PLANT_JSON: `at` (the step), `on_rank` (-1: every rank), `where` ("train": training_step at
-step `at`, "val": validation_step in the validation after step `at`), `loader` ("distributed"
+step `at`, "val": validation_step in the validation after step `at`), `raises` (instead of the
+cut: training_step raises RuntimeError(raises), a user's own error), `loader` ("distributed"
 or "random": a DataLoader built by the user, with no mistake planted). A run that ends writes
 each rank's whole final parameters to <run_dir>/final_rank<R>.pt; a SaferunError (a refusal at
 setup, or an explained error) is written to <run_dir>/error_rank<R>.txt before it propagates.
@@ -60,9 +61,10 @@ class Net(nn.Module):
 
 class Job(saferun.Trainer):
     def __init__(self, cfg: Any, at: int = -1, on_rank: int = -1, where: str = "train",
-                 loader: str = "") -> None:
+                 loader: str = "", raises: str = "") -> None:
         super().__init__(cfg)
         self.at, self.on_rank, self.where, self.loader = at, on_rank, where, loader
+        self.raises = raises
 
     def build_model(self) -> nn.Module:
         self.net = Net()
@@ -87,6 +89,8 @@ class Job(saferun.Trainer):
     def training_step(self, batch: Any) -> torch.Tensor:
         x, y = batch
         self.net.cut = self._planted("train", self.state.step + 1)
+        if self.net.cut and self.raises:
+            raise RuntimeError(self.raises)
         return F.cross_entropy(self.model(x), y)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:

@@ -61,6 +61,20 @@ def test_a_mistake_on_rank_1_under_ddp_is_explained_there_and_named_by_rank_0(tm
 
 
 @pytest.mark.slow
+def test_a_users_own_error_that_reads_like_a_peer_failure_is_the_users(tmp_path):
+    """Rank 1's training_step raises its own RuntimeError whose message matches a collective
+    failure's words: rank 1 explains its step (it must not say nothing is wrong on it); only
+    rank 0, whose collective did fail, points at the other rank."""
+    plant = {"at": 3, "on_rank": 1, "raises": "Timed out waiting for the feature cache lock"}
+    rc, out = torchrun(config(tmp_path / "run", "ddp"), plant)
+    assert rc != 0
+    assert "training_step failed at step 3 on rank 1" in out, out[-6000:]
+    assert "raise RuntimeError(self.raises)" in out  # the user's line
+    assert "rank 1 stopped after step" not in out, out[-6000:]
+    other_rank_line(out, rank=0, step=2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("where, hook, step", [("train", "training_step", 3),
                                                ("val", "validation_step", 2)])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
