@@ -19,7 +19,7 @@ from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
 from .stateful import compute_all, reset_all
 from .seeding import preserved_rng
-from .transfer import move_to_device, to_host
+from .transfer import move_to_device, samples_in, to_host
 
 
 class Evaluator:
@@ -67,7 +67,8 @@ class Evaluator:
                 except Exception as exc:  # here, not in fit: validate() is also called alone
                     self._raise_explained(exc)
                     raise
-                means.add(scalar_dict(out, "validation_step"), batch_size(batch))
+                means.add(scalar_dict(out, "validation_step"),
+                          samples_in(batch, batch_size, f"validation batch {i + 1}"))
         probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
         computed = compute_all(self._metrics)  # under torchrun: gathers every rank's state
         # one read: the means, the metrics and the purity flag

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError, SaferunError
 from .metrics import scalar_dict
+from .transfer import samples_in
 
 log = logging.getLogger("saferun")
 StepParts = tuple[torch.Tensor, dict[str, torch.Tensor], int]  # (loss, logs, samples)
@@ -44,7 +45,8 @@ def accumulate(forward_backward: Callable[[Sequence[Any], float, bool], StepPart
     (the Trainer's), its loss weighted by its share of the step's samples, so that the
     accumulated gradient equals the gradient of the whole batch's mean loss; only the last
     lets DDP average the gradients. Returns the summed (mean loss, mean logs, samples)."""
-    sizes = [batch_size(b) for b in micro_batches]
+    sizes = [samples_in(b, batch_size, f"micro-batch {i + 1} of {len(micro_batches)}")
+             for i, b in enumerate(micro_batches)]
     total = sum(sizes)
     loss_sum: Optional[torch.Tensor] = None
     logs_sum: dict[str, torch.Tensor] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -110,7 +111,7 @@ def batch_size_of(batch: Any) -> int:
             n = batch_size_of(item)
             if n:
                 return n
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):  # a dict, or a UserDict (transformers' BatchEncoding)
         for item in batch.values():
             n = batch_size_of(item)
             if n:
@@ -121,3 +122,19 @@ def batch_size_of(batch: Any) -> int:
             if n:
                 return n
     return 0
+
+
+def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:
+    """`batch_size(batch)` (the Trainer's hook), refused unless positive: `where`'s weights
+    (accumulated losses, validation means) are shares of the samples, and 0 would silently
+    sum the micro-batches' losses or drop the validation metrics."""
+    n = batch_size(batch)
+    if n is None or not n > 0:
+        raise SaferunError(
+            f"{where}: Trainer.batch_size(batch) returned {n!r} for a batch of type "
+            f"{type(batch).__name__}; it must be the positive number of samples, by which saferun "
+            f"weighs {'each micro-batch' if 'micro' in where else 'each batch'}. The default "
+            f"counts the first dimension of the first tensor in a tensor, tuple, list, dict or "
+            f"dataclass batch; for another batch type, override batch_size(batch) in your "
+            f"Trainer.")
+    return n
