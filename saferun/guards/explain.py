@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import SaferunError
 from ..loop.seeding import preserved_rng
 from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
-from .explain_optimize import (in_optimize as _in_optimize, manual as _manual,
+from .explain_optimize import (in_step as _in_step, manual as _manual,
                                replaying as _replaying)
 from .explain_ranks import (collective_failed, locate_in_traceback, report_collective_failure,
                             several_ranks)
@@ -148,7 +148,7 @@ def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) ->
                                 else _locate(owner, model, phase, batch))
     what, fix = _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs)
     on_rank = f" on rank {owner.state.rank}" if several_ranks() else ""
-    lines = [f"{hook} failed at step {step}{_in_optimize(exc, owner)}{on_rank}: {what}"]
+    lines = [f"{hook} failed at step {step}{_in_step(exc, owner)}{on_rank}: {what}"]
     if fix:
         lines.append(f"  what to do: {fix}")
     if module is not None:

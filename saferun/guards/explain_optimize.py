@@ -1,5 +1,5 @@
 """The several-optimizer step's part of an explanation (guards/explain.py): which
-`self.optimize(name, loss)` call raised, and a replay of training_step in which optimize()
+`self.optimize(name, loss)` call raised (or, with trainer.accumulate, which micro-batch), and a replay of training_step in which optimize()
 updates nothing (loop/manual.py `ManualSteps.replaying`)."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import os
 from typing import Any
 
 import torch
+
+from ..loop.steps import accumulate
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
@@ -23,6 +25,19 @@ def replaying(owner: Any, backward: bool) -> Any:
     scaler (`backward`: they run the backward only, for the in-place trace)."""
     steps = getattr(owner, "_manual", None)
     return steps.replaying(backward) if steps is not None else contextlib.nullcontext()
+
+
+def in_step(exc: BaseException, owner: Any) -> str:
+    """Where in the step `exc` was raised: ", in self.optimize(...)" (see `in_optimize`), or
+    " (micro-batch 3 of 3)" under trainer.accumulate (its frame's own locals), else ""."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is accumulate.__code__:
+            values = tb.tb_frame.f_locals
+            if "i" in values and "sizes" in values:
+                return f" (micro-batch {values['i'] + 1} of {len(values['sizes'])})"
+        tb = tb.tb_next
+    return in_optimize(exc, owner)
 
 
 def in_optimize(exc: BaseException, owner: Any) -> str:

@@ -93,3 +93,26 @@ def test_the_module_is_read_from_the_traceback_with_what_it_received():
         model[1](model[0](torch.randn(4, 6)), torch.randn(5, 2))
     assert locate_in_traceback(info.value, model) == (
         "'1' (Joined)", "input[0]: float32 (4, 6) cpu; input[1]: float32 (5, 2) cpu")
+
+
+class BrokenLastMicroBatch(ToyTrainer):
+    """trainer.accumulate=3 over 40 samples in batches of 16: the partial last micro-batch
+    (8 samples) loses a feature."""
+
+    n_train = 40
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x[:, :-1] if len(x) == 8 else x), y)
+
+
+def test_an_error_under_accumulation_names_the_micro_batch(tmp_path):
+    t = BrokenLastMicroBatch(toy_config(tmp_path, batch_size=16, accumulate=3, shuffle=False,
+                                        max_steps=1))
+    with pytest.raises(UserCodeError) as info:
+        t.fit()
+    message = str(info.value)
+    assert message.startswith("training_step failed at step 1 (micro-batch 3 of 3): a shape "
+                              "mismatch in module 'backbone.0' (Linear), which received "
+                              "input[0]: float32 (8, 7) cpu"), message
+    assert "batch: batch[0]: float32 (8, 8) cpu; batch[1]: int64 (8,) cpu" in message
