@@ -71,12 +71,12 @@ class RunningTrainMetrics:
              world_size: int = 1) -> dict[str, float]:
         """Means since the last reset, `extra` values and throughput; with several ranks, means
         averaged and `totals` summed over ranks. One collective, one host read."""
-        keys = list(self.logs[0]) if self.logs else []
+        keys = list(dict.fromkeys(k for d in self.logs for k in d))  # (each step's, in order)
         names, columns = [], []
         if self.losses:
             names += ["train/loss", "train/grad_norm"] + [f"train/{k}" for k in keys]
             columns += [_mean(self.losses), _mean(self.grad_norms)]
-            columns += [_mean([d[k] for d in self.logs]) for k in keys]
+            columns += [_mean([d[k] for d in self.logs if k in d]) for k in keys]  # where reported
         names += list(extra)
         columns += [v.detach().float() for v in extra.values()]
         averaged = len(columns)

@@ -44,19 +44,27 @@ def accumulate(forward_backward: Callable[[Sequence[Any], float, bool], StepPart
     """trainer.accumulate > 1: each micro-batch through the one-micro-batch `forward_backward`
     (the Trainer's), its loss weighted by its share of the step's samples, so that the
     accumulated gradient equals the gradient of the whole batch's mean loss; only the last
-    lets DDP average the gradients. Returns the summed (mean loss, mean logs, samples)."""
+    lets DDP average the gradients. Returns the summed (mean loss, mean logs, samples); a
+    logged value that only some micro-batches report is the mean over their samples."""
     sizes = [samples_in(b, batch_size, f"micro-batch {i + 1} of {len(micro_batches)}")
              for i, b in enumerate(micro_batches)]
     total = sum(sizes)
     loss_sum: Optional[torch.Tensor] = None
     logs_sum: dict[str, torch.Tensor] = {}
+    shares: dict[str, float] = {}  # per logged key: the shares of the micro-batches reporting it
+    all_shares = 0.0
     for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
         share = size / total if size != total else 1.0
         loss, logs, _ = forward_backward((batch,), share, i == len(sizes) - 1)
         loss_sum = loss if loss_sum is None else loss_sum + loss
+        all_shares += share
         for k, v in logs.items():
             logs_sum[k] = logs_sum[k] + v if k in logs_sum else v
+            shares[k] = shares.get(k, 0.0) + share
     assert loss_sum is not None
+    for k, reported in shares.items():
+        if reported != all_shares:  # (summed in the same order: equal when all report it)
+            logs_sum[k] = logs_sum[k] / reported
     return loss_sum, logs_sum, total
 
 
