@@ -775,6 +775,30 @@ mutation("logger: {} means no loggers", LOGGERS,
          "    return {k: v for k, v in merged.items() if v is not None}\n",
          "tests/test_logging.py::test_an_empty_logger_mapping_means_no_loggers_from_python_and_the_command_line")
 
+mutation("several optimizers: a user's in-place op on an activation is not the ordering slip",
+         "saferun/loop/manual_checks.py",
+         '    if found is None or found.group(2) not in (None, "AsStrided"):',
+         "    if found is None:",
+         "tests/loop/test_optimize_errors.py::test_a_users_inplace_op_matching_a_parameters_shape_and_version_is_not_the_slip")
+mutation("torchrun: a peer failure is one that torch raised", "saferun/guards/explain_ranks.py",
+         "            and _raised_in_torch(exc))", "            )",
+         "tests/parallel/test_explain_ranks.py::test_a_users_own_error_that_reads_like_a_peer_failure_is_the_users",
+         known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
+mutation("a batch counted as 0 samples is refused", "saferun/loop/transfer.py",
+         "    if n is None or not n > 0:", "    if n is None:",
+         "tests/loop/test_batch_sizes.py::test_a_batch_the_default_cannot_count_is_refused")
+mutation("a UserDict batch is counted", "saferun/loop/transfer.py",
+         "    elif isinstance(batch, Mapping):", "    elif isinstance(batch, dict):",
+         "tests/loop/test_batch_sizes.py::test_a_userdict_batch_accumulates_and_validates_as_a_dict_does")
+mutation("an explanation under accumulation names the micro-batch", "saferun/guards/explain_optimize.py",
+         "        if tb.tb_frame.f_code is accumulate.__code__:", "        if False:",
+         "tests/guards/test_explain_paths.py::test_an_error_under_accumulation_names_the_micro_batch")
+mutation("a value some micro-batches log is the mean over theirs", "saferun/loop/steps.py",
+         "        if reported != all_shares:", "        if False:",
+         "tests/loop/test_train_logs.py::test_a_value_some_micro_batches_report_is_their_samples_mean")
+mutation("a value some steps log is logged, as their mean", "saferun/loop/metrics.py",
+         "for d in self.logs if k in d])", "for d in self.logs])",
+         "tests/loop/test_train_logs.py::test_a_value_some_steps_report_is_logged_as_their_mean")
 
 # ---------------------------------------------------------------- the runner
 
