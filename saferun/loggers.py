@@ -42,6 +42,7 @@ class TensorBoardLogger(Callback):
         self._resumed = False
         self._last_step = -1  # the latest step written, and the scalars written at it
         self._last_scalars: dict[str, float] = {}
+        self._others: list[str] = []  # other runs' event files in a shared log_dir: kept
 
     def on_fit_start(self, view: TrainerView) -> None:
         """Open the writer in `log_dir` (default: <run_dir>/tensorboard) and record the config."""
@@ -63,6 +64,13 @@ class TensorBoardLogger(Callback):
         # log_every_n_steps steps.
         log_dir = self.log_dir or os.path.join(view.run_dir, "tensorboard")
         earlier = _event_files(log_dir) if resumed else set()
+        if not resumed and _event_files(log_dir, hparams=True):  # (a run's own were set aside)
+            self._others = sorted(_event_files(log_dir, hparams=True))
+            log.warning("TensorBoard: %s already holds another run's event files (%s): "
+                        "TensorBoard will show this run's curves merged with theirs, as one "
+                        "run. Give each run its own directory (logger.tensorboard.log_dir; "
+                        "the default is <run_dir>/tensorboard) and point TensorBoard at their "
+                        "parent.", log_dir, ", ".join(self._others[:3]))
         self._writer = SummaryWriter(log_dir, flush_secs=10,
                                      purge_step=view.step if resumed else None)
         mine = _event_files(log_dir) - earlier
@@ -90,12 +98,14 @@ class TensorBoardLogger(Callback):
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._last_step, "scalars": dict(self._last_scalars)}
+        return {"step": self._last_step, "scalars": dict(self._last_scalars),
+                "others": list(self._others)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._resumed = True
         self._last_step = int(state.get("step", -1))
         self._last_scalars = dict(state.get("scalars", {}))
+        self._others = list(state.get("others", []))
         if self._writer is not None:  # a rollback mid-run: hide what came after the checkpoint
             self._writer.close()
             self._open(resumed=True)
@@ -111,7 +121,8 @@ class TensorBoardLogger(Callback):
 
         log_dir = self._writer.get_logdir()
         for earlier in glob.glob(os.path.join(glob.escape(log_dir), "*" + _HPARAMS_SUFFIX)):
-            os.remove(earlier)
+            if os.path.basename(earlier) not in self._others:  # another run's entry stays
+                os.remove(earlier)
         writer = FileWriter(log_dir, filename_suffix=_HPARAMS_SUFFIX)
         finals = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
         for summary in hparams(hparam_values(view.config), finals):
@@ -136,12 +147,12 @@ class TensorBoardLogger(Callback):
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
 
 
-def _event_files(log_dir: str) -> set[str]:
-    """The names of the scalar event files in `log_dir` (not the HParams entry's)."""
+def _event_files(log_dir: str, hparams: bool = False) -> set[str]:
+    """The names of the scalar event files in `log_dir` (and the HParams entries' too)."""
     if not os.path.isdir(log_dir):
         return set()
     return {n for n in os.listdir(log_dir)
-            if _EVENT_FILE.match(n) and not n.endswith(_HPARAMS_SUFFIX)}
+            if _EVENT_FILE.match(n) and (hparams or not n.endswith(_HPARAMS_SUFFIX))}
 
 
 def _reopen_sorted_last(writer: Any, log_dir: str, mine: set[str], latest: str, step: int) -> Any:

@@ -208,3 +208,27 @@ def test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl(tmp_p
     assert all(x["epoch"] >= 0 and x["time"] > 0 for x in lines)
     # the two agree: TensorBoard shows what metrics.jsonl holds (the values after the rollback)
     assert [v for _, v in curves["train/loss"]] == pytest.approx([x["train/loss"] for x in train])
+
+
+def test_a_shared_log_dir_keeps_the_other_runs_hparams_entry_and_says_so(tmp_path, caplog):
+    """Two runs given one logger.tensorboard.log_dir: the second one's end (and its resumed
+    end) must not delete the first one's HParams entry; its start warns of the merge."""
+    shared = tmp_path / "tb"
+
+    def cfg(name, max_steps=2, resume=None):
+        c = toy_config(tmp_path / name, max_steps=max_steps, log_every_n_steps=2)
+        c["logger"] = {"tensorboard": {"_target_": "saferun.loggers.TensorBoardLogger",
+                                       "log_dir": str(shared)}}
+        c["resume"] = resume
+        return c
+
+    ToyTrainer(cfg("a")).fit()
+    first = {p.name: p.read_bytes() for p in shared.glob("*.hparams")}
+    assert len(first) == 1
+    ToyTrainer(cfg("b")).fit()
+    assert f"TensorBoard: {shared} already holds another run's event files" in caplog.text
+    caplog.clear()
+    ToyTrainer(cfg("b", max_steps=4, resume="auto")).fit()  # b continued: replaces only its own
+    assert "already holds" not in caplog.text
+    entries = {p.name: p.read_bytes() for p in shared.glob("*.hparams")}
+    assert len(entries) == 2 and all(entries[name] == data for name, data in first.items())
