@@ -799,6 +799,10 @@ mutation("a value some micro-batches log is the mean over theirs", "saferun/loop
 mutation("a value some steps log is logged, as their mean", "saferun/loop/metrics.py",
          "for d in self.logs if k in d])", "for d in self.logs])",
          "tests/loop/test_train_logs.py::test_a_value_some_steps_report_is_logged_as_their_mean")
+mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "saferun/loggers.py",
+         "            if os.path.basename(earlier) not in self._others:  # another run's entry stays",
+         "            if True:",
+         "tests/test_logging.py::test_a_shared_log_dir_keeps_the_other_runs_hparams_entry_and_says_so")
 
 # ---------------------------------------------------------------- the runner
 
