@@ -62,12 +62,15 @@ class Schedule:
         self.optimizer, self.scheduler, self.metric = optimizer, scheduler, metric
         self._per_step = scheduler is not None and not plateau
         self._used: Optional[list[Any]] = None  # the rates of the latest step
-        self._ran = False
+        self._ran, self._found_inf = False, None
         if self._per_step:
             optimizer.register_step_post_hook(self._optimizer_ran)
 
-    def _optimizer_ran(self, *_: Any) -> None:
+    def _optimizer_ran(self, optimizer: Any, *_: Any) -> None:
         self._ran = True
+        # A fused optimizer under an enabled GradScaler is stepped even for inf gradients, with
+        # the scaler's found_inf set on it for the step, and skips the update in its kernel.
+        self._found_inf = getattr(optimizer, "found_inf", None)
 
     def after_step(self) -> None:
         """Once after every step of the loop, skipped or not: remember its rates, then step the
@@ -79,7 +82,9 @@ class Schedule:
                       for lr in (g["lr"] for g in self.optimizer.param_groups)]
         if self._ran:
             self._ran = False
-            self.scheduler.step()
+            found, self._found_inf = self._found_inf, None
+            if found is None or not found.item():  # (a host read: fused + GradScaler only)
+                self.scheduler.step()
 
     def after_validation(self, metrics: Mapping[str, float]) -> None:
         """Step a metric-driven scheduler with the validation metric it watches."""

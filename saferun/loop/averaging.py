@@ -46,8 +46,13 @@ class WeightAverage:
         self._ema_copied, self._raw_copied = [e for e, _ in copied], [r for _, r in copied]
         self.hook = optimizer.register_step_post_hook(self._update)
 
-    def _update(self, *_: Any) -> None:
-        """After an optimizer step: a few device ops, no host read."""
+    def _update(self, optimizer: Any, *_: Any) -> None:
+        """After an optimizer step: a few device ops, no host read (but one for a fused
+        optimizer under an enabled GradScaler, stepped with found_inf: it may have dropped
+        the update inside its kernel)."""
+        found = getattr(optimizer, "found_inf", None)
+        if found is not None and found.item():
+            return
         with torch.no_grad():
             self._avg(self._ema, self._raw, None)
             if self._ema_copied:

@@ -102,3 +102,21 @@ def test_no_host_sync_per_step(tmp_path):
 def test_decay_out_of_range_is_refused(tmp_path, decay):
     with pytest.raises(ConfigError, match="trainer.ema.decay"):
         ToyTrainer(toy_config(tmp_path, ema={"decay": decay}))
+
+
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scaler passes found_inf to step
+def test_a_step_the_grad_scaler_drops_does_not_move_the_average(tmp_path, fused):
+    from test_precision import OverflowsAt, with_cpu_scaler
+
+    cfg = ema_config(tmp_path, max_grad_norm=None)
+    cfg["trainer"]["max_steps"], cfg["optim"]["fused"] = 6, fused
+    cfg["guards"] = {"nonfinite": "off"}  # as in fp16: the scaler's inf check is the guard
+    trainer = OverflowsAt(cfg)  # step 3: inf gradients, the update dropped
+    recorder = WeightsAfterEachStep(trainer)
+    trainer._user_callbacks.append(recorder)
+    with_cpu_scaler(trainer).fit()
+    assert trainer._scaler.get_scale() == 2.0**9  # the scaler saw the overflow
+    # the weights after steps 2 and 3 are the same: the average takes them once
+    assert all(torch.equal(recorder.states[1][k], recorder.states[2][k])
+               for k in recorder.states[1] if k.endswith("weight"))
+    assert int(trainer._ema.averaged.n_averaged) == 5

@@ -5,6 +5,7 @@ the inf check, step, update) is the same on every device and torch 2.13 runs an 
 on the CPU. These tests give the loop an enabled CPU GradScaler; tests/cuda runs real fp16.
 """
 
+import pytest
 import torch
 
 import saferun
@@ -73,8 +74,10 @@ class LoggedRates(saferun.Callback):
         self.logged.append((view.step, metrics["train/lr"]))
 
 
-def test_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scaler passes found_inf to step
+def test_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path, fused):
     cfg = toy_config(tmp_path, max_steps=6, log_every_n_steps=1)
+    cfg["optim"]["fused"] = fused
     cfg["sched"] = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.5}
     cfg["guards"] = {"nonfinite": "off"}  # as in fp16: the scaler's inf check is the guard
     rates = LoggedRates()
