@@ -803,6 +803,12 @@ mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "sa
          "            if os.path.basename(earlier) not in self._others:  # another run's entry stays",
          "            if True:",
          "tests/test_logging.py::test_a_shared_log_dir_keeps_the_other_runs_hparams_entry_and_says_so")
+mutation("a fused optimizer's step the GradScaler dropped leaves the schedule", "saferun/schedules.py",
+         "            if found is None or not found.item():", "            if True:",
+         "tests/loop/test_precision.py::test_steps_the_grad_scaler_skips_do_not_advance_the_schedule")
+mutation("a fused optimizer's step the GradScaler dropped leaves the average", "saferun/loop/averaging.py",
+         "        if found is not None and found.item():\n            return\n", "",
+         "tests/loop/test_averaging.py::test_a_step_the_grad_scaler_drops_does_not_move_the_average")
 
 # ---------------------------------------------------------------- the runner
 
