@@ -754,6 +754,9 @@ mutation("the weight average is resumed from the checkpoint", CKPTR,
          '            o._ema.load_state_dict(state.get("ema"))\n        loop = state["loop"]',
          '            o._ema.load_state_dict(None)\n        loop = state["loop"]',
          f"{RESUME}::test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights")
+mutation("under torchrun the ranks agree on the logged keys", "saferun/loop/metrics.py",
+         "            keys = distributed.union(keys)\n", "            pass\n",
+         "tests/parallel/test_rank_guarantees.py::test_logged_metrics_are_averaged_over_ranks")
 mutation("a resumed TensorBoard file sorts after the earlier ones", LOGGERS,
          "        if earlier and mine and min(mine) < max(earlier):\n",
          "        if False:\n",

@@ -72,15 +72,26 @@ class RunningTrainMetrics:
         """Means since the last reset, `extra` values and throughput; with several ranks, means
         averaged and `totals` summed over ranks. One collective, one host read."""
         keys = list(dict.fromkeys(k for d in self.logs for k in d))  # (each step's, in order)
+        ranked = world_size > 1
+        if ranked:  # a rank may not have logged a key: every rank reduces the same columns
+            keys = distributed.union(keys)
         names, columns = [], []
+        sums = dict(totals)
         if self.losses:
-            names += ["train/loss", "train/grad_norm"] + [f"train/{k}" for k in keys]
+            names += ["train/loss", "train/grad_norm"]
             columns += [_mean(self.losses), _mean(self.grad_norms)]
-            columns += [_mean([d[k] for d in self.logs if k in d]) for k in keys]  # where reported
+            reported = {k: [d[k].float() for d in self.logs if k in d] for k in keys}
+            if not ranked:  # the mean over the steps that reported it
+                names += [f"train/{k}" for k in keys]
+                columns += [torch.stack(reported[k]).mean() for k in keys]
+            else:  # its sum and count on every rank: the mean over the steps of all ranks
+                zero = torch.zeros((), device=columns[0].device)
+                for k in keys:
+                    sums[f"train/{k}"] = torch.stack(reported[k]).sum() if reported[k] else zero
+                    sums[f"count/{k}"] = torch.full((), float(len(reported[k])), device=zero.device)
         names += list(extra)
         columns += [v.detach().float() for v in extra.values()]
         averaged = len(columns)
-        sums = dict(totals)
         if self.spikes:
             sums["train/spikes"] = torch.stack(self.spikes).float().sum()
         if world_size > 1 and columns:  # samples from every rank, made on the device: no copy
@@ -94,6 +105,9 @@ class RunningTrainMetrics:
             values = stacked.tolist()
         seconds = max(time.perf_counter() - self.started, 1e-9)
         metrics = dict(zip(names, values))
+        for k in keys if ranked and self.losses else ():
+            count = metrics.pop(f"count/{k}")
+            metrics[f"train/{k}"] /= count  # > 0: some rank reported it
         samples = metrics.pop("samples", float(self.samples))
         metrics["perf/steps_per_sec"] = self.steps / seconds
         metrics["perf/samples_per_sec"] = samples / seconds

@@ -91,7 +91,9 @@ class RankJob(saferun.Trainer):
                            "ids": ids.int().tolist(), "allreduces": ALLREDUCES[0],
                            "draw": torch.rand(()).item()})
         loss = (self.model(x) - ids / N_TRAIN).pow(2).mean()
-        return {"loss": loss, "rank": torch.tensor(float(self.ranks.rank))}
+        rank = self.ranks.rank  # and a value only this rank logs (a rank-dependent branch)
+        return {"loss": loss, "rank": torch.tensor(float(rank)),
+                f"only_rank{rank}": torch.tensor(10.0 + rank)}
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         _, ids = batch

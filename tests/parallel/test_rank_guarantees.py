@@ -48,6 +48,8 @@ def test_logged_metrics_are_averaged_over_ranks(launched):
     _, (r0, r1) = launched
     assert r0["logs"] == r1["logs"] and r0["vals"] == r1["vals"]  # every rank sees the same
     assert [m["train/rank"] for m in r0["logs"]] == [0.5, 0.5]  # (0 + 1) / 2 at steps 2 and 4
+    # a key one rank logs is its mean there, on every rank: not mixed with the other's column
+    assert [(m["train/only_rank0"], m["train/only_rank1"]) for m in r0["logs"]] == [(10, 11)] * 2
     assert all(m["train/loss"] > 0 for m in r0["logs"])
 
 
