@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from typing import Any, Mapping, Optional
@@ -73,7 +74,9 @@ class TensorBoardLogger(Callback):
                         "parent.", log_dir, ", ".join(self._others[:3]))
         self._writer = SummaryWriter(log_dir, flush_secs=10,
                                      purge_step=view.step if resumed else None)
-        mine = _event_files(log_dir) - earlier
+        # this process's new file (another run sharing log_dir may add its own meanwhile)
+        mine = {n for n in _event_files(log_dir) - earlier
+                if f".{socket.gethostname()}.{os.getpid()}." in n}
         if earlier and mine and min(mine) < max(earlier):
             self._writer = _reopen_sorted_last(self._writer, log_dir, mine, max(earlier), view.step)
         if resumed and self._last_step == view.step:
