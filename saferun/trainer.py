@@ -40,7 +40,7 @@ from .loop.manual import optimize, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
-from .loop.transfer import batch_size_of, move_to_device
+from .loop.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.steps import (accumulate, clip_or_measure, explained, loss_and_logs, resolve_device,
@@ -302,6 +302,8 @@ class Trainer:
         if len(micro_batches) != 1:
             return accumulate(self._forward_backward, micro_batches, self.batch_size)
         samples = self.batch_size(micro_batches[0])
+        if not samples or samples < 0:  # (the message: samples_in; no call on the happy path)
+            samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
         with self._strategy.micro_batch(last):
             with self._autocast():

@@ -800,7 +800,7 @@ mutation("a value some micro-batches log is the mean over theirs", "saferun/loop
          "        if reported != all_shares:", "        if False:",
          "tests/loop/test_train_logs.py::test_a_value_some_micro_batches_report_is_their_samples_mean")
 mutation("a value some steps log is logged, as their mean", "saferun/loop/metrics.py",
-         "for d in self.logs if k in d])", "for d in self.logs])",
+         "for d in self.logs if k in d] for k in keys}", "for d in self.logs] for k in keys}",
          "tests/loop/test_train_logs.py::test_a_value_some_steps_report_is_logged_as_their_mean")
 mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "saferun/loggers.py",
          "            if os.path.basename(earlier) not in self._others:  # another run's entry stays",

@@ -36,7 +36,7 @@ from .metrics import scalar_dict
 from .optimizers import build_named
 from ..schedules import Schedule
 from .steps import check_optimizer_params, clip_or_measure, short
-from .transfer import move_to_device
+from .transfer import move_to_device, samples_in
 
 log = logging.getLogger("saferun")
 
@@ -84,7 +84,7 @@ class ManualSteps:
         if tr._guard.snapshot is not None:
             tr._guard.snapshot.take()  # skip policy: the buffers as before this step
         batch = micro_batches[0]
-        samples = tr.batch_size(batch)
+        samples = samples_in(batch, tr.batch_size, f"step {tr.state.step + 1}")
         batch = move_to_device(batch, tr.device, tr._non_blocking)
         self._done, self._skipped = {}, []
         try:

@@ -133,7 +133,8 @@ def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:
         raise SaferunError(
             f"{where}: Trainer.batch_size(batch) returned {n!r} for a batch of type "
             f"{type(batch).__name__}; it must be the positive number of samples, by which saferun "
-            f"weighs {'each micro-batch' if 'micro' in where else 'each batch'}. The default "
+            f"weighs {'each micro-batch' if 'micro' in where else 'each batch'} and counts the "
+            f"samples seen (samples_seen, perf/samples_per_sec). The default "
             f"counts the first dimension of the first tensor in a tensor, tuple, list, dict or "
             f"dataclass batch; for another batch type, override batch_size(batch) in your "
             f"Trainer.")

@@ -68,9 +68,20 @@ def test_a_userdict_batch_accumulates_and_validates_as_a_dict_does(tmp_path):
 
 
 @pytest.mark.parametrize("accumulate, where", [(3, "micro-batch 1 of 3"),
-                                               (1, "validation batch 1")])
+                                               (1, "step 1")])  # (samples_seen would be 0)
 def test_a_batch_the_default_cannot_count_is_refused(tmp_path, accumulate, where):
     with pytest.raises(SaferunError, match=f"{where}: Trainer.batch_size\\(batch\\) returned 0 "
                        f"for a batch of type Record") as e:
         run(tmp_path, "record", accumulate)
     assert "override batch_size(batch)" in str(e.value)
+
+
+def test_validation_batches_the_default_cannot_count_are_refused(tmp_path):
+    class Counted(Batches):  # training counts its batches; validation's are Records
+        def batch_size(self, batch):
+            return 16 if self.model.training else super().batch_size(batch)
+
+    t = Counted(toy_config(tmp_path, batch_size=16, max_steps=1, shuffle=False))
+    t.kind = "record"
+    with pytest.raises(SaferunError, match="validation batch 1: Trainer.batch_size"):
+        t.fit()
