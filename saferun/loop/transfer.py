@@ -130,6 +130,7 @@ def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:
     sum the micro-batches' losses or drop the validation metrics."""
     n = batch_size(batch)
     if n is None or not n > 0:
+        move_to_device(batch, torch.device("cpu"), False)  # a batch it cannot move says why
         raise SaferunError(
             f"{where}: Trainer.batch_size(batch) returned {n!r} for a batch of type "
             f"{type(batch).__name__}; it must be the positive number of samples, by which saferun "

@@ -52,7 +52,8 @@ class NumpyDataset(Dataset):
         return {"x": np.ones(8, dtype=np.float32), "y": 0}
 
 
-def test_batch_that_cannot_be_moved(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])  # (a batch it cannot move: nor count)
+def test_batch_that_cannot_be_moved(tmp_path, accumulate):
     class Numpy(ToyTrainer):
         def build_datasets(self):
             return NumpyDataset(), None
@@ -62,7 +63,7 @@ def test_batch_that_cannot_be_moved(tmp_path):
             return torch.utils.data.DataLoader(train, batch_size=8, collate_fn=lambda b: b), None
 
     with pytest.raises(saferun.SaferunError, match=r"batch\[0\]\['x'\] is a numpy.ndarray"):
-        fit(Numpy, tmp_path)
+        fit(Numpy, tmp_path, accumulate=accumulate)
 
 
 def test_validation_metric_that_is_not_scalar(tmp_path):
