@@ -302,8 +302,8 @@ class Trainer:
         if len(micro_batches) != 1:
             return accumulate(self._forward_backward, micro_batches, self.batch_size)
         samples = self.batch_size(micro_batches[0])
-        if not samples or samples < 0:  # (the message: samples_in; no call on the happy path)
-            samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
+        if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
+            samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
         with self._strategy.micro_batch(last):
             with self._autocast():

@@ -127,9 +127,12 @@ def batch_size_of(batch: Any) -> int:
 def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:
     """`batch_size(batch)` (the Trainer's hook), refused unless positive: `where`'s weights
     (accumulated losses, validation means) are shares of the samples, and 0 would silently
-    sum the micro-batches' losses or drop the validation metrics."""
+    sum the micro-batches' losses or drop the validation metrics. A whole number of another
+    type (a NumPy integer, a 0-dim tensor) is returned as an int: kept as is, it reached the
+    checkpoint's samples_seen, which a safe load refuses."""
     n = batch_size(batch)
-    if n is None or not n > 0:
+    count = _whole(n)
+    if count is None or not count > 0:
         move_to_device(batch, torch.device("cpu"), False)  # a batch it cannot move says why
         raise SaferunError(
             f"{where}: Trainer.batch_size(batch) returned {n!r} for a batch of type "
@@ -139,4 +142,16 @@ def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:
             f"counts the first dimension of the first tensor in a tensor, tuple, list, dict or "
             f"dataclass batch; for another batch type, override batch_size(batch) in your "
             f"Trainer.")
-    return n
+    return count
+
+
+def _whole(n: Any) -> Any:
+    """`n` as an int if it is a whole number (an int, a NumPy integer, an integral float or a
+    one-element tensor; not a bool), else None."""
+    if isinstance(n, bool) or isinstance(n, torch.Tensor) and n.numel() != 1:
+        return None
+    try:
+        whole = int(n)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return whole if whole == n else None

@@ -5,6 +5,7 @@ gradient `accumulate` times too large, and dropped the validation metrics, silen
 
 import collections
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,4 +85,36 @@ def test_validation_batches_the_default_cannot_count_are_refused(tmp_path):
     t = Counted(toy_config(tmp_path, batch_size=16, max_steps=1, shuffle=False))
     t.kind = "record"
     with pytest.raises(SaferunError, match="validation batch 1: Trainer.batch_size"):
+        t.fit()
+
+
+def _counted_as(whole):
+    class Counted(ToyTrainer):
+        def batch_size(self, batch):
+            return whole(batch[0].shape[0])
+    return Counted
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("whole", [np.int64, torch.tensor, float], ids=["numpy", "tensor", "float"])
+def test_a_whole_number_of_another_type_counts_as_that_int(tmp_path, whole, accumulate):
+    # A NumPy integer reached samples_seen and the first checkpoint refused it (blaming the
+    # checkpoint state); a 0-dim tensor, made under inference mode, was shared by every
+    # validation key's count and added to in place: val/loss and val/acc silently too small.
+    def run(trainer, name):
+        t = trainer(toy_config(tmp_path / name, batch_size=24, accumulate=accumulate, max_steps=2,
+                               shuffle=False))  # validation batches of 24, 24 and 16
+        return t, {k: v for k, v in t.fit().items() if not k.startswith("perf/")}
+    want_t, want = run(ToyTrainer, "int")
+    got_t, got = run(_counted_as(whole), "other")
+    assert got == want and "val/acc" in want
+    for k, v in weights(want_t).items():
+        assert torch.equal(weights(got_t)[k], v), k
+    assert type(got_t.state.samples_seen) is int and got_t.state.samples_seen == 48 * accumulate
+
+
+@pytest.mark.parametrize("value", [2.5, True, torch.ones(2)], ids=["fraction", "bool", "vector"])
+def test_a_count_that_is_not_a_whole_number_is_refused(tmp_path, value):
+    t = _counted_as(lambda n: value)(toy_config(tmp_path, batch_size=24, max_steps=1))
+    with pytest.raises(SaferunError, match="step 1: Trainer.batch_size\\(batch\\) returned"):
         t.fit()
