@@ -29,7 +29,7 @@ from . import rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights)
-from .superseded import FRESH, set_aside_newer, start_fresh
+from .superseded import FRESH, evaluated_weights, set_aside_newer, start_fresh
 
 log = logging.getLogger("saferun")
 
@@ -249,12 +249,9 @@ class Checkpointer:
         self.pending_resume, self.untrained_auto = None, False
 
     def check_evaluated_weights(self, entry: str) -> None:
-        if self.untrained_auto:
-            raise SaferunError(
-                f"{entry}(): resume=auto found no checkpoint in {self._owner.state.run_dir}, so it "
-                f"would evaluate the untrained initial weights. Set resume to the run directory or "
-                f"checkpoint to evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the "
-                f"initial weights on purpose.")
+        o = self._owner
+        evaluated_weights(entry, o.state.run_dir, o.cfg.resume, self.untrained_auto,
+                          self.pending_resume is None and o.state.step == 0 and o.ranks.is_main)
 
     def load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
         try:

@@ -120,6 +120,25 @@ def _clear(path: Path, resume: Optional[str]) -> None:
                     ", ".join(p.name for p in earlier), aside)
 
 
+def evaluated_weights(entry: str, run_dir: str, resume: Optional[str], untrained_auto: bool,
+                      unresumed: bool) -> None:
+    """validate()/predict() (`entry`) alone: refuse resume=auto that found nothing; with
+    `resume` unset (`unresumed`: step 0, nothing loaded) over a run's checkpoints, say that
+    the model as built is evaluated, not them (a fresh start there is refused)."""
+    if untrained_auto:
+        raise SaferunError(
+            f"{entry}(): resume=auto found no checkpoint in {run_dir}, so it would evaluate the "
+            f"untrained initial weights. Set resume to the run directory or checkpoint to "
+            f"evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the initial weights "
+            f"on purpose.")
+    found = list_checkpoints(Path(run_dir) / "checkpoints") if unresumed and resume is None else []
+    if found:
+        log.warning("%s(): resume is unset, so this evaluates the model as built (its initial "
+                    "weights, unless you loaded others), not the checkpoints in %s (the latest: "
+                    "step %d). To evaluate those, set resume=auto.", entry, run_dir,
+                    step_of(found[-1]))
+
+
 _log_starts: dict[str, int] = {}  # a log file's size when this run began to append to it
 
 

@@ -164,3 +164,25 @@ def test_this_runs_first_log_lines_stay_with_it_when_an_earlier_text_log_is_set_
     assert (aside / "saferun.log").read_text() == "[a line of the earlier attempt]\n"
     log = (run_dir / "saferun.log").read_text()  # setup's line, logged before the move, too
     assert log.index("resume=auto: no checkpoint") < log.index(f"moved to {aside}")
+
+
+@pytest.mark.parametrize("entry", ["validate", "predict"])
+def test_evaluating_alone_over_a_runs_checkpoints_with_resume_unset_says_what_it_evaluates(
+        tmp_path, caplog, entry):
+    trained = ToyTrainer(config(tmp_path, max_steps=2))
+    trained.fit()
+
+    def evaluate(resume):
+        t = ToyTrainer(config(tmp_path, resume=resume, max_steps=2))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="saferun"):
+            out = t.validate() if entry == "validate" else t.predict(torch.randn(4, 8))
+        return t, out, caplog.text
+
+    t, _, said = evaluate(None)  # the model as built, silently before: now said, with the fix
+    assert f"{entry}(): resume is unset" in said and "(the latest: step 2)" in said
+    assert "resume=auto" in said
+    assert not torch.equal(t.model.head.weight, trained.model.head.weight)
+    t, _, said = evaluate("auto")  # the checkpoint's weights: nothing to say
+    assert "resume is unset" not in said
+    assert torch.equal(t.model.head.weight, trained.model.head.weight)
