@@ -134,9 +134,15 @@ def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:
     count = _whole(n)
     if count is None or not count > 0:
         move_to_device(batch, torch.device("cpu"), False)  # a batch it cannot move says why
+        empty: list[str] = []  # tensors of 0 rows: an empty batch, not one saferun cannot count
+        _map_tensors(batch, lambda t, path: empty.append(path) if t.dim() and not len(t) else t,
+                     lambda obj, path: obj, "batch")
         raise SaferunError(
             f"{where}: Trainer.batch_size(batch) returned {n!r} for a batch of type "
-            f"{type(batch).__name__}; it must be the positive number of samples, by which saferun "
+            f"{type(batch).__name__}" + (
+                f", which holds no samples ({', '.join(empty[:3])} of 0 rows: a collate_fn or "
+                f"sampler that dropped every sample? Give each batch at least one)"
+                if count == 0 and empty else "") + f"; it must be the positive number of samples, by which saferun "
             f"weighs {'each micro-batch' if 'micro' in where else 'each batch'} and counts the "
             f"samples seen (samples_seen, perf/samples_per_sec). The default "
             f"counts the first dimension of the first tensor in a tensor, tuple, list, dict or "

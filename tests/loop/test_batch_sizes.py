@@ -118,3 +118,17 @@ def test_a_count_that_is_not_a_whole_number_is_refused(tmp_path, value):
     t = _counted_as(lambda n: value)(toy_config(tmp_path, batch_size=24, max_steps=1))
     with pytest.raises(SaferunError, match="step 1: Trainer.batch_size\\(batch\\) returned"):
         t.fit()
+
+
+def test_an_empty_batch_is_refused_as_empty(tmp_path):
+    # (before: the advice to override batch_size for a batch type it could not count)
+    class Filtered(ToyTrainer):  # a collate_fn that drops every sample of the second batch
+        def build_collate_fn(self):
+            def collate(samples):
+                x, y = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+                return (x[:0], y[:0]) if self.state.step == 1 and self.model.training else (x, y)
+            return collate
+
+    with pytest.raises(SaferunError, match=r"step 2: .* returned 0 for a batch of type tuple, which "
+                       r"holds no samples \(batch\[0\], batch\[1\] of 0 rows"):
+        Filtered(toy_config(tmp_path, batch_size=8, max_steps=3)).fit()
