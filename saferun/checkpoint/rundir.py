@@ -152,6 +152,12 @@ def write_config(run_dir: str, config: Mapping[str, Any]) -> None:
 _with_config: Optional[tuple[str, Callable[[], None]]] = None
 
 
+def writes_hydra_dir(run_dir: str) -> bool:
+    """Whether this run writes `run_dir`'s .hydra/ once accepted (`when_accepted`): one there
+    now is an earlier run's."""
+    return _with_config is not None and Path(_with_config[0]) == Path(run_dir)
+
+
 def when_accepted(run_dir: str, write: Callable[[], None]) -> None:
     """Call `write` when the run in `run_dir` is accepted, with its config.yaml: the command
     line writes Hydra's .hydra/ files so, and a refused run leaves them as they were."""

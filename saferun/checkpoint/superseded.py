@@ -21,13 +21,15 @@ from typing import Optional, Sequence
 
 from ..errors import SaferunError
 from ..parallel import distributed
+from . import rundir
 from .store import list_checkpoints, step_of
 
 log = logging.getLogger("saferun")
 
 FRESH = "fresh"  # resume=fresh: start over here, the earlier run's files moved aside
 # What a run writes in its run directory (saferun.log: the command line's text log, Hydra's
-# job log). Not .hydra/: the command line rewrites it once this run is accepted.
+# job log). .hydra/ too where the command line writes it once this run is accepted (not if
+# Hydra wrote it before the job, hydra.output_subdir set by the user: then it is this run's).
 RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "saferun.log", "config.yaml",
              "summary.json", "model.pt", "model_ema.pt")
 
@@ -108,7 +110,8 @@ def _clear(path: Path, resume: Optional[str]) -> None:
             f"moved into {path}/superseded-<time>/ (nothing is deleted). Or use another run "
             f"directory (hydra.run.dir=... on the command line, trainer.run_dir in Python).")
     # (a log file this process opened empty, Hydra's saferun.log in a new directory, is this run's)
-    earlier = [p for p in (path / name for name in RUN_FILES)
+    names = RUN_FILES + ((".hydra",) if rundir.writes_hydra_dir(str(path)) else ())
+    earlier = [p for p in (path / name for name in names)
                if p.exists() and _log_starts.get(str(p.absolute())) != 0]
     aside = move_aside(path, earlier)
     if aside is not None:

@@ -219,6 +219,8 @@ def earlier_run(run_dir):
     cfg["logger"] = {"jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
     ToyTrainer(cfg).fit()
     (run_dir / "saferun.log").write_text("[a line of the earlier run]\n")
+    (run_dir / ".hydra").mkdir()  # as the command line writes it: the earlier run's overrides
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- seed=1\n")
     return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in run_dir.rglob("*")
             if p.is_file() and p.name != ".saferun.lock"}
 
@@ -233,6 +235,7 @@ def test_resume_fresh_sets_the_earlier_run_and_its_text_log_aside_and_logger_jso
             if p.is_file()} == earlier  # nothing of this run was written into them
     log = (run_dir / "saferun.log").read_text()
     assert "resume=fresh" in log and aside.name in log and "[a line of the earlier run]" not in log
+    assert "resume=fresh" in (run_dir / ".hydra" / "overrides.yaml").read_text()  # this run's
     # logger.jsonl=null: the default loggers less metrics.jsonl
     assert not (run_dir / "metrics.jsonl").exists() and (run_dir / "tensorboard").is_dir()
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 2
