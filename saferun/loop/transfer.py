@@ -103,25 +103,32 @@ def _map_tensors(obj: Any, tensor: Callable[[torch.Tensor, str], Any],
 
 
 def batch_size_of(batch: Any) -> int:
-    """The size of the first dimension of the first tensor found in `batch` (0 if none)."""
+    """The size of the first dimension of the first tensor in `batch` that has one (a 0-dim
+    tensor, such as a per-batch weight beside the inputs, is not a count of samples); 1 for a
+    batch of 0-dim tensors only, 0 if it holds no tensor."""
+    n = _rows(batch)
+    return n if n >= 0 else 1
+
+
+def _rows(batch: Any) -> int:
+    """`batch_size_of`, but -1 where only 0-dim tensors were found."""
     if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() > 0 else 1
+        return batch.shape[0] if batch.dim() > 0 else -1
     if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = batch_size_of(item)
-            if n:
-                return n
+        items: Any = batch
     elif isinstance(batch, Mapping):  # a dict, or a UserDict (transformers' BatchEncoding)
-        for item in batch.values():
-            n = batch_size_of(item)
-            if n:
-                return n
+        items = batch.values()
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            n = batch_size_of(getattr(batch, f.name))
-            if n:
-                return n
-    return 0
+        items = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    else:
+        return 0
+    scalars = 0
+    for item in items:
+        n = _rows(item)
+        if n > 0:
+            return n
+        scalars = scalars or n
+    return scalars
 
 
 def samples_in(batch: Any, batch_size: Callable[[Any], int], where: str) -> int:

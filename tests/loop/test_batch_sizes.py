@@ -31,7 +31,8 @@ class Record:
         return Record(self.x.to(device), self.y.to(device))
 
 
-KINDS = {"dict": dict, "userdict": Encoding, "record": lambda d: Record(d["x"], d["y"])}
+KINDS = {"dict": dict, "userdict": Encoding, "record": lambda d: Record(d["x"], d["y"]),
+         "weighted": lambda d: {"weight": torch.tensor(1.0), **d}}  # a 0-dim tensor first
 
 
 class Batches(ToyTrainer):
@@ -59,9 +60,12 @@ def run(tmp_path, kind, accumulate=3):
     return t, t.fit()
 
 
-def test_a_userdict_batch_accumulates_and_validates_as_a_dict_does(tmp_path):
+@pytest.mark.parametrize("kind", ["userdict", "weighted"])
+def test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does(tmp_path, kind):
+    # (weighted: the 0-dim tensor was counted as 1 sample, so the micro-batches 16, 16 and 8
+    # weighed alike and the validation batches 16 and 4 too: silently other weights)
     want_t, want = run(tmp_path, "dict")
-    got_t, got = run(tmp_path, "userdict")
+    got_t, got = run(tmp_path, kind)
     assert got["train/loss"] == want["train/loss"] and got["val/loss"] == want["val/loss"]
     for k, v in weights(want_t).items():  # the whole state: parameters and buffers
         assert torch.equal(weights(got_t)[k], v), k
@@ -132,3 +136,10 @@ def test_an_empty_batch_is_refused_as_empty(tmp_path):
     with pytest.raises(SaferunError, match=r"step 2: .* returned 0 for a batch of type tuple, which "
                        r"holds no samples \(batch\[0\], batch\[1\] of 0 rows"):
         Filtered(toy_config(tmp_path, batch_size=8, max_steps=3)).fit()
+
+
+def test_the_default_count_of_a_batch_of_0_dim_tensors_is_one():
+    from saferun.loop.transfer import batch_size_of
+    assert batch_size_of((torch.tensor(3.0), torch.tensor(1))) == 1
+    assert batch_size_of({"w": torch.tensor(2.0), "x": [torch.zeros(0, 2), torch.zeros(5, 2)]}) == 5
+    assert batch_size_of({"ids": [1, 2]}) == 0
