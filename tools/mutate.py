@@ -788,11 +788,32 @@ mutation("torchrun: a peer failure is one that torch raised", "saferun/guards/ex
          "tests/parallel/test_explain_ranks.py::test_a_users_own_error_that_reads_like_a_peer_failure_is_the_users",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
 mutation("a batch counted as 0 samples is refused", "saferun/loop/transfer.py",
-         "    if n is None or not n > 0:", "    if n is None:",
+         "    if count is None or not count > 0:", "    if count is None:",
          "tests/loop/test_batch_sizes.py::test_a_batch_the_default_cannot_count_is_refused")
 mutation("a UserDict batch is counted", "saferun/loop/transfer.py",
          "    elif isinstance(batch, Mapping):", "    elif isinstance(batch, dict):",
-         "tests/loop/test_batch_sizes.py::test_a_userdict_batch_accumulates_and_validates_as_a_dict_does")
+         "tests/loop/test_batch_sizes.py::test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does")
+mutation("a batch size of another whole-number type is counted as an int", "saferun/loop/transfer.py",
+         "    return whole if whole == n else None", "    return n if whole == n else None",
+         "tests/loop/test_batch_sizes.py::test_a_whole_number_of_another_type_counts_as_that_int")
+mutation("a batch size that is not a whole number is refused", "saferun/loop/transfer.py",
+         "    return whole if whole == n else None", "    return whole",
+         "tests/loop/test_batch_sizes.py::test_a_count_that_is_not_a_whole_number_is_refused")
+mutation("the one-micro-batch step counts the batch size as an int", "saferun/trainer.py",
+         "            samples = samples_in(micro_batches[0]", "            samples_in(micro_batches[0]",
+         "tests/loop/test_batch_sizes.py::test_a_whole_number_of_another_type_counts_as_that_int")
+mutation("a 0-dim tensor is not a batch's count", "saferun/loop/transfer.py",
+         "        return batch.shape[0] if batch.dim() > 0 else -1", "        return batch.shape[0] if batch.dim() > 0 else 1",
+         "tests/loop/test_batch_sizes.py::test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does")
+mutation("an empty batch is refused as empty", "saferun/loop/transfer.py",
+         "                if count == 0 and empty else", "                if False else",
+         "tests/loop/test_batch_sizes.py::test_an_empty_batch_is_refused_as_empty")
+mutation("validate()/predict() with resume unset over checkpoints say what they evaluate",
+         "saferun/checkpoint/superseded.py", "    if found:\n        log.warning", "    if False:\n        log.warning",
+         "tests/checkpoint/test_fresh_start.py::test_evaluating_alone_over_a_runs_checkpoints_with_resume_unset_says_what_it_evaluates")
+mutation("resume=fresh moves the earlier run's .hydra/ aside", "saferun/checkpoint/superseded.py",
+         "if rundir.writes_hydra_dir(str(path))", "if False",
+         "tests/cli/test_cli.py::test_resume_fresh_sets_the_earlier_run_and_its_text_log_aside_and_logger_jsonl_null_drops_one")
 mutation("an explanation under accumulation names the micro-batch", "saferun/guards/explain_optimize.py",
          "        if tb.tb_frame.f_code is accumulate.__code__:", "        if False:",
          "tests/guards/test_explain_paths.py::test_an_error_under_accumulation_names_the_micro_batch")
