@@ -251,7 +251,8 @@ def test_a_fresh_start_over_another_runs_checkpoints_is_refused_from_the_command
     now = {p.relative_to(tmp_path / "exp").as_posix(): p.read_bytes()
            for p in (tmp_path / "exp").rglob("*") if p.is_file()}
     assert {k: v for k, v in now.items() if k != ".saferun.lock"} == earlier
-    assert not (tmp_path / "exp" / ".hydra").exists()  # written only once a run is accepted
+    # (.hydra/ is written only once a run is accepted: the earlier run's is unchanged above)
+    assert (tmp_path / "exp" / ".hydra" / "overrides.yaml").read_text() == "- seed=1\n"
     # logger=jsonl then logger.jsonl=null: the composed set is whole, so no logger at all
     saferun("run", *FAST, "hydra.run.dir=other", "logger=jsonl", "logger.jsonl=null", cwd=tmp_path)
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
