@@ -83,7 +83,7 @@ def start_fresh(run_dir: str, resume: Optional[str], main: bool) -> None:
     """This run starts from step 0 in `run_dir`: refuse it over another run's checkpoints
     unless `resume` is `fresh`; move an earlier run's files aside. Rank 0 decides and moves
     (under the run directory's lock); every rank gets the verdict before any writes."""
-    error = None
+    error, cause = None, None
     if main:
         try:
             _clear(Path(run_dir), resume)
@@ -93,9 +93,11 @@ def start_fresh(run_dir: str, resume: Optional[str], main: bool) -> None:
             error = (f"could not move the earlier run's files in {run_dir} aside "
                      f"({e.strerror or e}): nothing of this run was written. Fix the "
                      f"permissions or use another run directory.")
+        except Exception as e:  # anything else: every rank still gets the verdict, none waits
+            error, cause = f"checking the run directory {run_dir} failed: {type(e).__name__}: {e}", e
     error = distributed.broadcast(error)
     if error is not None:
-        raise SaferunError(error)
+        raise SaferunError(error) from cause
 
 
 def _clear(path: Path, resume: Optional[str]) -> None:

@@ -186,3 +186,18 @@ def test_evaluating_alone_over_a_runs_checkpoints_with_resume_unset_says_what_it
     t, _, said = evaluate("auto")  # the checkpoint's weights: nothing to say
     assert "resume is unset" not in said
     assert torch.equal(t.model.head.weight, trained.model.head.weight)
+
+
+def test_an_unexpected_failure_while_clearing_is_the_verdict_every_rank_gets(tmp_path, monkeypatch):
+    # rank 0 broadcasts whatever stopped it (under torchrun the other ranks raise the same
+    # error instead of waiting for a verdict that never comes); here, one process
+    from saferun.checkpoint import superseded
+
+    def broken(path, resume):
+        raise KeyError("planted")
+
+    monkeypatch.setattr(superseded, "_clear", broken)
+    with pytest.raises(saferun.SaferunError, match="checking the run directory .* failed: KeyError") as e:
+        superseded.start_fresh(str(tmp_path), None, main=True)
+    assert isinstance(e.value.__cause__, KeyError)
+    superseded.start_fresh(str(tmp_path), None, main=False)  # a rank that only listens: verdict None
