@@ -295,15 +295,17 @@ class Trainer:
     optimize = optimize  # several optimizers: training_step calls self.optimize(name, loss)
 
     def _forward_backward(self, micro_batches: Sequence[Any], share: float = 1.0,
-                          last: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+                          last: bool = True, samples: int = 0
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """Forward and backward over the micro-batches: (mean loss, mean logs, samples). One
-        (trainer.accumulate=1) runs here; several go through `accumulate`, which calls back for
-        each with its share of the step's samples and whether it is the last."""
+        (trainer.accumulate=1) runs here; several go through `accumulate`, which counts them
+        and calls back for each with its samples, its share and whether it is the last."""
         if len(micro_batches) != 1:
             return accumulate(self._forward_backward, micro_batches, self.batch_size)
-        samples = self.batch_size(micro_batches[0])
-        if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
-            samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
+        if not samples:
+            samples = self.batch_size(micro_batches[0])
+            if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
+                samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
         with self._strategy.micro_batch(last):
             with self._autocast():

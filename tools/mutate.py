@@ -152,8 +152,8 @@ mutation("accumulation weights by share of samples, not by count", "saferun/loop
          "share = 1 / len(sizes) if size != total else 1.0",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
 mutation("accumulation: DDP averages gradients after the last micro-batch only", "saferun/loop/steps.py",
-         "forward_backward((batch,), share, i == len(sizes) - 1)",
-         "forward_backward((batch,), share, True)",
+         "forward_backward((batch,), share, i == len(sizes) - 1, size)",
+         "forward_backward((batch,), share, True, size)",
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
 mutation("accumulate micro-batches per optimizer step", BATCHES,
          "take(batches, self._t.accumulate)", "take(batches, 1)",
@@ -214,8 +214,8 @@ mutation("several optimizers: gradients averaged over ranks", MANUAL,
 mutation("several optimizers: skip drops only the bad optimizer's update", MANUAL,
          "if tr._guard.skip_nonfinite and _bad(", "if False and _bad(",
          f"{OPTS}::test_skip_policy_drops_only_the_bad_optimizers_update")
-mutation("several optimizers: every optimizer restored from a checkpoint", "saferun/loop/optimizers.py",
-         "        for name, opt in self._by_name.items():\n            opt.load_state_dict(saved[name])",
+mutation("several optimizers: every optimizer (and scheduler) restored from a checkpoint", "saferun/loop/optimizers.py",
+         "        for name, obj in self._by_name.items():\n            obj.load_state_dict(saved[name])",
          "        pass", f"{OPTS}::test_resume_restores_every_optimizer_by_name_and_refuses_renamed_ones")
 mutation("several optimizers: a step must update each one", MANUAL,
          "        if missing:\n", "        if False:\n", f"{OPTS}::test_wrong_use_is_refused_with_what_to_do")

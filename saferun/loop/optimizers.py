@@ -25,45 +25,13 @@ from .steps import check_optimizer_params
 NAMED = "named"  # the key that marks a state dict of several optimizers or schedulers
 
 
-class NamedOptimizers(Mapping):
-    """`{name: optimizer}` in the order `build_optimizer` gave them."""
+class _Named(Mapping):
+    """`{name: object}` in the order `build_optimizer` gave them, checkpointed by name."""
 
-    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
-        self._by_name = dict(optimizers)
+    kind = ""  # "optimizer" or "scheduler": the messages of a resume whose names differ
 
-    def __getitem__(self, name: str) -> torch.optim.Optimizer:
-        return self._by_name[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
-
-    def __len__(self) -> int:
-        return len(self._by_name)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """Every optimizer's parameter groups, in name order (the groups themselves, not copies)."""
-        return [g for opt in self._by_name.values() for g in opt.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self._by_name.values():
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {NAMED: {name: opt.state_dict() for name, opt in self._by_name.items()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = _named_state(state, "optimizer")
-        check_same_names("optimizer", list(saved), list(self._by_name))
-        for name, opt in self._by_name.items():
-            opt.load_state_dict(saved[name])
-
-
-class NamedSchedulers(Mapping):
-    """`{name: scheduler}` for the optimizers that have one."""
-
-    def __init__(self, schedulers: Mapping[str, Any]) -> None:
-        self._by_name = dict(schedulers)
+    def __init__(self, by_name: Mapping[str, Any]) -> None:
+        self._by_name = dict(by_name)
 
     def __getitem__(self, name: str) -> Any:
         return self._by_name[name]
@@ -74,18 +42,39 @@ class NamedSchedulers(Mapping):
     def __len__(self) -> int:
         return len(self._by_name)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {NAMED: {name: obj.state_dict() for name, obj in self._by_name.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = _named_state(state, self.kind)
+        check_same_names(self.kind, list(saved), list(self._by_name))
+        for name, obj in self._by_name.items():
+            obj.load_state_dict(saved[name])
+
+
+class NamedOptimizers(_Named):
+    """`{name: optimizer}` in the order `build_optimizer` gave them."""
+
+    kind = "optimizer"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every optimizer's parameter groups, in name order (the groups themselves, not copies)."""
+        return [g for opt in self._by_name.values() for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self._by_name.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+class NamedSchedulers(_Named):
+    """`{name: scheduler}` for the optimizers that have one."""
+
+    kind = "scheduler"
+
     def step(self) -> None:  # a forced resume replays the schedules with it
         for scheduler in self._by_name.values():
             scheduler.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {NAMED: {name: s.state_dict() for name, s in self._by_name.items()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = _named_state(state, "scheduler")
-        check_same_names("scheduler", list(saved), list(self._by_name))
-        for name, scheduler in self._by_name.items():
-            scheduler.load_state_dict(saved[name])
 
 
 class NamedSchedules:

@@ -39,7 +39,7 @@ def loss_and_logs(out: Any, step: int, need_grad: bool = True
     return out, logs
 
 
-def accumulate(forward_backward: Callable[[Sequence[Any], float, bool], StepParts],
+def accumulate(forward_backward: Callable[[Sequence[Any], float, bool, int], StepParts],
                micro_batches: Sequence[Any], batch_size: Callable[[Any], int]) -> StepParts:
     """trainer.accumulate > 1: each micro-batch through the one-micro-batch `forward_backward`
     (the Trainer's), its loss weighted by its share of the step's samples, so that the
@@ -55,7 +55,7 @@ def accumulate(forward_backward: Callable[[Sequence[Any], float, bool], StepPart
     all_shares = 0.0
     for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
         share = size / total if size != total else 1.0
-        loss, logs, _ = forward_backward((batch,), share, i == len(sizes) - 1)
+        loss, logs, _ = forward_backward((batch,), share, i == len(sizes) - 1, size)
         loss_sum = loss if loss_sum is None else loss_sum + loss
         all_shares += share
         for k, v in logs.items():

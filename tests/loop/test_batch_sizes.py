@@ -143,3 +143,17 @@ def test_the_default_count_of_a_batch_of_0_dim_tensors_is_one():
     assert batch_size_of((torch.tensor(3.0), torch.tensor(1))) == 1
     assert batch_size_of({"w": torch.tensor(2.0), "x": [torch.zeros(0, 2), torch.zeros(5, 2)]}) == 5
     assert batch_size_of({"ids": [1, 2]}) == 0
+
+
+def test_the_hook_counts_each_training_micro_batch_once(tmp_path):
+    class Counting(Batches):
+        calls = 0
+
+        def batch_size(self, batch):
+            Counting.calls += self.model.training
+            return super().batch_size(batch)
+
+    t = Counting(toy_config(tmp_path, batch_size=16, accumulate=3, max_steps=1, shuffle=False,
+                            val_every_n_steps=None))
+    t.fit()
+    assert Counting.calls == 3  # micro-batches of 16, 16 and 8 (the user's hook may be costly)
