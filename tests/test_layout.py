@@ -126,11 +126,5 @@ def test_no_import_cycle_among_saferun_modules():
         visit(module, [])
 
 
-def test_the_trainer_is_short():
-    assert len((PACKAGE / "trainer.py").read_text().splitlines()) < 450
-
-
-@pytest.mark.parametrize("path", [p for p in MODULES if p.name != "trainer.py"],
-                         ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_module_is_long(path):  # trainer.py: under 450, above
-    assert len(path.read_text().splitlines()) <= 350, path
+# Per-file line caps were retired: they pushed code into modules named for their size rather
+# than their job. The function-length rules above (the loop reads in one screen) stay.
