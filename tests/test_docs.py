@@ -106,3 +106,25 @@ def test_the_readme_command_lines_compose():
     for words in commands:
         overrides = [w.split(",")[0] for w in words[2:] if "=" in w and not w.startswith("hydra.")]
         assert compose_config(overrides) is not None, words
+
+
+def test_every_torch_behaviour_on_the_pytorch_page_names_a_test_that_exists():
+    page = (ROOT / "docs" / "pytorch.md").read_text()
+    named = set(re.findall(r"`(test_\w+)`", page))
+    source = (ROOT / "tests" / "unit" / "test_torch_behaviour.py").read_text()
+    defined = set(re.findall(r"^def (test_\w+)", source, flags=re.M))
+    assert len(named) >= 10 and named <= defined, sorted(named - defined)
+    assert defined <= named, f"tests not cited on docs/pytorch.md: {sorted(defined - named)}"
+    for path in re.findall(r"`(tests/[\w/]+\.py)`", page):
+        assert (ROOT / path).exists(), path
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    """The project documents what it relies on in its own words: no path to a sibling folder."""
+    outside = [".." + "/shared", "/work/" + "shared", "shared/" + "pitfalls"]  # split: not found here
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert tracked
+    for path in tracked:
+        if path.endswith((".md", ".toml", ".py", ".yaml", ".yml", ".cfg", ".txt")) or path.startswith(".ci/"):
+            text = (ROOT / path).read_text(errors="replace")
+            assert not any(o in text for o in outside), path
