@@ -87,7 +87,7 @@ def graph_slip(exc: RuntimeError, name: str, step: int, earlier: Mapping[str, Na
                 f"place; the gradient would mix the weights before and after the update.")
         fix = (f"compute each loss after the previous optimize() call: here build the loss for "
                f"{name!r} (its forward through those parameters) after {_calls(owners)}, as the "
-               f"README's GAN does. retain_graph=True does not change this: the update still "
+               f"GAN in saferun's docs (Several optimizers) does. retain_graph=True does not change this: the update still "
                f"changed values the graph saved.")
     first = message.splitlines()[0] if message else type(exc).__name__
     error = ExplainedRuntimeError(

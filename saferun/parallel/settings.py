@@ -11,7 +11,7 @@ from ..errors import ConfigError
 
 @dataclass
 class FSDPConfig:
-    """trainer.strategy=fsdp: how FSDP2 (`fully_shard`) shards the model (see README)."""
+    """trainer.strategy=fsdp: how FSDP2 (`fully_shard`) shards the model (docs/distributed.md)."""
 
     shard: list[str] = field(default_factory=list)
     """Submodules sharded as units of their own, by class name (Block) or path (blocks.0);

@@ -57,7 +57,7 @@ saferun.testing, and fails with a message that says what is wrong and where:
 - two runs with one seed give identical weights, and DataLoader workers draw different
   augmentations.
 
-The knobs of each helper are in saferun's README ("Test your training code").
+The knobs of each helper are in saferun's docs ("Test your training code", docs/testing.md).
 """
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""A job that records, on each rank, what the README promises under torchrun.
+"""A job that records, on each rank, what saferun promises under torchrun (docs/distributed.md).
 
 `python -m torch.distributed.run --nproc_per_node=2 rank_job.py CONFIG_JSON CONFIG_JSON` trains
 it twice in one process group: the first config with a parameter the loss never uses

@@ -1,4 +1,4 @@
-"""What the README promises under torchrun, from one real 2-process launch (gloo on the CPU)
+"""What saferun promises under torchrun (docs/distributed.md), from one real 2-process launch (gloo on the CPU)
 of two runs: metrics averaged over ranks, validation shards counting each sample once, no
 gradient all-reduce before a step's last micro-batch (saferun's averaging and DDP's no_sync),
 find_unused_parameters, per-rank randomness, a training split reshuffled every epoch; then

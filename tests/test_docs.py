@@ -1,0 +1,130 @@
+"""The examples in README.md and docs/ run as written.
+
+Every ```python block is run, a page's blocks in order in one namespace (so a page may build
+on its earlier blocks), each page in a fresh namespace and a temporary working directory of its
+own (all pages in one interpreter, so that torch is imported once), unless the line right before its fence is `<!-- not run: <reason> -->`. Every ```bash block
+of the README says how its commands are checked: `<!-- not run: <reason> -->`, or
+`<!-- run by: <paths> -->` naming the files (tests, CI) that run them; the `saferun run`
+lines of the command-line block are composed here as the command line would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SLOW_PAGES = {"docs/how-to/resume-after-a-crash.md"}  # runs the command line twice
+NOT_RUN = re.compile(r"<!-- not run: \S.* -->")
+RUN_BY = re.compile(r"<!-- run by: (.+) -->")
+
+
+def blocks(page: Path, language: str) -> list[tuple[int, str, str]]:
+    """(line of the fence, the line before it, code) for each ```language block of a page."""
+    lines = page.read_text().split("\n")
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == f"```{language}":
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            found.append((i + 1, lines[i - 1] if i else "", "\n".join(lines[i + 1:end])))
+            i = end
+        i += 1
+    return found
+
+
+def name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+RUNNER = """
+import json, os, sys, tempfile, traceback
+failed = []
+for page, blocks in json.load(open(sys.argv[1])):
+    os.chdir(tempfile.mkdtemp(dir=sys.argv[2]))  # each page in a directory of its own
+    namespace = {"__name__": "__main__"}  # and a namespace of its own
+    for line, code in blocks:
+        try:
+            exec(compile(code, f"{page}:{line}", "exec"), namespace)
+        except BaseException:
+            failed.append(f"{page}:{line}: the block failed\\n{traceback.format_exc()}")
+            break
+print("\\n".join(failed), file=sys.stderr)
+sys.exit(1 if failed else 0)
+"""
+
+
+def run_pages(pages: list[Path], tmp_path: Path) -> None:
+    """Run each page's blocks in one interpreter (torch is imported once), each page in a
+    fresh namespace and working directory."""
+    work = [(name(p), [(line, code) for line, before, code in blocks(p, "python")
+                       if not NOT_RUN.search(before)]) for p in pages]
+    (tmp_path / "pages.json").write_text(json.dumps([w for w in work if w[1]]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RUNNER, "pages.json", str(tmp_path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+
+
+def test_the_python_blocks_of_every_page_run(tmp_path):
+    run_pages([p for p in PAGES if name(p) not in SLOW_PAGES], tmp_path)
+
+
+@pytest.mark.slow
+def test_the_python_blocks_of_the_heavier_pages_run(tmp_path):
+    run_pages([p for p in PAGES if name(p) in SLOW_PAGES], tmp_path)
+
+
+def test_every_block_marked_not_run_gives_a_reason_and_every_readme_command_is_accounted_for():
+    for page in PAGES:
+        for line, before, _ in blocks(page, "python"):
+            assert "not run" not in before or NOT_RUN.search(before), \
+                f"{name(page)}:{line}: write `<!-- not run: <reason> -->` right before the fence"
+    for line, before, _ in blocks(ROOT / "README.md", "bash"):
+        assert NOT_RUN.search(before) or RUN_BY.search(before), \
+            f"README.md:{line}: a command block needs `<!-- run by: ... -->` or `<!-- not run: ... -->`"
+        if RUN_BY.search(before):
+            for path in re.findall(r"(?:tests|\.ci)/[\w./]+\w", RUN_BY.search(before).group(1)):
+                assert (ROOT / path).exists(), f"README.md:{line}: {path} (named as running it) is missing"
+
+
+def test_the_readme_command_lines_compose():
+    """Each `saferun run` line of the README composes into a valid config (a typo fails)."""
+    from saferun.cli import compose_config
+
+    lines = [code for _, before, code in blocks(ROOT / "README.md", "bash") if "composes" in before]
+    assert lines, "the README's command-line block is not marked as composed here"
+    commands = [cmd.split("#")[0].split() for cmd in lines[0].splitlines() if cmd.startswith("saferun run")]
+    assert len(commands) >= 5
+    for words in commands:
+        overrides = [w.split(",")[0] for w in words[2:] if "=" in w and not w.startswith("hydra.")]
+        assert compose_config(overrides) is not None, words
+
+
+def test_every_torch_behaviour_on_the_pytorch_page_names_a_test_that_exists():
+    page = (ROOT / "docs" / "pytorch.md").read_text()
+    named = set(re.findall(r"`(test_\w+)`", page))
+    source = (ROOT / "tests" / "unit" / "test_torch_behaviour.py").read_text()
+    defined = set(re.findall(r"^def (test_\w+)", source, flags=re.M))
+    assert len(named) >= 10 and named <= defined, sorted(named - defined)
+    assert defined <= named, f"tests not cited on docs/pytorch.md: {sorted(defined - named)}"
+    for path in re.findall(r"`(tests/[\w/]+\.py)`", page):
+        assert (ROOT / path).exists(), path
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    """The project documents what it relies on in its own words: no path to a sibling folder."""
+    outside = [".." + "/shared", "/work/" + "shared", "shared/" + "pitfalls"]  # split: not found here
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert tracked
+    for path in tracked:
+        if path.endswith((".md", ".toml", ".py", ".yaml", ".yml", ".cfg", ".txt")) or path.startswith(".ci/"):
+            text = (ROOT / path).read_text(errors="replace")
+            assert not any(o in text for o in outside), path
