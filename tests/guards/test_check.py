@@ -22,7 +22,8 @@ def test_a_clean_trainer_passes_every_check(tmp_path):
     found = results(ToyTrainer, tmp_path)
     assert set(found) == {"pickling", "worker seeding", "eval purity", "declared modes",
                           "unused parameters", "host syncs", "one-batch overfit", "determinism",
-                          "data overlap", "initial loss", "batch independence", "input baseline"}
+                          "data overlap", "initial loss", "batch independence", "input baseline",
+                          "eval determinism", "batch order"}
     assert all(r.status == "pass" for r in found.values()), found
 
 
