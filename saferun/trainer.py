@@ -359,9 +359,18 @@ class Trainer:
     def _audit_first_steps(self) -> None:
         """The model-state and loss-call audits (guards/model_audit.py, loss_audit.py): the
         first training_step call runs under the loss-call audit, the second begins with the
-        state audit (after the first backward); from then on training_step is the class's own
-        again, so later steps pay nothing."""
-        self.__dict__.pop("training_step", None)
+        state audit (after the first backward); then training_step is what it was before
+        (the class's own method, or a wrapper saferun.testing set), so later steps pay nothing."""
+        before = self.__dict__.get("training_step")  # a wrapper set on the instance, or None
+        before = getattr(before, "restores", before)  # an audit an earlier fit left installed
+
+        def restore() -> None:
+            if before is None:
+                self.__dict__.pop("training_step", None)
+            else:
+                self.training_step = before  # type: ignore[method-assign]
+
+        restore()
         step_fn, calls = self.training_step, [0]
         audit = ModelAudit(self.model, self._params,
                            check_new_params=self.cfg.trainer.strategy != "fsdp")
@@ -377,12 +386,13 @@ class Trainer:
                     with LossCallAudit(self.state.step + 1):
                         return step_fn(batch)
                 except BaseException:
-                    self.__dict__.pop("training_step", None)  # an explanation replays the step
+                    restore()  # an explanation replays the step
                     raise
-            self.__dict__.pop("training_step", None)
+            restore()
             audit.after_first_backward(self.state.step + 1)
             return step_fn(batch)
 
+        first_steps.restores = before  # type: ignore[attr-defined]
         self.training_step = first_steps  # type: ignore[method-assign]
 
     def _check_compile(self) -> None:

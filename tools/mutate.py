@@ -865,7 +865,7 @@ mutation("audit: the audits run (guards.model_audit)", T,
          f"{AUDITS}::test_modules_in_a_plain_list_are_refused_before_a_second_update",
          f"{AUDITS}::test_class_indices_out_of_range_name_the_positions_and_c")
 mutation("audit: nothing runs after the second training_step call", T,
-         "            self.__dict__.pop(\"training_step\", None)\n            audit.after_first_backward",
+         "            restore()\n            audit.after_first_backward",
          "            audit.after_first_backward",
          f"{AUDITS}::test_the_audits_leave_training_step_as_the_class_method_after_the_second_call")
 mutation("audit: regression losses that broadcast the input are refused", LA,

@@ -305,3 +305,19 @@ def test_saferun_check_passes_the_new_checks_on_a_clean_model(tmp_path):
     results = run_checks(lambda c: ToyTrainer(c), load_config(toy_config(tmp_path)),
                          only=["eval determinism", "batch order"])
     assert [r.status for r in results] == ["pass", "pass"], results
+
+
+def test_the_loss_audit_reads_twice_once_per_fit_and_the_loop_stays_sync_free(tmp_path):
+    from saferun.guards.syncs import HostSyncCounter
+
+    counters = []
+    for audit in (True, False):
+        cfg = toy_config(tmp_path / str(audit), max_steps=40, log_every_n_steps=20)
+        cfg["guards"] = {"model_audit": audit}
+        with HostSyncCounter() as counter:
+            ToyTrainer(cfg).fit()
+        counters.append(counter)
+    on, off = counters
+    # cross_entropy: one read for the class-index range, one for "already probabilities?"
+    assert (on.once, off.once) == (2, 0)
+    assert on.count == off.count and on.sites == off.sites  # the loop's own syncs: unchanged
