@@ -162,6 +162,11 @@ class GuardsConfig:
     tensors on the model (fingerprints on the device, one host read per evaluation)."""
     declared_modes: bool = True
     """At every step: frozen modules in eval mode, everything else in train mode."""
+    model_audit: bool = True
+    """Around the first step, once: the model's state (modules or parameters in plain lists or
+    dicts, parameters made in forward, plain tensor attributes that training changes, a graph
+    carried into the next step) and torch's loss calls (shapes that broadcast, class indices
+    out of range, probabilities where scores are expected). Nothing after the first step."""
     sync_audit: bool = False
     """Count the host syncs of every step and report their source lines (slow: debugging only)."""
 

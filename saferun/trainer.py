@@ -29,6 +29,8 @@ from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
 from .guards.explain import explain_failure
+from .guards.loss_audit import LossCallAudit
+from .guards.model_audit import ModelAudit
 from .guards.preflight import preflight
 from .guards.unused import report_unused_parameters
 from .loggers import ensure_log_handler
@@ -351,6 +353,47 @@ class Trainer:
             self._check_compile()
         if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:
             self._checkpointer.ensure_one()  # so there is always a good state to go back to
+        if self.cfg.guards.model_audit:
+            self._audit_first_steps()
+
+    def _audit_first_steps(self) -> None:
+        """The model-state and loss-call audits (guards/model_audit.py, loss_audit.py): the
+        first training_step call runs under the loss-call audit, the second begins with the
+        state audit (after the first backward); then training_step is what it was before
+        (the class's own method, or a wrapper saferun.testing set), so later steps pay nothing."""
+        before = self.__dict__.get("training_step")  # a wrapper set on the instance, or None
+        before = getattr(before, "restores", before)  # an audit an earlier fit left installed
+
+        def restore() -> None:
+            if before is None:
+                self.__dict__.pop("training_step", None)
+            else:
+                self.training_step = before  # type: ignore[method-assign]
+
+        restore()
+        step_fn, calls = self.training_step, [0]
+        audit = ModelAudit(self.model, self._params,
+                           check_new_params=self.cfg.trainer.strategy != "fsdp")
+        audit.at_setup()
+        loss_audit = not self.cfg.trainer.compile  # a function mode inside a compiled forward
+
+        def first_steps(batch: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                try:
+                    if not loss_audit:
+                        return step_fn(batch)
+                    with LossCallAudit(self.state.step + 1):
+                        return step_fn(batch)
+                except BaseException:
+                    restore()  # an explanation replays the step
+                    raise
+            restore()
+            audit.after_first_backward(self.state.step + 1)
+            return step_fn(batch)
+
+        first_steps.restores = before  # type: ignore[attr-defined]
+        self.training_step = first_steps  # type: ignore[method-assign]
 
     def _check_compile(self) -> None:
         """Compiled against eager on the first training batch (see `check_compiled_step`)."""

@@ -169,6 +169,164 @@ class InputIgnored(ToyTrainer):
         return IgnoresInput()
 
 
+# ------------------------------------------------------------------ the user's model, loss and data (issue 24)
+
+class ListedHead(nn.Module):
+    """Heads kept in a plain list: model.parameters() does not see them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.heads = [nn.Linear(16, 3)]  # the planted bug: nn.ModuleList needed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads[0](self.body(x))
+
+
+class ModulesInAList(ToyTrainer):
+    def build_model(self) -> nn.Module:
+        return ListedHead()
+
+
+class LayerInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.head = nn.Linear(16, 3)  # the planted bug: a new, untrained layer at every call
+        return self.head(torch.relu(self.body(x)))
+
+
+class LayerMadeInForward(ToyTrainer):
+    def build_model(self) -> nn.Module:
+        return LayerInForward()
+
+
+class CountsInPlainTensor(nn.Module):
+    """Keeps running input statistics in a plain tensor attribute: not saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+        self.mean = torch.zeros(8)  # the planted bug: register_buffer needed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.fc(x - self.mean)
+
+
+class PlainTensorState(ToyTrainer):
+    def build_model(self) -> nn.Module:
+        return CountsInPlainTensor()
+
+
+class CarriesState(nn.Module):
+    """An RNN cell whose state is carried from batch to batch without detach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = nn.RNNCell(8, 16), nn.Linear(16, 3)
+        self.state: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.state if self.state is not None and len(self.state) == len(x) else None
+        self.state = self.cell(x, h)  # the planted bug: .detach() needed
+        return self.head(self.state)
+
+
+class GraphCarried(ToyTrainer):
+    def build_model(self) -> nn.Module:
+        return CarriesState()
+
+
+class BroadcastMSE(ToyTrainer):
+    """Regression with an (N, 1) prediction against an (N,) target."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x), y.float())  # the planted bug: (N, 1) vs (N,)
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": F.mse_loss(self.model(x).squeeze(1), y.float())}
+
+
+class OneBasedLabels(ToyTrainer):
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y + 1)  # the planted bug: labels 1..3 for 3 classes
+
+
+class SoftmaxBeforeCrossEntropy(ToyTrainer):
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(torch.softmax(self.model(x), 1), y)  # the planted bug
+
+
+class NllOnLogits(ToyTrainer):
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.nll_loss(self.model(x), y)  # the planted bug: log_softmax missing
+
+
+class AlwaysDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.relu(self.body(x)), 0.5, training=True)  # the planted bug
+        return self.head(h)
+
+
+class DropoutInEval(ToyTrainer):
+    def build_model(self) -> nn.Module:
+        return AlwaysDropout()
+
+
+class NoisyView(Dataset):
+    """Validation samples with random noise added at every read."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]  # the planted bug: random in validation
+
+
+class RandomValidationTransform(ToyTrainer):
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        train, val = super().build_datasets()
+        return train, NoisyView(*val.tensors)  # type: ignore[attr-defined]
+
+
+class UnshuffledLoader(ToyTrainer):
+    def build_dataloaders(self, train: Dataset, val: Optional[Dataset]) -> Any:
+        return (torch.utils.data.DataLoader(train, batch_size=32),  # the planted bug: no shuffle
+                torch.utils.data.DataLoader(val, batch_size=32) if val is not None else None)
+
+
+class SortedByLabel(ToyTrainer):
+    """The data arrives sorted by label and the user's loader does not shuffle."""
+
+    def build_datasets(self) -> tuple[Dataset, None]:
+        x, y = make_classification(256)
+        order = torch.argsort(y, stable=True)
+        return TensorDataset(x[order], y[order]), None
+
+    def build_dataloaders(self, train: Dataset, val: Optional[Dataset]) -> Any:
+        return torch.utils.data.DataLoader(train, batch_size=16), None
+
+
 # ------------------------------------------------------------------ the corpus
 
 @dataclass
@@ -215,6 +373,31 @@ CORPUS = [
             ["does not seem to use its inputs"]),
     Mistake("misspelt config key", ToyTrainer, "config", ["Did you mean trainer.max_steps?"],
             {"trainer": {"max_stepz": 5}}),
+    Mistake("submodule kept in a plain list", ModulesInAList, "fit",
+            ["'heads[0]'", "nn.ModuleList", "no optimizer steps"]),
+    Mistake("layer created inside forward", LayerMadeInForward, "fit",
+            ["'head.weight'", "appeared after the optimizer was built", "in __init__"]),
+    Mistake("state in a plain tensor attribute", PlainTensorState, "fit",
+            ["'mean'", "plain tensor attributes", "register_buffer"]),
+    Mistake("RNN state carried without detach", GraphCarried, "fit",
+            ["'state'", "h.detach()", "Do not add retain_graph=True"]),
+    Mistake("(N, 1) prediction against an (N,) target", BroadcastMSE, "fit",
+            ["F.mse_loss", "(32, 1)", "(32,)", "broadcast to (32, 32)", "mistakes.py"]),
+    Mistake("class labels outside [0, C)", OneBasedLabels, "fit",
+            ["outside [0, 3)", "target positions", "y - 1"]),
+    Mistake("softmax before cross_entropy", SoftmaxBeforeCrossEntropy, "fit",
+            ["F.cross_entropy got probabilities", "drop the softmax", "mistakes.py"]),
+    Mistake("nll_loss on raw scores", NllOnLogits, "fit",
+            ["not log-probabilities", "log_softmax"]),
+    Mistake("dropout hard-coded on in evaluation", DropoutInEval, "check:eval determinism",
+            ["module 'head' (Linear) got a different input", "forward code of '(model)'",
+             "self.training"]),
+    Mistake("random transform on validation data", RandomValidationTransform,
+            "check:eval determinism", ["validation sample 0 differs", "NoisyView"]),
+    Mistake("training loader without shuffle", UnshuffledLoader, "setup",
+            ["in index order", "shuffle=True", "trainer.shuffle=false"]),
+    Mistake("batches sorted by label", SortedByLabel, "check:batch order",
+            ["single class", "batch 0: all 0", "sorted by label"]),
 ]
 
 

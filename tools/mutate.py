@@ -834,6 +834,74 @@ mutation("a fused optimizer's step the GradScaler dropped leaves the average", "
          "        if found is not None and found.item():\n            return\n", "",
          "tests/loop/test_averaging.py::test_a_step_the_grad_scaler_drops_does_not_move_the_average")
 
+# ---------------------------------------------------------------- branch audits: the user's model, loss, data (issue 24)
+AUDITS = "tests/guards/test_audits.py"
+MA, LA = "saferun/guards/model_audit.py", "saferun/guards/loss_audit.py"
+mutation("audit: modules in plain containers are refused once a gradient reaches them", MA,
+         "            if p.grad is not None]", "            if False]",
+         f"{AUDITS}::test_modules_in_a_plain_list_are_refused_before_a_second_update")
+mutation("audit: trainable modules in plain containers are warned about at setup", MA,
+         "            if any(p.requires_grad for p in params):", "            if False:",
+         f"{AUDITS}::test_modules_in_a_plain_dict_are_named_with_module_dict")
+mutation("audit: a frozen module kept out of the model is left alone", MA,
+         "            if any(p.requires_grad for p in params):", "            if True:",
+         f"{AUDITS}::test_a_frozen_module_kept_out_of_the_model_on_purpose_is_left_alone")
+mutation("audit: parameters made after the optimizer are refused", MA,
+         "        if self.check_new_params:", "        if False:",
+         f"{AUDITS}::test_a_layer_created_in_forward_is_named")
+mutation("audit: a graph carried into the next step is refused", MA,
+         "        if carriers:\n            errors.append", "        if False:\n            errors.append",
+         f"{AUDITS}::test_a_graph_carried_into_the_next_step_is_named_before_torch_fails")
+mutation("audit: the second-backward error names the carrier (audit off)", EXPLAIN,
+         "    carriers = graph_carriers(model) if _SECOND_BACKWARD in message else []  # before a replay",
+         "    carriers = []",
+         f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
+mutation("audit: plain tensor state that training changes is warned about", MA,
+         "        if not changed:\n            return []", "        if True:\n            return []",
+         f"{AUDITS}::test_state_in_a_plain_tensor_is_warned_about_with_register_buffer")
+mutation("audit: the audits run (guards.model_audit)", T,
+         "        if self.cfg.guards.model_audit:\n            self._audit_first_steps()",
+         "        if False:\n            self._audit_first_steps()",
+         f"{AUDITS}::test_modules_in_a_plain_list_are_refused_before_a_second_update",
+         f"{AUDITS}::test_class_indices_out_of_range_name_the_positions_and_c")
+mutation("audit: nothing runs after the second training_step call", T,
+         "            restore()\n            audit.after_first_backward",
+         "            audit.after_first_backward",
+         f"{AUDITS}::test_the_audits_leave_training_step_as_the_class_method_after_the_second_call")
+mutation("audit: regression losses that broadcast the input are refused", LA,
+         "    if shape == x.shape:\n        return None", "    if True:\n        return None",
+         f"{AUDITS}::test_regression_losses_that_broadcast_are_refused_naming_both_shapes")
+mutation("audit: a broadcast target is not refused", LA,
+         "    if shape == x.shape:\n        return None", "    if False:\n        return None",
+         f"{AUDITS}::test_matching_shapes_and_a_broadcast_target_are_not_reported")
+mutation("audit: class indices outside [0, C) are refused", LA,
+         "    bad = ((y < 0) | (y >= classes)) & (y != ignore)", "    bad = (y < 0) & (y != ignore)",
+         f"{AUDITS}::test_class_indices_out_of_range_name_the_positions_and_c")
+mutation("audit: probabilities into cross_entropy/nll_loss are refused", LA,
+         "    if _row_sums_one(x):\n        if name", "    if False:\n        if name",
+         f"{AUDITS}::test_probabilities_and_log_probabilities_where_each_is_expected")
+mutation("audit: raw scores into nll_loss are warned about", LA,
+         '    if name == "nll_loss" and not _log_normalised(x):', "    if False:",
+         f"{AUDITS}::test_probabilities_and_log_probabilities_where_each_is_expected")
+mutation("audit: the user's loss line is named", LA,
+         "        if not file.startswith((_TORCH_DIR, _SAFERUN_DIR)):", "        if True:",
+         f"{AUDITS}::test_regression_losses_that_broadcast_are_refused_naming_both_shapes")
+mutation("audit: an unshuffled map-style training loader is warned about", DATA,
+         "    if type(getattr(batches, \"sampler\", None)) is not SequentialSampler:",
+         "    if True:", f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
+mutation("audit: trainer.shuffle=false marks the order as intended", DATA,
+         "    if not shuffle or loader is None", "    if loader is None",
+         f"{AUDITS}::test_the_order_warning_goes_when_trainer_shuffle_says_it_is_intended")
+mutation("audit: eval determinism names the module", DATA,
+         "        if not _all_equal(out, out2):", "        if False:",
+         f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
+mutation("audit: eval determinism reads the sample twice", "saferun/guards/check.py",
+         "            if not all(_same(data[0], data[0]) for _ in range(3)):", "            if False:",
+         f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
+mutation("audit: single-class batches are warned about", DATA,
+         "    if 4 * len(single) >= 3 * len(per_batch) and len(set(single)) > 1:", "    if False:",
+         f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

@@ -54,7 +54,7 @@ def run_checks(make: Factory, cfg: Config, only: Optional[Sequence[str]] = None
         base = _short_session(cfg, tmp)
         checks = [_pickling, _worker_seeding, _eval_purity, _declared_modes, _unused_parameters,
                   _host_syncs, _overfit_one_batch, _determinism, _data_overlap, _initial_loss,
-                  _batch_independence, _input_baseline]
+                  _batch_independence, _input_baseline, _eval_determinism, _batch_order]
         if cfg.trainer.compile:
             checks.append(_compile_parity)
         if only is not None:
@@ -291,6 +291,50 @@ def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
         return CheckResult("input baseline", "pass", "training_step does not call the model "
                            "itself (only its submodules): not checked")
     return CheckResult("input baseline", *datachecks.baseline_finding(losses[0], losses[1], steps))
+
+
+def _eval_determinism(make: Factory, cfg: Config) -> CheckResult:
+    """The same validation batch evaluated twice in eval mode must give the same outputs: the
+    sample read twice from the dataset (a random transform on the validation data), then the
+    model's modules (a random op that eval mode does not turn off)."""
+    trainer = make(cfg)
+    trainer.setup()
+    loader = trainer.val_loader or trainer.train_loader
+    assert loader is not None
+    which = "validation" if trainer.val_loader is not None else "training"
+    data = loader.dataset
+    with preserved_rng():
+        if hasattr(data, "__len__") and hasattr(data, "__getitem__") and len(data) > 0:
+            if not all(_same(data[0], data[0]) for _ in range(3)):
+                return CheckResult("eval determinism", "fail",
+                                   f"{which} sample 0 differs when read twice from "
+                                   f"{type(data).__name__}: its transform is random, so "
+                                   f"validation scores change from one evaluation to the next. "
+                                   f"Give the {which} data deterministic transforms (random "
+                                   f"augmentation belongs to the training data only).")
+        batch = first_batch(loader, cfg.seed, 0, trainer.device, False)
+        step = trainer.validation_step if trainer.val_loader is not None else trainer.predict_step
+        with modes.evaluating(trainer.model, "inference_mode"):
+            found = datachecks.nondeterministic_module(trainer.model, lambda: step(batch))
+    if found:
+        return CheckResult("eval determinism", "fail", found)
+    return CheckResult("eval determinism", "pass",
+                       f"one {which} batch evaluated twice in eval mode: identical outputs")
+
+
+def _batch_order(make: Factory, cfg: Config) -> CheckResult:
+    trainer = make(cfg)
+    trainer.setup()
+    assert trainer.train_loader is not None
+    if not cfg.trainer.shuffle:
+        return CheckResult("batch order", "pass", "trainer.shuffle=false: the order is intended")
+    with preserved_rng():
+        batches = []
+        for batch in trainer.train_loader:
+            batches.append(batch)
+            if len(batches) == STEPS:
+                break
+    return CheckResult("batch order", *datachecks.single_class_batches(batches))
 
 
 def _compile_parity(make: Factory, cfg: Config) -> CheckResult:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, SequentialSampler
 
 from ..loop.steps import short
 
@@ -31,9 +31,10 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 
 def setup_warnings(model: nn.Module, frozen: Sequence[nn.Module], t: Any, loader: Any,
                    world_size: int) -> list[str]:
-    """Log (and return) the setup-time findings: see `last_batch_of_one`, `frozen_by_hand`."""
+    """Log (and return) the setup-time findings: see `last_batch_of_one`, `frozen_by_hand`,
+    `fixed_order`."""
     found = [w for w in (last_batch_of_one(model, frozen, loader, world_size),
-                         *frozen_by_hand(model, frozen)) if w]
+                         *frozen_by_hand(model, frozen), fixed_order(loader, t.shuffle)) if w]
     for warning in found:
         log.warning("%s", warning)
     return found
@@ -57,6 +58,23 @@ def last_batch_of_one(model: nn.Module, frozen: Sequence[nn.Module], loader: Any
             f"% batch_size {size} == 1, and BatchNorm {short(norms, 3)} in training mode "
             f"cannot normalise one sample (BatchNorm1d raises; 2d statistics of one image are "
             f"noise). Set trainer.drop_last=true (or another trainer.batch_size).")
+
+
+def fixed_order(loader: Any, shuffle: bool) -> Optional[str]:
+    """A training loader that reads a map-style dataset in index order (a DataLoader built
+    with shuffle=False): the same order every epoch, and data sorted by class or source trains
+    in blocks. `trainer.shuffle=false` says the order is intended (a curriculum): no warning."""
+    if not shuffle or loader is None or isinstance(loader.dataset, IterableDataset):
+        return None
+    batches = getattr(loader, "batch_sampler", None)
+    batches = getattr(batches, "batch_sampler", batches)  # inside saferun's IndexRecorder
+    if type(getattr(batches, "sampler", None)) is not SequentialSampler:
+        return None  # shuffled, or a sampler the user chose (weighted, distributed, their own)
+    return (f"the training DataLoader reads its {type(loader.dataset).__name__} in index order "
+            f"(a SequentialSampler: shuffle=False in build_dataloaders), the same order every "
+            f"epoch; data sorted by class or source then trains in blocks. Build it with "
+            f"shuffle=True (saferun seeds its order per epoch), or set trainer.shuffle=false to "
+            f"say the order is intended (a curriculum).")
 
 
 def frozen_by_hand(model: nn.Module, frozen: Sequence[nn.Module]) -> list[str]:
@@ -240,3 +258,84 @@ def zeroing_inputs(model: nn.Module, calls: list[int]) -> Any:
             return (torch.zeros_like(args[0]), *args[1:])
         return None
     return model.register_forward_pre_hook(zero)
+
+
+# ------------------------------------------------------------------ saferun check: order, evaluation
+
+def single_class_batches(batches: Sequence[Any]) -> tuple[str, str]:
+    """(status, finding): do the first training batches each hold one class? The label field
+    is the first integer vector with one entry per sample."""
+    labels = [_label_field(b) for b in batches]
+    if len(batches) < 2 or any(y is None for y in labels):
+        return "pass", "no integer label field found in the first batches: not checked"
+    per_batch = [sorted(set(y.tolist())) for y in labels]  # type: ignore[union-attr]
+    single = [c[0] for c in per_batch if len(c) == 1]
+    if 4 * len(single) >= 3 * len(per_batch) and len(set(single)) > 1:
+        shown = ", ".join(f"batch {i}: {'all ' + str(c[0]) if len(c) == 1 else 'mixed'}"
+                          for i, c in enumerate(per_batch[:4]))
+        return "warn", (f"{len(single)} of the first {len(batches)} training batches each hold a "
+                        f"single class ({shown}, ...): the data reaches the loader sorted by "
+                        f"label, so each step pushes the model toward one class. Shuffle the "
+                        f"training data (DataLoader(shuffle=True)), or set trainer.shuffle=false "
+                        f"if the order is intended.")
+    return "pass", f"the first {len(batches)} training batches mix classes"
+
+
+def _label_field(batch: Any) -> Optional[torch.Tensor]:
+    found = _flat(batch)
+    floats = [t for t in found if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    rows = floats[0].shape[0] if floats else None
+    for t in found:
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() \
+                and t.dtype != torch.bool and t.shape[0] == rows:
+            return t
+    return None
+
+
+def nondeterministic_module(model: nn.Module, call: Callable[[], Any]) -> Optional[str]:
+    """Run `call` twice (eval mode, no reseeding between) and name where the outputs first
+    differ: a module whose output changed for the same input, or the forward code that feeds a
+    module a different input (a random op written in forward). None if both runs agree."""
+    names = {id(m): (n or "(model)", type(m).__name__) for n, m in model.named_modules()}
+    runs: list[list[tuple[str, Optional[str], Any, Any]]] = []
+
+    def record() -> list[tuple[str, Optional[str], Any, Any]]:
+        seen: list[tuple[str, Optional[str], Any, Any]] = []
+        stack: list[str] = []
+
+        def enter(mod: nn.Module, args: Any) -> None:
+            stack.append("'%s' (%s)" % names[id(mod)])
+
+        def leave(mod: nn.Module, args: Any, out: Any) -> None:
+            me = stack.pop()
+            seen.append((me, stack[-1] if stack else None, _flat(args), _flat(out)))
+
+        handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+        handles += [m.register_forward_hook(leave) for m in model.modules()]
+        try:
+            call()
+        finally:
+            for h in handles:
+                h.remove()
+        return seen
+
+    runs = [record(), record()]
+    for (name, parent, args, out), (_, _, args2, out2) in zip(*runs):
+        if not _all_equal(out, out2):
+            if _all_equal(args, args2):
+                return (f"module {name} gave different outputs for the same input in two "
+                        f"evaluations in eval mode: it draws randomness that eval mode does not "
+                        f"turn off (F.dropout(..., training=True) or a noise op written into its "
+                        f"forward). Use self.training (F.dropout(x, p, training=self.training)) "
+                        f"or an nn.Dropout module.")
+            return (f"module {name} got a different input in two evaluations of the same batch in "
+                    f"eval mode: a random operation in the forward code of {parent or 'the step'} "
+                    f"before it calls {name} (F.dropout(..., training=True), torch.rand*) is "
+                    f"still active. Make it depend on self.training.")
+    return None
+
+
+def _all_equal(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        (x.shape == y.shape and bool(torch.equal(x, y))) if isinstance(x, torch.Tensor)
+        and isinstance(y, torch.Tensor) else True for x, y in zip(a, b))

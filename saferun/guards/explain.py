@@ -29,6 +29,7 @@ from .explain_optimize import (in_step as _in_step, manual as _manual,
                                replaying as _replaying)
 from .explain_ranks import (collective_failed, locate_in_traceback, report_collective_failure,
                             several_ranks)
+from .model_audit import carried_graph_advice, graph_carriers
 from .replay import _forward_trace
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -144,9 +145,12 @@ def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) ->
     hook = _HOOKS[phase]
     fields = describe_batch(batch)
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    carriers = graph_carriers(model) if _SECOND_BACKWARD in message else []  # before a replay
     module, inputs, replayed = ((*locate_in_traceback(exc, model), None) if several_ranks()
                                 else _locate(owner, model, phase, batch))
-    what, fix = _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs)
+    what, fix = (("backward reached into the graph of an earlier step, which that step's "
+                  "backward had already freed.", carried_graph_advice(carriers)) if carriers else
+                 _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs))
     on_rank = f" on rank {owner.state.rank}" if several_ranks() else ""
     lines = [f"{hook} failed at step {step}{_in_step(exc, owner)}{on_rank}: {what}"]
     if fix:
@@ -180,6 +184,7 @@ _SHAPE = re.compile(r"shapes cannot be multiplied|size mismatch|must match the s
                     r"channels|Expected \d+D|dimension|size of|shape", re.I)
 _BN_ONE = "Expected more than 1 value per channel when training"
 _INPLACE = "modified by an inplace operation"
+_SECOND_BACKWARD = "Trying to backward through the graph a second time"
 
 
 def _diagnose(message: str, exc: BaseException, owner: FailureOwner, model: nn.Module, phase: str,

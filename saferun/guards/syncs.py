@@ -18,9 +18,10 @@ by construction and are not counted: they never wait for the device.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -48,6 +49,7 @@ class HostSyncCounter:
     def __init__(self) -> None:
         self.count = 0
         self.sites: collections.Counter[str] = collections.Counter()
+        self.once = 0  # reads of saferun's first-step audits (see `one_time_reads`), apart
         self._in_read = False
         self._fmode = _FunctionReads(self)
         self._dmode = _DispatchReads(self)
@@ -66,10 +68,34 @@ class HostSyncCounter:
         self.sites.clear()
 
     def _record(self) -> None:
+        if _ONE_TIME[0]:
+            self.once += 1
+            return
         site = _user_site()
         if site is not None:
             self.count += 1
             self.sites[site] += 1
+
+
+_ONE_TIME = [0]
+_PASS_THROUGH = {_THIS_FILE}  # modes that call on: a read they pass on is the caller's
+
+
+@contextlib.contextmanager
+def one_time_reads() -> Iterator[None]:
+    """Reads made inside are counted apart from the loop's (`HostSyncCounter.once`): saferun's
+    first-step audits read a few values once per fit, never per step."""
+    _ONE_TIME[0] += 1
+    try:
+        yield
+    finally:
+        _ONE_TIME[0] -= 1
+
+
+def pass_through(filename: str) -> None:
+    """Attribute reads that pass through `filename` (a TorchFunctionMode that calls on) to the
+    frame that made them."""
+    _PASS_THROUGH.add(filename)
 
 
 def _user_site() -> Optional[str]:
@@ -77,7 +103,7 @@ def _user_site() -> Optional[str]:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename == _THIS_FILE:
+        if filename in _PASS_THROUGH:
             pass
         elif filename.startswith(_HOST_SIDE):
             return None

@@ -22,7 +22,8 @@ def test_a_clean_trainer_passes_every_check(tmp_path):
     found = results(ToyTrainer, tmp_path)
     assert set(found) == {"pickling", "worker seeding", "eval purity", "declared modes",
                           "unused parameters", "host syncs", "one-batch overfit", "determinism",
-                          "data overlap", "initial loss", "batch independence", "input baseline"}
+                          "data overlap", "initial loss", "batch independence", "input baseline",
+                          "eval determinism", "batch order"}
     assert all(r.status == "pass" for r in found.values()), found
 
 
@@ -116,4 +117,4 @@ def test_every_shipped_recipe_passes_every_check(tmp_path, recipe):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert good.returncode == 0, good.stdout + good.stderr
-    assert "12 checks: 12 passed, 0 warned, 0 failed." in good.stdout
+    assert "14 checks: 14 passed, 0 warned, 0 failed." in good.stdout

@@ -57,7 +57,7 @@ def test_saferun_check_passes(tmp_path):
                            "task.sample_digits=0"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "12 checks: 12 passed, 0 warned, 0 failed." in proc.stdout, proc.stdout
+    assert "14 checks: 14 passed, 0 warned, 0 failed." in proc.stdout, proc.stdout
     assert "several optimizers, each moves its parameters" in proc.stdout
 
 

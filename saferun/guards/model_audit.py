@@ -1,0 +1,202 @@
+"""The model-state audit: mistakes in how a model holds its state, found around the first step.
+
+Four mistakes train without an error and give a model that differs from the one the user
+meant, or fail with torch's advice that is wrong for them:
+
+- a submodule (or parameter) kept in a plain list, tuple or dict: `model.parameters()` does
+  not see it, so the optimizer never trains it, checkpoints never save it and `.to()` never
+  moves it;
+- a parameter made after the optimizer was built (a layer created inside `forward`): the
+  optimizer holds the parameters of the moment it was built, so the new one is never trained;
+- a tensor kept as a plain attribute (not a parameter or buffer) that training changes: the
+  state_dict does not hold it, so a resumed or reloaded model differs;
+- a tensor that carries the autograd graph from one step into the next (an RNN's hidden state
+  kept without `.detach()`): the next backward fails with "Trying to backward through the graph
+  a second time", and torch's advice (`retain_graph=True`) would backpropagate through every
+  earlier step instead.
+
+`ModelAudit.at_setup` runs once when training starts; `after_first_backward` once, when the
+second call of training_step begins (so after the first backward, and with one micro-batch
+after the first update). Nothing runs per step after that.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..errors import SaferunError
+
+log = logging.getLogger("saferun")
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, hooks, ...
+_CONTAINERS = (list, tuple, dict, set)
+
+
+class ModelStateError(SaferunError):
+    """The model holds state where training or checkpoints cannot see it."""
+
+
+def _plain_values(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(name, value) of the attributes a module holds outside parameters, buffers and
+    submodules, with the items of plain containers one level down (name[i], name['k'])."""
+    for name, value in vars(module).items():
+        if name in _MODULE_INTERNALS:
+            continue
+        yield name, value
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield f"{name}[{k!r}]", v
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield f"{name}[{i}]", v
+
+
+def _where(path: str, attr: str) -> str:
+    return f"{path}.{attr}" if path else attr
+
+
+def hidden_modules(model: nn.Module) -> list[tuple[str, nn.Module | nn.Parameter]]:
+    """Submodules and parameters held in plain containers and not registered anywhere in the
+    model: ('path.attr[i]', the module or parameter)."""
+    registered = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
+    found = []
+    for path, module in model.named_modules():
+        for name, value in _plain_values(module):
+            if "[" in name and isinstance(value, (nn.Module, nn.Parameter)) \
+                    and id(value) not in registered:
+                found.append((_where(path, name), value))
+    return found
+
+
+def plain_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """'path.attr' -> (id, version) of every tensor a module holds as a plain attribute."""
+    found = {}
+    for path, module in model.named_modules():
+        for name, value in _plain_values(module):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                found[_where(path, name)] = (id(value), _version(value))
+    return found
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+def graph_carriers(model: nn.Module) -> list[str]:
+    """'path.attr' of the plain tensor attributes that hold an autograd graph."""
+    return [_where(path, name) for path, module in model.named_modules()
+            for name, value in _plain_values(module)
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+
+
+def carried_graph_advice(names: list[str]) -> str:
+    """What to say about tensors that carry a step's graph into the next."""
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" ({len(names)} in all)" if len(names) > 3 else "")
+    return (f"the model keeps {shown} as a plain attribute holding the autograd graph of an "
+            f"earlier step, so the next backward reaches back into that step's freed graph. "
+            f"Detach it where it is stored (self.hidden = h.detach()): gradients then stop at "
+            f"the step boundary (truncated backpropagation through time). Do not add "
+            f"retain_graph=True, which would backpropagate through every earlier step and keep "
+            f"their graphs in memory. To keep it in checkpoints too, make it a buffer "
+            f"(register_buffer) and assign the detached tensor to it.")
+
+
+class ModelAudit:
+    """Looks at the model when training starts and once after the first backward."""
+
+    def __init__(self, model: nn.Module, optimized: list[nn.Parameter], check_new_params: bool
+                 ) -> None:
+        self.model = model
+        self.optimized = {id(p) for p in optimized}
+        self.check_new_params = check_new_params  # FSDP swaps parameters while it gathers them
+        self.known = {id(p) for p in model.parameters()}
+        self.hidden = hidden_modules(model)
+        self.tensors = plain_tensors(model)
+
+    def at_setup(self) -> list[str]:
+        """Warn about trainable modules or parameters in plain containers (they may be a frozen
+        teacher kept out of the model on purpose: a gradient reaching them is refused later)."""
+        warnings = []
+        for name, value in self.hidden:
+            params = [value] if isinstance(value, nn.Parameter) else list(value.parameters())
+            if any(p.requires_grad for p in params):
+                kind = "parameter" if isinstance(value, nn.Parameter) else type(value).__name__
+                warnings.append(
+                    f"model attribute '{name}' holds a trainable {kind} in a plain Python "
+                    f"{_container_kind(name)}: model.parameters() does not see it, so it is not "
+                    f"trained, not saved in checkpoints or model.pt, and not moved by .to(). "
+                    f"Use {_fix(name)}. If it is kept out of the model on purpose (a frozen "
+                    f"teacher), call requires_grad_(False) on it.")
+        for warning in warnings:
+            log.warning("%s", warning)
+        return warnings
+
+    def after_first_backward(self, step: int) -> list[str]:
+        """Refuse what cannot train as meant; warn about state checkpoints lose. Returns the
+        warnings."""
+        errors = self._untrained(step)
+        carriers = graph_carriers(self.model)
+        if carriers:
+            errors.append(carried_graph_advice(carriers))
+        if errors:
+            raise ModelStateError(f"the model-state audit after the first backward (at step "
+                                  f"{step}): " + "\n".join(errors))
+        warnings = self._changed_plain_tensors(step)
+        for warning in warnings:
+            log.warning("%s", warning)
+        return warnings
+
+    def _untrained(self, step: int) -> list[str]:
+        errors = []
+        reached = [name for name, value in self.hidden for p in (
+            [value] if isinstance(value, nn.Parameter) else value.parameters())
+            if p.grad is not None]
+        if reached:
+            names = sorted(set(reached))
+            errors.append(
+                f"the loss reached parameters held in plain Python containers "
+                f"({', '.join(repr(n) for n in names[:3])}), which no optimizer steps and no "
+                f"checkpoint saves. Use {_fix(names[0])}.")
+        if self.check_new_params:
+            new = [n for n, p in self.model.named_parameters()
+                   if id(p) not in self.known and id(p) not in self.optimized]
+            if new:
+                errors.append(
+                    f"parameters {', '.join(repr(n) for n in new[:3])}"
+                    f"{f' ({len(new)} in all)' if len(new) > 3 else ''} appeared after the "
+                    f"optimizer was built (a layer created inside forward?): the optimizer never "
+                    f"updates them, and a fresh layer is made at every call. Create every layer "
+                    f"in __init__ (or use torch's lazy modules, e.g. nn.LazyLinear, when a size "
+                    f"is known only from the first batch).")
+        return errors
+
+    def _changed_plain_tensors(self, step: int) -> list[str]:
+        now = plain_tensors(self.model)
+        changed = [name for name, (ident, version) in now.items()
+                   if name not in self.tensors or self.tensors[name][0] != ident
+                   or (version != -1 and self.tensors[name][1] != version)]
+        if not changed:
+            return []
+        shown = ", ".join(f"'{n}'" for n in changed[:3])
+        return [f"training changed {shown}{f' ({len(changed)} in all)' if len(changed) > 3 else ''}"
+                f" by step {step}, held as plain tensor attributes (not parameters or buffers): "
+                f"checkpoints and model.pt do not hold them, so a resumed or reloaded model "
+                f"differs, and .to() does not move them. Register each as a buffer "
+                f"(self.register_buffer(name, tensor), persistent=False for a cache that is "
+                f"recomputed anyway)."]
+
+
+def _container_kind(name: str) -> str:
+    return "dict" if "['" in name else "list or tuple"
+
+
+def _fix(name: str) -> str:
+    return "nn.ModuleDict (nn.ParameterDict)" if "['" in name else "nn.ModuleList (nn.ParameterList)"
+

@@ -1,0 +1,323 @@
+"""Issue 24: the model-state audit, the loss-call audit, evaluation determinism and training
+order. Each planted mistake is in tests/mistakes.py (test_mistakes runs them all); here: the
+details of each mechanism, the false-alarm zoo, and that nothing runs after the first steps."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, WeightedRandomSampler
+
+import saferun
+from mistakes import (CORPUS, GraphCarried, LayerMadeInForward, ModulesInAList, OneBasedLabels,
+                      catch, config_for)
+from saferun.guards.loss_audit import LossCallAudit, LossCallError
+from saferun.guards.model_audit import ModelStateError
+from toys import Net, ToyTrainer, make_classification, toy_config
+
+
+def warnings_of(fn: Any, caplog: Any) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        fn()
+    return [r.getMessage() for r in caplog.records if r.name == "saferun"
+            and r.levelno >= logging.WARNING]
+
+
+# ------------------------------------------------------------------ the model-state audit
+
+def test_modules_in_a_plain_list_are_refused_before_a_second_update(tmp_path):
+    t = ModulesInAList(toy_config(tmp_path, max_steps=5))
+    with pytest.raises(ModelStateError, match=r"'heads\[0\]'.*nn.ModuleList"):
+        t.fit()
+    assert t.state.step == 1  # refused when step 2 began: one update, not five
+
+
+class DictHeads(nn.Module):
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.heads = {"a": nn.Linear(16, 3)}  # a plain dict
+        if frozen:
+            self.heads["a"].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads["a"](torch.relu(self.body(x)))
+
+
+def test_modules_in_a_plain_dict_are_named_with_module_dict(tmp_path, caplog):
+    class T(ToyTrainer):
+        def build_model(self) -> nn.Module:
+            return DictHeads(frozen=False)
+
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        with pytest.raises(ModelStateError, match=r"\"heads\['a'\]\"|'heads\[\\'a\\'\]'|nn.ModuleDict"):
+            T(toy_config(tmp_path)).fit()
+    assert any("heads['a']" in r.getMessage() and "nn.ModuleDict" in r.getMessage()
+               for r in caplog.records)  # warned at setup, before any step
+
+
+def test_a_frozen_module_kept_out_of_the_model_on_purpose_is_left_alone(tmp_path, caplog):
+    class T(ToyTrainer):  # a frozen teacher kept in a dict so that it is not saved: allowed
+        def build_model(self) -> nn.Module:
+            return DictHeads(frozen=True)
+
+    assert warnings_of(lambda: T(toy_config(tmp_path, max_steps=3)).fit(), caplog) == []
+
+
+def test_a_layer_created_in_forward_is_named(tmp_path):
+    with pytest.raises(ModelStateError, match=r"'head.weight', 'head.bias' appeared after the optimizer"):
+        LayerMadeInForward(toy_config(tmp_path)).fit()
+
+
+def test_a_graph_carried_into_the_next_step_is_named_before_torch_fails(tmp_path):
+    with pytest.raises(ModelStateError) as info:
+        GraphCarried(toy_config(tmp_path)).fit()
+    message = str(info.value)
+    assert "'state'" in message and "h.detach()" in message
+    assert "Do not add retain_graph=True" in message
+
+
+def test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name(tmp_path):
+    cfg = toy_config(tmp_path)
+    cfg["guards"] = {"model_audit": False}
+    with pytest.raises(RuntimeError) as info:
+        GraphCarried(cfg).fit()
+    message = str(info.value)
+    assert "Trying to backward through the graph a second time" in str(info.value.__cause__)
+    assert "'state'" in message and "h.detach()" in message and "retain_graph=True" in message
+
+
+def test_state_in_a_plain_tensor_is_warned_about_with_register_buffer(tmp_path, caplog):
+    m = next(m for m in CORPUS if m.name == "state in a plain tensor attribute")
+    found = warnings_of(lambda: m.trainer(config_for(m, tmp_path)).fit(), caplog)
+    assert len(found) == 1 and "'mean'" in found[0] and "register_buffer" in found[0]
+
+
+# ------------------------------------------------------------------ the loss-call audit
+
+class Regression(ToyTrainer):
+    """`loss_fn(pred, y)` with pred (N, 1): each form of a regression loss."""
+
+    loss_fn: Any = staticmethod(F.mse_loss)
+    squeeze = False
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        pred = self.model(x)
+        return self.loss_fn(pred.squeeze(1) if self.squeeze else pred, y.float())
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": F.mse_loss(self.model(x).squeeze(1), y.float())}
+
+
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+                                     nn.MSELoss(), nn.L1Loss()],
+                         ids=["mse", "l1", "smooth_l1", "huber", "MSELoss", "L1Loss"])
+def test_regression_losses_that_broadcast_are_refused_naming_both_shapes(tmp_path, loss_fn):
+    class T(Regression):
+        pass
+
+    T.loss_fn = staticmethod(loss_fn) if not isinstance(loss_fn, nn.Module) else loss_fn
+    t = T(toy_config(tmp_path))
+    with pytest.raises(LossCallError, match=r"\(32, 1\).*\(32,\).*broadcast to \(32, 32\)") as info:
+        t.fit()
+    assert "test_audits.py" in str(info.value) and "self.loss_fn(" in str(info.value)  # the line
+    assert t.state.step == 0  # before any update
+
+
+def test_matching_shapes_and_a_broadcast_target_are_not_reported(tmp_path, caplog):
+    class Matching(Regression):
+        squeeze = True
+
+    assert warnings_of(lambda: Matching(toy_config(tmp_path, max_steps=3)).fit(), caplog) == []
+    with LossCallAudit(1):  # a target broadcast over the predictions: torch warns; not refused
+        with pytest.warns(UserWarning):
+            F.mse_loss(torch.zeros(4, 3), torch.zeros(3))
+
+
+def test_class_indices_out_of_range_name_the_positions_and_c(tmp_path):
+    with pytest.raises(LossCallError) as info:
+        OneBasedLabels(toy_config(tmp_path)).fit()
+    message = str(info.value)
+    assert "outside [0, 3)" in message and "C = 3" in message and "[3]" in message
+    with LossCallAudit(1):  # ignore_index is allowed
+        F.cross_entropy(torch.randn(4, 3), torch.tensor([0, 2, -100, 1]))
+        with pytest.raises(LossCallError, match=r"positions \[\(1, 2\)\]"):  # (N, C, d) input
+            F.cross_entropy(torch.randn(2, 3, 4), torch.tensor([[0, 1, 2, 0], [1, 2, 5, 0]]))
+
+
+def test_probabilities_and_log_probabilities_where_each_is_expected(caplog):
+    logits = torch.randn(16, 5)
+    y = torch.randint(0, 5, (16,))
+    with LossCallAudit(1):
+        F.cross_entropy(logits, y)
+        F.cross_entropy(logits.log_softmax(1), y)  # log_softmax is idempotent: harmless
+        F.nll_loss(logits.log_softmax(1), y)
+        F.kl_div(logits.log_softmax(1), logits.softmax(1), reduction="batchmean")
+        F.binary_cross_entropy_with_logits(torch.randn(16), torch.rand(16))
+        F.cross_entropy(logits, logits.softmax(1))  # probability targets
+        for call in (lambda: F.cross_entropy(logits.softmax(1), y),
+                     lambda: F.nll_loss(logits.softmax(1), y),
+                     lambda: F.kl_div(logits.softmax(1), logits.softmax(1), reduction="batchmean")):
+            with pytest.raises(LossCallError, match="probabilities"):
+                call()
+    assert not [r for r in caplog.records if r.name == "saferun"]
+    with caplog.at_level(logging.WARNING, logger="saferun"), LossCallAudit(1) as audit:
+        F.nll_loss(logits, y)
+        F.binary_cross_entropy_with_logits(torch.sigmoid(torch.randn(16)), torch.rand(16))
+    assert len(audit.warnings) == 2
+    assert "not log-probabilities" in audit.warnings[0] and "sigmoid" in audit.warnings[1]
+
+
+# ------------------------------------------------------------------ no cost after the first steps
+
+def test_the_audits_leave_training_step_as_the_class_method_after_the_second_call(tmp_path):
+    calls = []
+
+    class Counting(LossCallAudit):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    import saferun.trainer as trainer_module
+    original = trainer_module.LossCallAudit
+    trainer_module.LossCallAudit = Counting  # type: ignore[misc]
+    try:
+        t = ToyTrainer(toy_config(tmp_path, max_steps=6))
+        t.fit()
+    finally:
+        trainer_module.LossCallAudit = original  # type: ignore[misc]
+    assert "training_step" not in vars(t)  # the class's own method again: nothing per step
+    assert F.cross_entropy in calls  # the first step ran under the audit, once
+    assert calls.count(F.cross_entropy) == 1
+
+
+# ------------------------------------------------------------------ training order
+
+def test_the_order_warning_goes_when_trainer_shuffle_says_it_is_intended(tmp_path, caplog):
+    m = next(m for m in CORPUS if m.name == "training loader without shuffle")
+    assert catch(m, tmp_path / "a") is not None
+    cfg = config_for(m, tmp_path / "b")
+    cfg["trainer"]["shuffle"] = False
+    assert warnings_of(lambda: m.trainer(cfg).setup(), caplog) == []
+
+
+# ------------------------------------------------------------------ the false-alarm zoo
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+        self.out.weight = self.embed.weight  # weight tying
+        self.head = nn.Linear(8, 3)
+        self.register_buffer("scale", torch.ones(8), persistent=False)  # a non-persistent buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.out(torch.relu(self.embed(x))) * self.scale)
+
+
+class Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16)])
+        self.heads = nn.ModuleDict({"cls": nn.Linear(16, 3)})
+        self.names = ["a", "b"]  # plain containers of non-modules are fine
+        self.lazy = nn.LazyLinear(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.layers[1](torch.relu(self.layers[0](x))))
+        return self.heads["cls"](h + self.lazy(x))
+
+
+class DetachedRNN(nn.Module):
+    """Truncated BPTT done right: the state is a buffer, assigned detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = nn.RNNCell(8, 16), nn.Linear(16, 3)
+        self.register_buffer("state", torch.zeros(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.cell(x, self.state[: len(x)] if len(x) <= len(self.state) else None)
+        if self.training and len(x) == len(self.state):
+            self.state = h.detach()
+        return self.head(h)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        x, y = make_classification(256)
+        return iter(zip(x, y))
+
+
+class ZooTrainer(ToyTrainer):
+    kind = "tied"
+
+    def build_model(self) -> nn.Module:
+        return {"tied": Tied, "containers": Containers, "rnn": DetachedRNN}.get(self.kind, Net)()
+
+    def build_datasets(self) -> tuple[Dataset, Optional[Dataset]]:
+        if self.kind == "stream":
+            return Stream(), None
+        return super().build_datasets()
+
+    def build_dataloaders(self, train: Dataset, val: Optional[Dataset]) -> Any:
+        if self.kind != "weighted":
+            return super().build_dataloaders(train, val)
+        sampler = WeightedRandomSampler(torch.ones(len(train)), len(train),  # type: ignore[arg-type]
+                                        generator=torch.Generator().manual_seed(0))
+        return DataLoader(train, batch_size=32, sampler=sampler), None
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "tied", "containers", "rnn", "stream", "weighted"])
+def test_the_zoo_of_legitimate_patterns_raises_nothing(tmp_path, caplog, kind):
+    class T(ZooTrainer):
+        pass
+
+    T.kind = kind
+    cfg = toy_config(tmp_path, max_steps=4)
+    if kind == "stream":
+        cfg["trainer"]["max_steps"] = 4
+    assert warnings_of(lambda: T(cfg).fit(), caplog) == []
+
+
+@pytest.mark.slow
+def test_the_zoo_under_torch_compile_raises_nothing(tmp_path, caplog):
+    cfg = toy_config(tmp_path, max_steps=4, compile=True, compile_backend="eager")
+    assert warnings_of(lambda: ZooTrainer(cfg).fit(), caplog) == []
+
+
+def test_saferun_check_passes_the_new_checks_on_a_clean_model(tmp_path):
+    from saferun.config import load_config
+    from saferun.guards.check import run_checks
+
+    results = run_checks(lambda c: ToyTrainer(c), load_config(toy_config(tmp_path)),
+                         only=["eval determinism", "batch order"])
+    assert [r.status for r in results] == ["pass", "pass"], results
+
+
+def test_the_loss_audit_reads_twice_once_per_fit_and_the_loop_stays_sync_free(tmp_path):
+    from saferun.guards.syncs import HostSyncCounter
+
+    counters = []
+    for audit in (True, False):
+        cfg = toy_config(tmp_path / str(audit), max_steps=40, log_every_n_steps=20)
+        cfg["guards"] = {"model_audit": audit}
+        with HostSyncCounter() as counter:
+            ToyTrainer(cfg).fit()
+        counters.append(counter)
+    on, off = counters
+    # cross_entropy: one read for the class-index range, one for "already probabilities?"
+    assert (on.once, off.once) == (2, 0)
+    assert on.count == off.count and on.sites == off.sites  # the loop's own syncs: unchanged
