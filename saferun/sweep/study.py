@@ -37,8 +37,8 @@ def suggest(trial: Any, key: str, override: Any) -> str:
     sweep = override.value()
     if isinstance(sweep, IntervalSweep):
         log = "log" in sweep.tags
-        if isinstance(sweep.start, int) and isinstance(sweep.end, int) and not log:
-            return str(trial.suggest_int(key, sweep.start, sweep.end))
+        if "int" in sweep.tags:  # Hydra's interval is of floats: tag(int, interval(1,8))
+            return str(trial.suggest_int(key, int(sweep.start), int(sweep.end), log=log))
         return repr(trial.suggest_float(key, float(sweep.start), float(sweep.end), log=log))
     if isinstance(sweep, RangeSweep) and all(isinstance(v, int) for v in (sweep.start, sweep.stop, sweep.step)):
         last = sweep.start + sweep.step * ((sweep.stop - sweep.start - 1) // sweep.step)

@@ -1,0 +1,54 @@
+"""saferun's Optuna sweeper: the search space from Hydra's override grammar (fast), and real
+studies through the real command line (slow)."""
+
+import json
+import sqlite3
+
+import pytest
+import yaml
+
+from saferun.sweep.study import search_space, suggest
+from sweep_cli import FAST, saferun_cli
+
+optuna = pytest.importorskip("optuna")
+
+
+def test_the_override_grammar_becomes_optunas_distributions():
+    space, fixed = search_space(["recipe=tabular", "optim.lr=tag(log,interval(1e-4,1e-2))",
+                                 "trainer.batch_size=range(16,65,16)", "optim=choice(adamw,sgd)",
+                                 "trainer.accumulate=tag(int,interval(1,4))", "seed=0,1"])
+    assert fixed == ["recipe=tabular"]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    trial = study.ask()
+    values = {key: suggest(trial, key, override) for key, override in space.items()}
+    d = trial.distributions
+    assert d["optim.lr"] == optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
+    assert d["trainer.batch_size"] == optuna.distributions.IntDistribution(16, 64, step=16)
+    assert d["optim"] == optuna.distributions.CategoricalDistribution(["adamw", "sgd"])
+    assert d["trainer.accumulate"] == optuna.distributions.IntDistribution(1, 4)
+    assert d["seed"] == optuna.distributions.CategoricalDistribution(["0", "1"])
+    assert float(values["optim.lr"]) == trial.params["optim.lr"]  # the override is the value
+    assert int(values["trainer.batch_size"]) in (16, 32, 48, 64)
+
+
+def trials(db):
+    with sqlite3.connect(db) as c:
+        return c.execute("SELECT number, state FROM trials ORDER BY number").fetchall()
+
+
+@pytest.mark.slow  # two short trainings
+def test_an_in_memory_study_runs_its_trials_and_names_the_best(tmp_path):
+    proc = saferun_cli("-m", *FAST, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+                       "hydra.sweeper.storage=null", "optim.lr=tag(log,interval(1e-4,1e-2))",
+                       "hydra.sweep.dir=sweep", cwd=tmp_path)
+    sweep = tmp_path / "sweep"
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    summaries = {n: json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")}
+    best = min(summaries, key=lambda n: summaries[n]["objective"]["value"])
+    assert results["best_trial"] == int(best) and results["metric"] == "val/loss"
+    assert results["best_value"] == summaries[best]["objective"]["value"]
+    assert results["best_run_dir"] == str(sweep / best)
+    assert f"optim.lr={results['best_params']['optim.lr']}" in summaries[best]["overrides"]
+    table = (sweep / "summary.txt").read_text().splitlines()
+    assert table[1].startswith(f"best: job {best} (") and table[5].startswith(f"*  {best}")
+    assert "sweep summary" in proc.stdout and not (sweep / "optuna.db").exists()
