@@ -5,8 +5,10 @@ import os
 import signal
 from typing import Any, Optional, Sequence
 
+import saferun
 
-class SignalAt:
+
+class SignalAt(saferun.Callback):
     """Sends `signum` (a name, e.g. SIGUSR2) to this process after each step in `steps`; with
     `once_file`, only while that file does not exist (it is created), so a rerun is not hit."""
 

@@ -5,6 +5,7 @@ import json
 import sqlite3
 
 import pytest
+import torch
 import yaml
 
 from saferun.sweep.study import search_space, suggest
@@ -52,3 +53,32 @@ def test_an_in_memory_study_runs_its_trials_and_names_the_best(tmp_path):
     table = (sweep / "summary.txt").read_text().splitlines()
     assert table[1].startswith(f"best: job {best} (") and table[5].startswith(f"*  {best}")
     assert "sweep summary" in proc.stdout and not (sweep / "optuna.db").exists()
+
+
+@pytest.mark.slow  # three trials over two sweeps, and one plain run
+def test_an_interrupted_study_continues_its_trials_and_resumes_the_interrupted_one(tmp_path):
+    once = tmp_path / "signalled"
+    args = ["-m", *FAST, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+            "optim.lr=tag(log,interval(1e-4,1e-2))", "hydra.sweep.dir=sweep",
+            "+callbacks.stop._target_=sweep_toys.SignalAt", "+callbacks.stop.steps=[3]",
+            "+callbacks.stop.signum=SIGTERM", f"+callbacks.stop.once_file={once}"]
+    first = saferun_cli(*args, cwd=tmp_path, check=False)  # SIGTERM in trial 0, after step 3
+    assert first.returncode == 143, first.stdout + first.stderr
+    db = tmp_path / "sweep" / "optuna.db"
+    assert trials(db) == [(0, "RUNNING")]  # left for the rerun
+    saferun_cli(*args, cwd=tmp_path)
+    assert trials(db) == [(0, "COMPLETE"), (1, "COMPLETE"), (2, "COMPLETE")]
+    sweep = tmp_path / "sweep"
+    trial0 = json.loads((sweep / "0" / "summary.json").read_text())
+    assert "resume=auto" in trial0["overrides"] and trial0["step"] == 10
+    # the resumed trial ends as an uninterrupted run of its configuration
+    lr = next(o for o in trial0["overrides"] if o.startswith("optim.lr="))
+    saferun_cli(*FAST, lr, "hydra.run.dir=plain", cwd=tmp_path)
+    for name in ("model.pt",):
+        a, b = torch.load(sweep / "0" / name), torch.load(tmp_path / "plain" / name)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(x)["step"] for x in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
+    plain = [json.loads(x)["step"] for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == plain  # each step logged once
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_trial"] in (0, 1, 2) and len((sweep / "summary.txt").read_text().splitlines()) == 7
