@@ -32,6 +32,26 @@ def test_the_override_grammar_becomes_optunas_distributions():
     assert int(values["trainer.batch_size"]) in (16, 32, 48, 64)
 
 
+def test_the_sweeper_config_composes_to_saferuns_plugin_and_an_optuna_sampler():
+    from hydra import compose, initialize_config_module
+    from hydra.utils import get_class, instantiate
+
+    from hydra.plugins.sweeper import Sweeper
+
+    from saferun.cli import _register_with_hydra
+
+    _register_with_hydra()
+    with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/sweeper=optuna", "hydra.sweep.dir=/s"],
+                      return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    # (Hydra's plugin scan executes the module again: compare the class by name)
+    plugin = get_class(sweeper._target_)
+    assert issubclass(plugin, Sweeper) and plugin.__name__ == "OptunaSweeper"
+    assert sweeper.storage == "sqlite:////s/optuna.db" and sweeper.n_trials == 20
+    assert isinstance(instantiate(sweeper.sampler), optuna.samplers.TPESampler)
+
+
 def trials(db):
     with sqlite3.connect(db) as c:
         return c.execute("SELECT number, state FROM trials ORDER BY number").fetchall()
@@ -51,7 +71,7 @@ def test_an_in_memory_study_runs_its_trials_and_names_the_best(tmp_path):
     assert results["best_run_dir"] == str(sweep / best)
     assert f"optim.lr={results['best_params']['optim.lr']}" in summaries[best]["overrides"]
     table = (sweep / "summary.txt").read_text().splitlines()
-    assert table[1].startswith(f"best: job {best} (") and table[5].startswith(f"*  {best}")
+    assert table[1].startswith(f"best: job {best} (") and table[4].startswith(f"*  {best}")
     assert "sweep summary" in proc.stdout and not (sweep / "optuna.db").exists()
 
 
