@@ -839,8 +839,8 @@ mutation("a sweep job ranks by its last validation, not its best during the run"
          "saferun/sweep/objective.py",
          "            if best is None or objective.better(value, best[0]):", "            if True:",
          "tests/sweeps/test_summary.py")
-mutation("a NaN validation can be a run's best", "saferun/sweep/objective.py",
-         "        if math.isnan(a):\n            return False\n", "",
+mutation("a NaN first validation stays a run's best", "saferun/sweep/objective.py",
+         "        if math.isnan(b):\n            return True\n", "",
          "tests/sweeps/test_summary.py::test_best_during_run_reads_the_validations_not_the_train_lines_and_skips_nan")
 mutation("sweep.metric without sweep.mode gets a guessed direction", "saferun/sweep/objective.py",
          '        elif metric == "val/loss":', "        elif True:",

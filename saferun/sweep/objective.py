@@ -20,9 +20,8 @@ class Objective:
     mode: str  # "min" or "max"
 
     def better(self, a: float, b: float) -> bool:
-        """a is strictly better than b (a NaN is never better; any number beats a NaN)."""
-        if math.isnan(a):
-            return False
+        """a is strictly better than b (a NaN is never better: its comparisons are false; any
+        number beats a NaN)."""
         if math.isnan(b):
             return True
         return a < b if self.mode == "min" else a > b
