@@ -84,14 +84,15 @@ def free_port():
 
 
 def test_a_job_of_two_processes_trains_as_torchrun_does_and_is_requeued_as_one(tmp_path):
-    # rank 0 alone receives the preemption signal, after step 3: both ranks stop there, the
-    # job is requeued, both resume
+    # both ranks receive the preemption signal after step 3; they agree on a step to stop at
+    # the next log point (step 4: debug=fast logs every 2 steps), save it, the job is requeued
+    # and both resume
     signal_at = ["+callbacks.preempt._target_=sweep_toys.SignalAt", "+callbacks.preempt.steps=[3]"]
     saferun_cli("-m", *FAST, *LOCAL, *signal_at, "hydra.launcher.tasks_per_node=2",
                 "hydra.sweep.dir=sweep", cwd=tmp_path)
     (folder,) = [p for p in (tmp_path / "sweep" / ".submitit").iterdir() if p.name.isdigit()]
     log = "".join(p.read_text() for p in sorted(folder.glob("*_0_log.*")))
-    assert "saferun: stopped by SIGUSR2 at step 3;" in log and "Requeued job" in log, log
+    assert "saferun: stopped by SIGUSR2 at step 4;" in log and "Requeued job" in log, log
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          f"--master_port={free_port()}", "-m", "saferun", "run", *FAST, "hydra.run.dir=torchrun"],
