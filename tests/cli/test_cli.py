@@ -114,6 +114,8 @@ def test_list_shows_recipes_and_groups(tmp_path):
     for group in ("trainer/", "optim/", "sched/", "model/", "data/", "callbacks/", "logger/", "debug/"):
         assert group in out
     assert "sgd" in out and "cosine" in out
+    assert "hydra/sweeper=optuna" in out and "hydra/launcher=submitit_slurm" in out
+    assert "  hydra/\n" not in out  # Hydra's own groups are not the job's config groups
 
 
 @pytest.mark.parametrize("override, words", [
