@@ -862,6 +862,9 @@ mutation("a signal added to trainer.stop_signals is not listened to", "saferun/p
 mutation("trainer.stop_signals accepts any name", "saferun/config.py",
          'if unknown or not {"SIGTERM", "SIGINT"} <= set(self.stop_signals):', "if False:",
          "tests/sweeps/test_stop_signals.py")
+mutation("hydra/sweeper=... is refused as an unknown config key", "saferun/suggest.py",
+         'if parts[0].split("/")[0] == "hydra":', 'if parts[0] == "hydra":',
+         "tests/sweeps/test_cluster_env.py::test_hydras_sweeper_and_launcher_choices_pass_saferuns_key_check")
 mutation("a submitit job stopped by the preemption signal is not requeued", "saferun/sweep/cluster.py",
          "            handler(stop.signum, None)", "            pass",
          "tests/sweeps/test_submitit.py::test_preempted_jobs_are_requeued_and_end_as_the_uninterrupted_one",

@@ -59,3 +59,12 @@ def test_a_missing_extra_names_the_install_command(monkeypatch, capsys, choice, 
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert f"saferun: error: {choice} needs the" in err and f"pip install 'saferun[{extra}]'" in err
+
+
+def test_hydras_sweeper_and_launcher_choices_pass_saferuns_key_check():
+    from saferun.config import Config
+    from saferun.suggest import unknown_override
+
+    assert unknown_override(["hydra/sweeper=optuna", "hydra/launcher=submitit_slurm",
+                             "hydra.launcher.nodes=2"], Config) is None
+    assert "hydraa/sweeper" in unknown_override(["hydraa/sweeper=optuna"], Config)
