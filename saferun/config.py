@@ -17,10 +17,12 @@ from typing import Any, Mapping, Optional
 from .errors import ConfigError
 from .loop.settings import EmaConfig
 from .parallel.settings import FSDPConfig
+from .sweep.settings import SweepConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("auto", "ddp", "fsdp")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 
 @dataclass
@@ -88,6 +90,10 @@ class TrainerConfig:
     """The validation metric (e.g. val/loss) a scheduler stepped with a metric, such as
     ReduceLROnPlateau, watches: it is stepped after each validation. Required by such a
     scheduler, refused with any other."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
+    """Signals that stop training at the next step boundary, after saving a checkpoint (exit
+    status 128 + the signal's number). Add SIGUSR1 or SIGUSR2 where a scheduler sends one
+    before the time limit (a job of Hydra's submitit launcher adds its preemption signal)."""
     progress_bar: Optional[bool] = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
@@ -109,6 +115,10 @@ class TrainerConfig:
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
         _one_of(self, "strategy", STRATEGIES)
+        unknown = [s for s in self.stop_signals if s not in STOP_SIGNALS]
+        if unknown or not {"SIGTERM", "SIGINT"} <= set(self.stop_signals):
+            raise ConfigError(f"trainer.stop_signals must hold SIGTERM and SIGINT, and may add "
+                              f"{', '.join(STOP_SIGNALS[2:])}; got {list(self.stop_signals)}.")
         if isinstance(self.num_workers, int) and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers must be >= 0, got {self.num_workers}.")
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
@@ -232,6 +242,8 @@ class Config:
     """Resume even if the config differs from the checkpoint's in keys that change results."""
     seed: int = 0
     """Seeds Python, NumPy and torch, the shuffling order and every DataLoader worker."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """What a sweep (`saferun run -m`) ranks its jobs by; see SweepConfig."""
 
     def __post_init__(self) -> None:
         lr = self.optim.get("lr") if isinstance(self.optim, Mapping) else None

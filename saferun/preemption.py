@@ -1,8 +1,10 @@
-"""Preemption: SIGTERM/SIGINT set a flag; the loop saves at the next step boundary and exits.
+"""Preemption: SIGTERM/SIGINT (and the signals added in `trainer.stop_signals`, such as the
+SIGUSR1 or SIGUSR2 a cluster scheduler sends before the time limit) set a flag; the loop saves
+at the next step boundary and exits.
 
 The documented behaviour, in full:
 
-- The first SIGTERM or SIGINT sets a flag and prints one notice. The step in progress
+- The first stop signal sets a flag and prints one notice. The step in progress
   finishes (a validation in progress is interrupted and recorded as owed), a checkpoint
   of that step boundary is saved, and the process exits with status 128 + the signal
   number (143 for SIGTERM, 130 for SIGINT): `Preempted`.
@@ -12,9 +14,9 @@ The documented behaviour, in full:
   earlier checkpoint stays intact and `resume=auto` continues from the newest one.
   Once the checkpoint is complete, a SIGINT ends the process at once with the status
   that says it was saved (128 + the first signal).
-- Repeated SIGTERMs change nothing: launchers deliver the same SIGTERM more than once
+- Repeated SIGTERMs (or other stop signals but SIGINT) change nothing: launchers deliver the same SIGTERM more than once
   (to the process group and again to each process).
-- DataLoader workers are started with both signals blocked (`shielded_iter`), so a signal
+- DataLoader workers are started with SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 blocked (`shielded_iter`), so a signal
   sent to the whole process group (a scheduler, a terminal's Ctrl-C) reaches only the
   main process, which decides when to stop; the workers are shut down normally (and any
   still alive at exit are killed, since multiprocessing would end them with SIGTERM).
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Blocked in DataLoader workers: a scheduler may send any of them to the whole process group.
+SHIELDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(SystemExit):
@@ -53,19 +57,21 @@ class Preempted(SystemExit):
 
 
 class StopSignals:
-    """Context manager: while active, SIGTERM and SIGINT set `received` instead of killing.
+    """Context manager: while active, the stop signals (SIGTERM, SIGINT and `extra`, by name
+    such as "SIGUSR2") set `received` instead of killing.
 
     Call `saved()` once the stop's checkpoint is complete (see the module docstring).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, extra: Iterable[str] = ()) -> None:
+        self.signals = tuple(dict.fromkeys([*SIGNALS, *(signal.Signals[name] for name in extra)]))
         self.received: Optional[int] = None
         self._saved = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -108,7 +114,7 @@ class StopSignals:
 
 @contextlib.contextmanager
 def workers_shielded() -> Iterator[None]:
-    """Block SIGTERM and SIGINT in this thread while child processes start.
+    """Block the SHIELDED signals in this thread while child processes start.
 
     Children inherit the blocked set (through fork, and through exec with spawn and
     forkserver), so DataLoader workers never act on a signal sent to the process group.
@@ -117,7 +123,7 @@ def workers_shielded() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
     try:
         yield
     finally:

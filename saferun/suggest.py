@@ -59,7 +59,7 @@ def unknown_override(args: Sequence[str], schema: type, config_dirs: Sequence[st
             continue
         key = arg.split("=", 1)[0].lstrip("+").split("@", 1)[0]
         parts = key.split(".")
-        if parts[0] == "hydra":
+        if parts[0].split("/")[0] == "hydra":  # hydra.key=value and hydra/group=option: Hydra's
             continue
         if parts[0] in typed and len(parts) > 1:
             known = {f.name for f in dataclasses.fields(typed[parts[0]])}

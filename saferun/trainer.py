@@ -203,7 +203,7 @@ class Trainer:
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
             self.cfg, self.ranks.is_main, self.device.type))
         self._running = RunningTrainMetrics()
-        self._stop_signals = StopSignals()
+        self._stop_signals = StopSignals(t.stop_signals)
         self._setup_guards()
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch)

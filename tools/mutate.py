@@ -901,6 +901,49 @@ mutation("audit: eval determinism reads the sample twice", "saferun/guards/check
 mutation("audit: single-class batches are warned about", DATA,
          "    if 4 * len(single) >= 3 * len(per_batch) and len(set(single)) > 1:", "    if False:",
          f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
+# ---------------------------------------------------------------- sweeps and clusters (branch sweeps)
+mutation("a sweep job ranks by its last validation, not its best during the run",
+         "saferun/sweep/objective.py",
+         "            if best is None or objective.better(value, best[0]):", "            if True:",
+         "tests/sweeps/test_summary.py")
+mutation("a NaN first validation stays a run's best", "saferun/sweep/objective.py",
+         "        if math.isnan(b):\n            return True\n", "",
+         "tests/sweeps/test_summary.py::test_best_during_run_reads_the_validations_not_the_train_lines_and_skips_nan")
+mutation("sweep.metric without sweep.mode gets a guessed direction", "saferun/sweep/objective.py",
+         '        elif metric == "val/loss":', "        elif True:",
+         "tests/sweeps/test_summary.py::test_the_objective_is_sweep_metric_else_save_best_else_val_loss")
+mutation("the sweep summary ranks a maximized objective upside down", "saferun/sweep/summary.py",
+         'o["value"] if o["mode"] == "min" else -o["value"]', 'o["value"]',
+         "tests/sweeps/test_summary.py::test_the_summary_ranks_jobs_by_their_best_marks_the_best_and_lists_failed_jobs")
+mutation("a SLURM job's processes meet at its last host", "saferun/sweep/cluster.py",
+         "job.hostnames[0]", "job.hostnames[-1]", "tests/sweeps/test_cluster_env.py")
+mutation("a requeued SLURM job meets on a new port", "saferun/sweep/cluster.py",
+         "str(20000 + zlib.crc32(job.job_id.encode()) % 20000)",
+         "str(__import__('random').randint(20000, 39999))", "tests/sweeps/test_cluster_env.py")
+mutation("a sweeper or launcher without its package fails inside Hydra", "saferun/sweep/cluster.py",
+         "if arg.startswith(choice) and importlib.util.find_spec(module) is None:", "if False:",
+         "tests/sweeps/test_cluster_env.py")
+mutation("a signal added to trainer.stop_signals is not listened to", "saferun/preemption.py",
+         ", *(signal.Signals[name] for name in extra)", "",
+         "tests/sweeps/test_stop_signals.py")
+mutation("trainer.stop_signals accepts any name", "saferun/config.py",
+         'if unknown or not {"SIGTERM", "SIGINT"} <= set(self.stop_signals):', "if False:",
+         "tests/sweeps/test_stop_signals.py")
+mutation("hydra/sweeper=... is refused as an unknown config key", "saferun/suggest.py",
+         'if parts[0].split("/")[0] == "hydra":', 'if parts[0] == "hydra":',
+         "tests/sweeps/test_cluster_env.py::test_hydras_sweeper_and_launcher_choices_pass_saferuns_key_check")
+mutation("a submitit job stopped by the preemption signal is not requeued", "saferun/sweep/cluster.py",
+         "            handler(stop.signum, None)", "            pass",
+         "tests/sweeps/test_submitit.py::test_preempted_jobs_are_requeued_and_end_as_the_uninterrupted_one",
+         known="its test is slow (pytest -m slow); killed by hand when written")
+mutation("a requeued submitit job starts over instead of resuming", "saferun/sweep/cluster.py",
+         '            cfg.resume = "auto"', "            pass",
+         "tests/sweeps/test_submitit.py::test_preempted_jobs_are_requeued_and_end_as_the_uninterrupted_one",
+         known="its test is slow (pytest -m slow); killed by hand when written")
+mutation("a trial an interruption left running is not continued", "saferun/sweep/study.py",
+         "    for frozen in reclaimed:", "    for frozen in ():",
+         "tests/sweeps/test_optuna.py::test_an_interrupted_study_continues_its_trials_and_resumes_the_interrupted_one",
+         known="its test is slow (pytest -m slow); killed by hand when written")
 
 # ---------------------------------------------------------------- the runner
 

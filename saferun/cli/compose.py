@@ -4,7 +4,6 @@ and the sweep summary callback. With `cli/run.py`, the only place that sees Hydr
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import sys
@@ -90,21 +89,14 @@ except ImportError:  # pragma: no cover - hydra-core is a dependency
 
 
 class SweepSummary(_HydraCallback):
-    """After a multirun: one line per job with its overrides and final metrics."""
+    """After a multirun: summary.txt, the jobs ranked by the objective (`saferun.sweep.summary`)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from ..sweep.summary import sweep_summary
+
         sweep_dir = Path(config.hydra.sweep.dir)
-        summaries = [json.loads(p.read_text()) for p in sweep_dir.glob("*/summary.json")]
-        if not summaries:
+        table = sweep_summary(sweep_dir) if sweep_dir.is_dir() else None
+        if table is None:
             return
-        summaries.sort(key=lambda s: int(Path(s["run_dir"]).name) if Path(s["run_dir"]).name.isdigit() else 0)
-        keys = sorted({k for s in summaries for k in s["metrics"] if k.startswith(("val/", "train/loss"))})
-        rows = [["job", "overrides", *keys]]
-        for s in summaries:
-            rows.append([Path(s["run_dir"]).name, " ".join(s["overrides"]) or "(none)",
-                         *(f"{s['metrics'][k]:.4g}" if k in s["metrics"] else "-" for k in keys)])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        table = "\n".join(lines)
         (sweep_dir / "summary.txt").write_text(table + "\n")
         print(f"\nsaferun: sweep summary ({sweep_dir / 'summary.txt'})\n{table}", flush=True)

@@ -93,11 +93,15 @@ def list_configs(args: list[str]) -> None:
         print(f"  {name:<16} {_description(conf.joinpath('recipe', name + '.yaml').read_text())}")
     print("\nConfig groups (saferun run GROUP=OPTION):")
     for group in sorted(p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")):
-        if group == "recipe":
+        if group in ("recipe", "hydra"):  # hydra/: Hydra's own groups, listed below
             continue
         print(f"  {group}/")
         for option in sorted(p.name[:-5] for p in conf.joinpath(group).iterdir() if p.name.endswith(".yaml")):
             print(f"    {option:<14} {_description(conf.joinpath(group, option + '.yaml').read_text())}")
+    print("\nSweeps (saferun run -m ...; docs/sweeps-and-clusters.md):\n"
+          "  hydra/sweeper=optuna                          an Optuna study (pip install 'saferun[sweep]')\n"
+          "  hydra/launcher=submitit_slurm|submitit_local  jobs on SLURM or local processes "
+          "(pip install 'saferun[slurm]')")
 
 
 def _description(yaml_text: str) -> str:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from . import compose
 from .compose import _config_dirs, _register_with_hydra, run_id
+from ..sweep.cluster import prepare_multirun, in_job
 
 
 def run(args: list[str]) -> None:
@@ -28,7 +29,11 @@ def run(args: list[str]) -> None:
         # A copied recipe (saferun new) keeps its Python file next to its configs.
         sys.path.insert(0, os.path.abspath(config_dir))
     sys.path.insert(0, os.getcwd())
-    task = _train
+    task = _job
+    if "-m" in args or "--multirun" in args:
+        # every job (in this process, or started by a launcher) resolves the same sweep dir
+        os.environ["SAFERUN_RUN_ID"] = run_id()
+        prepare_multirun(args)
     if ranks_from_env().world_size > 1:
         args, task = _join_torchrun_job(args)
     global _WRITE_HYDRA_DIR
@@ -109,8 +114,15 @@ def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
     return args, record(_train)
 
 
+def _job(cfg: Any) -> Optional[float]:
+    """A job of `saferun run`: `_train`, inside a submitit job's processes when a launcher
+    started it (`saferun.sweep.cluster`)."""
+    return in_job(_train, cfg)
+
+
 def _train(cfg: Any) -> Optional[float]:
-    """One Hydra job: validate the config, build the recipe's Trainer, fit, write the summary."""
+    """One Hydra job: validate the config, build the recipe's Trainer, fit, write the summary;
+    return the objective's best value during the run (what a sweeper optimizes)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
 
@@ -120,6 +132,7 @@ def _train(cfg: Any) -> Optional[float]:
     from ..errors import SaferunError
 
     from ..parallel.distributed import broadcast, ranks_from_env
+    from ..sweep.objective import objective_of
 
     note_log_files()  # before anything is logged: where this run's lines in saferun.log start
     hydra_cfg = HydraConfig.get()
@@ -135,6 +148,8 @@ def _train(cfg: Any) -> Optional[float]:
             raise SaferunError("no task: set task._target_ to a saferun.Trainer subclass "
                                "(recipes do; see `saferun list`).")
         task = dict(config.task)
+        objective = objective_of(config.sweep.metric, config.sweep.mode, config.trainer.save_best,
+                                 config.trainer.save_best_mode)
         task_class = get_class(task.pop("_target_"))
         if main:  # config.yaml: written by fit() once the run directory and resume are accepted
             print(f"saferun: run directory {run_dir}", flush=True)
@@ -154,10 +169,11 @@ def _train(cfg: Any) -> Optional[float]:
         "step": trainer.state.step,
         "seconds": round(time.time() - started, 2),
         "metrics": metrics,
+        "objective": objective.result(run_dir, metrics, trainer.state.step),
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "train/loss")))
     print(f"saferun: done at step {trainer.state.step}: {shown}", flush=True)
     print(f"saferun: run directory {run_dir}", flush=True)
-    return None
+    return None if summary["objective"] is None else summary["objective"]["value"]

@@ -63,9 +63,10 @@ def test_multirun_gives_each_job_a_directory_and_prints_a_summary(tmp_path):
         assert {"val/acc", "val/f1", "val_ema/acc", "val/auroc"} <= {
             m.name.tag for m in data["_hparams_/experiment"].experiment.metric_infos}
     table = (tmp_path / "sweep" / "summary.txt").read_text().splitlines()
-    assert table[0].split()[:2] == ["job", "overrides"] and "val/acc" in table[0]
-    assert table[1].startswith("0") and "optim.lr=0.001" in table[1]
-    assert table[2].startswith("1") and "optim.lr=0.003" in table[2]
+    assert table[0].startswith("2 jobs ranked by val/loss (min)") and "val/acc" in table[3]
+    jobs = {line.split()[-1]: line.lstrip("* ").split()[0] for line in table[4:]}
+    assert jobs == {"optim.lr=0.001": "0", "optim.lr=0.003": "1"}
+    assert table[4].startswith("*")  # the best job (tests/sweeps/test_summary.py: the ranking)
     assert "sweep summary" in proc.stdout
 
 
@@ -113,6 +114,8 @@ def test_list_shows_recipes_and_groups(tmp_path):
     for group in ("trainer/", "optim/", "sched/", "model/", "data/", "callbacks/", "logger/", "debug/"):
         assert group in out
     assert "sgd" in out and "cosine" in out
+    assert "hydra/sweeper=optuna" in out and "hydra/launcher=submitit_slurm" in out
+    assert "  hydra/\n" not in out  # Hydra's own groups are not the job's config groups
 
 
 @pytest.mark.parametrize("override, words", [

@@ -1,0 +1,133 @@
+"""An Optuna study run as a Hydra sweep (`hydra/sweeper=optuna`, see the plugin in
+`hydra_plugins.saferun_optuna`): each trial is one job of the launcher, in the sweep directory's
+subdirectory named by the trial's number, and returns its objective's best value during the run.
+
+A study kept in storage (SQLite in the sweep directory by default) continues when the sweep is
+run again with the same `hydra.sweep.dir`: the finished trials count towards n_trials, and a
+trial an interruption left running is run again in its own run directory with resume=auto,
+from its newest checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import ConfigError, SaferunError
+from .objective import objective_of
+
+
+def search_space(arguments: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """({key: the sweep of an override}, the fixed overrides) of Hydra's override strings."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    space: dict[str, Any] = {}
+    fixed = []
+    for override in OverridesParser.create().parse_overrides(list(arguments)):
+        if override.is_sweep_override():
+            space[override.get_key_element()] = override
+        else:
+            fixed.append(override.input_line)
+    return space, fixed
+
+
+def suggest(trial: Any, key: str, override: Any) -> str:
+    """The trial's value for one key of the search space, as an override's value."""
+    from hydra.core.override_parser.types import IntervalSweep, RangeSweep
+
+    sweep = override.value()
+    if isinstance(sweep, IntervalSweep):
+        log = "log" in sweep.tags
+        if "int" in sweep.tags:  # Hydra's interval is of floats: tag(int, interval(1,8))
+            return str(trial.suggest_int(key, int(sweep.start), int(sweep.end), log=log))
+        return repr(trial.suggest_float(key, float(sweep.start), float(sweep.end), log=log))
+    if isinstance(sweep, RangeSweep) and all(isinstance(v, int) for v in (sweep.start, sweep.stop, sweep.step)):
+        last = sweep.start + sweep.step * ((sweep.stop - sweep.start - 1) // sweep.step)
+        return str(trial.suggest_int(key, sweep.start, last, step=sweep.step))
+    return str(trial.suggest_categorical(key, list(override.sweep_string_iterator())))
+
+
+def run_study(settings: dict[str, Any], config: Any, launcher: Any, arguments: Sequence[str]) -> Any:
+    """Run the study's remaining trials; write optimization_results.yaml; return the study."""
+    import optuna
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    space, fixed = search_space([*arguments, *(f"{k}={v}" for k, v in settings["params"].items())])
+    if not space:
+        raise ConfigError("hydra/sweeper=optuna: no search space. Give one as an override, e.g. "
+                          "'optim.lr=tag(log,interval(1e-4,1e-2))' or 'optim=choice(adamw,sgd)'.")
+    objective = objective_of(config.sweep.metric, config.sweep.mode, config.trainer.save_best,
+                             config.trainer.save_best_mode)
+    sweep_dir = Path(config.hydra.sweep.dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    direction = "minimize" if objective.mode == "min" else "maximize"
+    sampler = settings["sampler"]
+    study = optuna.create_study(
+        study_name=settings["study_name"], storage=settings["storage"], direction=direction,
+        sampler=instantiate(sampler) if OmegaConf.is_config(sampler) else sampler, load_if_exists=True)
+    if study.direction.name.lower() != direction:
+        raise ConfigError(f"the study {settings['study_name']!r} in {settings['storage']} was "
+                          f"created to {study.direction.name.lower()}, but {objective.metric} "
+                          f"({objective.mode}) needs {direction}: use another study_name or storage.")
+    state = optuna.trial.TrialState
+    reclaimed = study.get_trials(deepcopy=False, states=(state.RUNNING,))
+    finished = len(study.get_trials(deepcopy=False, states=(state.COMPLETE, state.PRUNED, state.FAIL)))
+    for frozen in reclaimed:  # left running by an interruption: continue it where it stopped
+        params = [f"{key}={value}" for key, value in frozen.user_attrs["overrides"].items()]
+        _launch(study, launcher, [(frozen.number, [*fixed, *params, "resume=auto"])], objective)
+    while finished + len(reclaimed) < settings["n_trials"]:
+        count = min(settings["n_jobs"], settings["n_trials"] - finished - len(reclaimed))
+        batch = []
+        for _ in range(count):
+            trial = study.ask()
+            values = {key: suggest(trial, key, override) for key, override in space.items()}
+            trial.set_user_attr("overrides", values)
+            batch.append((trial.number, [*fixed, *(f"{k}={v}" for k, v in values.items())]))
+        _launch(study, launcher, batch, objective)
+        finished += count
+    _write_results(study, sweep_dir, objective)
+    return study
+
+
+def _launch(study: Any, launcher: Any, batch: list[tuple[int, list[str]]], objective: Any) -> None:
+    """Run the batch's trials (one launch while their numbers follow each other: the launcher
+    numbers the jobs, hence their directories, from the first) and tell the study the results."""
+    from hydra.core.utils import JobStatus
+    from optuna.trial import TrialState
+
+    from ..preemption import Preempted
+
+    numbers = [number for number, _ in batch]
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        for one in batch:
+            _launch(study, launcher, [one], objective)
+        return
+    try:
+        returns = launcher.launch([overrides for _, overrides in batch], initial_job_idx=numbers[0])
+    except (Preempted, KeyboardInterrupt):
+        raise  # the trials stay RUNNING: a rerun continues them
+    except BaseException:
+        for number in numbers:
+            study.tell(number, state=TrialState.FAIL)
+        raise
+    for number, ret in zip(numbers, returns):
+        if ret.status != JobStatus.COMPLETED:
+            study.tell(number, state=TrialState.FAIL)
+            raise SaferunError(f"trial {number} failed: {ret._return_value!r}")
+        if ret.return_value is None:
+            study.tell(number, state=TrialState.FAIL)
+            raise SaferunError(f"trial {number} reported no {objective.metric}: its validation "
+                               f"has none. Set sweep.metric (and sweep.mode) or trainer.save_best "
+                               f"to a metric it reports.")
+        study.tell(number, ret.return_value)
+
+
+def _write_results(study: Any, sweep_dir: Path, objective: Any) -> None:
+    """optimization_results.yaml: the best trial's number, overrides, value and run directory."""
+    from omegaconf import OmegaConf
+
+    best = study.best_trial
+    results = {"name": "optuna", "metric": objective.metric, "mode": objective.mode,
+               "best_trial": best.number, "best_params": dict(best.user_attrs["overrides"]),
+               "best_value": best.value, "best_run_dir": str((sweep_dir / str(best.number)).resolve())}
+    (sweep_dir / "optimization_results.yaml").write_text(OmegaConf.to_yaml(results))

@@ -1,0 +1,104 @@
+"""saferun's Optuna sweeper: the search space from Hydra's override grammar (fast), and real
+studies through the real command line (slow)."""
+
+import json
+import sqlite3
+
+import pytest
+import torch
+import yaml
+
+from saferun.sweep.study import search_space, suggest
+from sweep_cli import FAST, saferun_cli
+
+optuna = pytest.importorskip("optuna")
+
+
+def test_the_override_grammar_becomes_optunas_distributions():
+    space, fixed = search_space(["recipe=tabular", "optim.lr=tag(log,interval(1e-4,1e-2))",
+                                 "trainer.batch_size=range(16,65,16)", "optim=choice(adamw,sgd)",
+                                 "trainer.accumulate=tag(int,interval(1,4))", "seed=0,1"])
+    assert fixed == ["recipe=tabular"]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    trial = study.ask()
+    values = {key: suggest(trial, key, override) for key, override in space.items()}
+    d = trial.distributions
+    assert d["optim.lr"] == optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
+    assert d["trainer.batch_size"] == optuna.distributions.IntDistribution(16, 64, step=16)
+    assert d["optim"] == optuna.distributions.CategoricalDistribution(["adamw", "sgd"])
+    assert d["trainer.accumulate"] == optuna.distributions.IntDistribution(1, 4)
+    assert d["seed"] == optuna.distributions.CategoricalDistribution(["0", "1"])
+    assert float(values["optim.lr"]) == trial.params["optim.lr"]  # the override is the value
+    assert int(values["trainer.batch_size"]) in (16, 32, 48, 64)
+
+
+def test_the_sweeper_config_composes_to_saferuns_plugin_and_an_optuna_sampler():
+    from hydra import compose, initialize_config_module
+    from hydra.utils import get_class, instantiate
+
+    from hydra.plugins.sweeper import Sweeper
+
+    from saferun.cli import _register_with_hydra
+
+    _register_with_hydra()
+    with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/sweeper=optuna", "hydra.sweep.dir=/s"],
+                      return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    # (Hydra's plugin scan executes the module again: compare the class by name)
+    plugin = get_class(sweeper._target_)
+    assert issubclass(plugin, Sweeper) and plugin.__name__ == "OptunaSweeper"
+    assert sweeper.storage == "sqlite:////s/optuna.db" and sweeper.n_trials == 20
+    assert isinstance(instantiate(sweeper.sampler), optuna.samplers.TPESampler)
+
+
+def trials(db):
+    with sqlite3.connect(db) as c:
+        return c.execute("SELECT number, state FROM trials ORDER BY number").fetchall()
+
+
+@pytest.mark.slow  # two short trainings
+def test_an_in_memory_study_runs_its_trials_and_names_the_best(tmp_path):
+    proc = saferun_cli("-m", *FAST, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+                       "hydra.sweeper.storage=null", "optim.lr=tag(log,interval(1e-4,1e-2))",
+                       "hydra.sweep.dir=sweep", cwd=tmp_path)
+    sweep = tmp_path / "sweep"
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    summaries = {n: json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")}
+    best = min(summaries, key=lambda n: summaries[n]["objective"]["value"])
+    assert results["best_trial"] == int(best) and results["metric"] == "val/loss"
+    assert results["best_value"] == summaries[best]["objective"]["value"]
+    assert results["best_run_dir"] == str(sweep / best)
+    assert f"optim.lr={results['best_params']['optim.lr']}" in summaries[best]["overrides"]
+    table = (sweep / "summary.txt").read_text().splitlines()
+    assert table[1].startswith(f"best: job {best} (") and table[4].startswith(f"*  {best}")
+    assert "sweep summary" in proc.stdout and not (sweep / "optuna.db").exists()
+
+
+@pytest.mark.slow  # three trials over two sweeps, and one plain run
+def test_an_interrupted_study_continues_its_trials_and_resumes_the_interrupted_one(tmp_path):
+    once = tmp_path / "signalled"
+    args = ["-m", *FAST, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+            "optim.lr=tag(log,interval(1e-4,1e-2))", "hydra.sweep.dir=sweep",
+            "+callbacks.stop._target_=sweep_toys.SignalAt", "+callbacks.stop.steps=[3]",
+            "+callbacks.stop.signum=SIGTERM", f"+callbacks.stop.once_file={once}"]
+    first = saferun_cli(*args, cwd=tmp_path, check=False)  # SIGTERM in trial 0, after step 3
+    assert first.returncode == 143, first.stdout + first.stderr
+    db = tmp_path / "sweep" / "optuna.db"
+    assert trials(db) == [(0, "RUNNING")]  # left for the rerun
+    saferun_cli(*args, cwd=tmp_path)
+    assert trials(db) == [(0, "COMPLETE"), (1, "COMPLETE"), (2, "COMPLETE")]
+    sweep = tmp_path / "sweep"
+    trial0 = json.loads((sweep / "0" / "summary.json").read_text())
+    assert "resume=auto" in trial0["overrides"] and trial0["step"] == 10
+    # the resumed trial ends as an uninterrupted run of its configuration
+    lr = next(o for o in trial0["overrides"] if o.startswith("optim.lr="))
+    saferun_cli(*FAST, lr, "hydra.run.dir=plain", cwd=tmp_path)
+    for name in ("model.pt",):
+        a, b = torch.load(sweep / "0" / name), torch.load(tmp_path / "plain" / name)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(x)["step"] for x in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
+    plain = [json.loads(x)["step"] for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == plain  # each step logged once
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_trial"] in (0, 1, 2) and len((sweep / "summary.txt").read_text().splitlines()) == 7
