@@ -834,6 +834,12 @@ mutation("a fused optimizer's step the GradScaler dropped leaves the average", "
          "        if found is not None and found.item():\n            return\n", "",
          "tests/loop/test_averaging.py::test_a_step_the_grad_scaler_drops_does_not_move_the_average")
 
+# ---- resume-course (issue 21: items 1, 2, 11b, 11c, 14)
+mutation("a resume that changes what validation sees is refused", "saferun/checkpoint/compat.py",
+         '                  "trainer.val_every_n_steps", "trainer.limit_val_batches",\n'
+         '                  "trainer.val_batch_size")', ")",
+         "tests/checkpoint/test_resume.py::test_a_resume_that_changes_what_validation_sees_is_refused_without_force_resume")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

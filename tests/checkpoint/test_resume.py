@@ -518,3 +518,20 @@ def test_a_signal_during_a_step_saves_right_after_that_step(tmp_path):
         t.fit()
     assert e.value.code == 128 + signal.SIGTERM and t.state.step == 5  # not at a log point
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000005"]
+
+
+@pytest.mark.parametrize("key, value", [("val_every_n_steps", 3), ("limit_val_batches", 1),
+                                        ("val_batch_size", 8)])
+def test_a_resume_that_changes_what_validation_sees_is_refused_without_force_resume(tmp_path, key, value):
+    # validation steers ReduceLROnPlateau (sched_metric), EarlyStopping and save_best: a
+    # resume that validates at other steps or on other batches continues another run
+    cfg = toy_config(tmp_path, max_steps=4, val_every_n_steps=2, save_best="val/loss")
+    ToyTrainer(cfg).fit()
+    cfg = toy_config(tmp_path, max_steps=6, val_every_n_steps=2, save_best="val/loss")
+    cfg["trainer"][key], cfg["resume"] = value, "auto"
+    with pytest.raises(saferun.ConfigError, match=rf"trainer\.{key}: .* -> {value}.*force_resume=true"):
+        ToyTrainer(cfg).fit()
+    cfg["force_resume"] = True
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert t.state.step == 6
