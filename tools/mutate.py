@@ -839,6 +839,12 @@ mutation("a resume that changes what validation sees is refused", "saferun/check
          '                  "trainer.val_every_n_steps", "trainer.limit_val_batches",\n'
          '                  "trainer.val_batch_size")', ")",
          "tests/checkpoint/test_resume.py::test_a_resume_that_changes_what_validation_sees_is_refused_without_force_resume")
+mutation("resume=latest (or True) asks: did you mean resume=auto", CKPTR,
+         "        if resume.lower() in _AUTO_WORDS:", "        if False:",
+         "tests/checkpoint/test_resume.py::test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_accepts")
+mutation("resume=<a folder of runs> names its latest run directory", CKPTR,
+         "        if runs:\n            what +=", "        if False:\n            what +=",
+         "tests/checkpoint/test_resume.py::test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_accepts")
 
 # ---------------------------------------------------------------- the runner
 

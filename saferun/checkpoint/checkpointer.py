@@ -177,7 +177,7 @@ class Checkpointer:
             found = load_latest(root)
         if found is None:
             if resume != "auto":
-                raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
+                raise CheckpointError(no_checkpoint_at(resume))
             log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
             self.untrained_auto = True
             return
@@ -335,6 +335,32 @@ class Checkpointer:
             return True
         return value < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
             else value > self.best[0]
+
+
+# what users of other tools write for "the newest checkpoint"
+_AUTO_WORDS = {"latest", "last", "newest", "true", "yes", "on", "1", "continue", "resume"}
+ACCEPTS = ("resume accepts auto (the newest checkpoint of this run directory), fresh (start "
+           "over here, the earlier run moved aside), a run directory (its newest checkpoint) or "
+           "a checkpoint directory (<run dir>/checkpoints/step-N)")
+
+
+def no_checkpoint_at(resume: str) -> str:
+    """Why `resume=PATH` found no complete checkpoint: what is at PATH, what resume accepts."""
+    where = Path(resume)
+    if not where.exists():
+        what = f"{where.absolute()} does not exist"
+        if resume.lower() in _AUTO_WORDS:
+            what += "; did you mean resume=auto (the newest checkpoint of this run directory)?"
+    elif not where.is_dir():
+        what = f"{where} is a file, not a run directory or checkpoint directory"
+    else:
+        runs = sorted((p for p in where.iterdir() if list_checkpoints(checkpoint_root(p))),
+                      key=lambda p: list_checkpoints(checkpoint_root(p))[-1].stat().st_mtime)
+        what = f"{where} exists but holds no complete checkpoint"
+        if runs:
+            what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
+                     f"name one, e.g. the latest, resume={runs[-1]}")
+    return f"resume={resume}: {what}. {ACCEPTS}."
 
 
 def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:

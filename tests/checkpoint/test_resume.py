@@ -195,7 +195,7 @@ def test_resume_auto_without_checkpoint_starts_fresh_and_explicit_path_must_exis
     t.fit()
     assert t.state.step == 3
     cfg["resume"] = str(tmp_path / "nowhere")
-    with pytest.raises(saferun.SaferunError, match="no complete checkpoint"):
+    with pytest.raises(saferun.SaferunError, match="nowhere does not exist"):
         ToyTrainer(cfg).fit()
 
 
@@ -535,3 +535,32 @@ def test_a_resume_that_changes_what_validation_sees_is_refused_without_force_res
     t = ToyTrainer(cfg)
     t.fit()
     assert t.state.step == 6
+
+
+def test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_accepts(tmp_path):
+    # a recipe's parent folder holding two runs, a path that does not exist, and words
+    # from other tools: each message says whether the path exists and what resume accepts
+    for name in ("20260101-000000-ab12", "20260102-000000-cd34"):
+        cfg = toy_config(tmp_path, max_steps=2)
+        cfg["trainer"]["run_dir"] = str(tmp_path / "outputs" / "toy" / name)
+        ToyTrainer(cfg).fit()
+    accepts = "resume accepts auto"
+
+    def refusal(resume):
+        cfg = toy_config(tmp_path, max_steps=4)
+        cfg["trainer"]["run_dir"], cfg["resume"] = str(tmp_path / "new"), resume
+        with pytest.raises(saferun.SaferunError) as e:
+            ToyTrainer(cfg).fit()
+        return str(e.value)
+
+    parent = refusal(str(tmp_path / "outputs" / "toy"))
+    assert "exists" in parent and accepts in parent and "holds run directories" in parent
+    assert f"resume={tmp_path / 'outputs' / 'toy' / '20260102-000000-cd34'}" in parent  # the newest
+    missing = refusal(str(tmp_path / "nowhere"))
+    assert "does not exist" in missing and accepts in missing and "did you mean" not in missing
+    for word in ("latest", True, "last"):
+        said = refusal(word)
+        assert "does not exist" in said and accepts in said and "did you mean resume=auto" in said
+    file = tmp_path / "weights.pt"
+    file.write_bytes(b"x")
+    assert "is a file" in refusal(str(file))
