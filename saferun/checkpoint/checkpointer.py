@@ -25,11 +25,11 @@ from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
-from . import rundir
+from . import course, rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights)
-from .superseded import FRESH, evaluated_weights, set_aside_newer, start_fresh
+from .superseded import FRESH, evaluated_weights, start_fresh
 
 log = logging.getLogger("saferun")
 
@@ -170,6 +170,12 @@ class Checkpointer:
         if resume is None or resume == FRESH:
             return
         where = Path(o.state.run_dir) if resume == "auto" else Path(resume)
+        unfinished = course.interrupted(o.state.run_dir) if resume == "auto" else None
+        if unfinished is not None:  # a change of course a killed run left: fit() finishes it
+            where = Path(unfinished["resumed"])
+            log.warning("resume=auto: %s holds a change of course to %s that a killed run left "
+                        "unfinished; it is finished and the run continues from there.",
+                        o.state.run_dir, where)
         if (where / "manifest.json").is_file():
             found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
         else:
@@ -203,6 +209,10 @@ class Checkpointer:
         o = self._owner
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
+            unfinished = course.interrupted(o.state.run_dir)
+            found = self.pending_resume
+            if unfinished is not None and (found is None or str(found[0].resolve()) != unfinished["resumed"]):
+                course.refuse_other_start(o.state.run_dir, o.cfg.resume, unfinished)
             if self.pending_resume is None and o.state.step == 0:
                 start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main)  # an earlier run: aside
             self.resume()
@@ -228,15 +238,22 @@ class Checkpointer:
         check_resume_config(state["config"], config, o.cfg.force_resume)
         forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
         configured = configured_hyperparameters(o.optimizer, o.scheduler) if forced else None
+        # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
+        # (auto alone took the newest checkpoint: nothing is newer)
+        changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main) \
+            if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) else None
         o.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
-        if o.cfg.resume != "auto" and o.ranks.is_main:  # auto took the newest: none is newer
-            aside = set_aside_newer(checkpoint_root(o.state.run_dir), path)
-            if aside is not None:
-                log.warning("resume=%s: this run directory held checkpoints of a later step or "
-                            "of another run; they are moved to %s, so that a later resume=auto "
-                            "continues this run, not those.", o.cfg.resume, aside)
+        if changed is not None:
+            self.ensure_one()  # PATH elsewhere: this run directory's own first checkpoint
+            course.finished(o.state.run_dir, changed, o.ranks.is_main)
+            if o.ranks.is_main:
+                log.warning("resume=%s: the course it supersedes in this run directory (%s) is "
+                            "moved to %s, nothing deleted; this run's logs hold the course of "
+                            "%s up to step %d, then this run.", o.cfg.resume,
+                            ", ".join(changed["move"]) or "nothing", Path(o.state.run_dir) / changed["aside"],
+                            path, o.state.step)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
             steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
             use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)

@@ -225,7 +225,7 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     ToyTrainer(cfg).fit()
     assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000004",
                                                         "step-00000006"]
-    aside = [p for p in root.iterdir() if p.name.startswith("superseded-")]
+    aside = [p / "checkpoints" for p in root.parent.iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == \
         ["step-00000006", "step-00000008"]
     assert torch.equal(load_checkpoint(aside[0] / "step-00000008")["model"]["head.weight"],
