@@ -246,6 +246,7 @@ class Checkpointer:
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
         if changed is not None:
+            self._best_of_this_directory(path)
             self.ensure_one()  # PATH elsewhere: this run directory's own first checkpoint
             course.finished(o.state.run_dir, changed, o.ranks.is_main)
             if o.ranks.is_main:
@@ -260,6 +261,26 @@ class Checkpointer:
             log.warning("force_resume: %s changed; the optimizer now uses the configured values "
                         "(learning rate %s at step %d), its moments are the checkpoint's.",
                         ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
+
+    def _best_of_this_directory(self, resumed: Path) -> None:
+        """After a change of course, save_best's record names a checkpoint of this run
+        directory: PATH itself (elsewhere: this directory's copy of it, saved next), one kept
+        here, or none ("") when the superseded course's rotation deleted it or it lies in
+        another run directory. Its value stays: a new best must beat the course's best so far."""
+        if self.best is None:
+            return
+        value, named = self.best
+        root = checkpoint_root(self._owner.state.run_dir)
+        if Path(named).resolve() == resumed.resolve():
+            self.best = (value, str(root / resumed.name))
+        elif Path(named).parent.resolve() != root.resolve() or not Path(named).is_dir():
+            self.best = (value, "")
+            if self._owner.ranks.is_main:
+                log.warning("save_best: the best checkpoint of this course so far (%s %s, %s) is "
+                            "not in this run directory (deleted by the superseded course's "
+                            "rotation, or in another run directory); a later checkpoint becomes "
+                            "the best only if it beats that value.", self._owner.cfg.trainer.save_best,
+                            value, named)
 
     def replaced(self) -> None:
         """`load_state_dict` was called: its state replaces any found by setup."""

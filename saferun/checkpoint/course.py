@@ -152,8 +152,8 @@ def _carry_out(run_dir: Path, record: dict[str, Any]) -> None:
 
 def _copy_jsonl(source: Path, target: Path, step: int) -> None:
     """The lines of `source` up to `step` (its metrics.jsonl logger then cuts them to the
-    length recorded in the checkpoint), unless `target` is there already (a second pass)."""
-    if not source.is_file() or os.path.lexists(target):
+    length recorded in the checkpoint)."""
+    if not source.is_file():
         return
     kept = []
     with open(source, "rb") as f:

@@ -7,11 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import saferun
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.checkpoint.course import RECORD
 from toys import TENSORBOARD, TOYS_PATH, ToyTrainer, toy_config
@@ -75,6 +77,7 @@ def assert_same(a, b, path=""):
         assert a == b, path
 
 
+@pytest.mark.slow  # four runs; one process: the tests below
 def test_resume_path_sets_the_superseded_course_aside_and_its_logs_run_on_from_path(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     ToyTrainer(config(a, 8)).fit()  # the first course, to step 8
@@ -177,14 +180,84 @@ def kill_case(first_course, tmp_path, point):
     assert_as_if_not_killed(run_dir, changed, first)
 
 
-def test_a_change_of_course_killed_between_two_renames_is_finished_by_resume_auto(first_course, tmp_path):
-    # the checkpoint of step 6 is aside, that of step 8 still here: resume=auto must not
-    # continue the old course from it
-    kill_case(first_course, tmp_path, "course-rename-1")
+class Killed(BaseException):
+    pass
 
 
-@pytest.mark.slow  # a process per kill point; one in the default run (above)
-@pytest.mark.parametrize("point", [p for p in KILL_POINTS if p != "course-rename-1"])
+def test_a_change_of_course_stopped_between_two_renames_is_finished_by_resume_auto(
+        first_course, tmp_path, monkeypatch):
+    # in this process (the real SIGKILLs are the slow tests below): stopped once the checkpoint
+    # of step 6 is aside and that of step 8 is still here, resume=auto must not continue the
+    # old course from step 8, but finish the change and continue from step 4
+    from saferun.checkpoint import course
+
+    first, changed = first_course
+    run_dir = tmp_path / "run"
+    shutil.copytree(first, run_dir)
+
+    def kill_point(name):
+        if name == "course-rename-1":
+            raise Killed
+    monkeypatch.setattr(course, "_kill_point", kill_point)
+    with pytest.raises(Killed):
+        ToyTrainer(config(run_dir, 8, resume=run_dir / "checkpoints" / "step-00000004", lr=0.01)).fit()
+    assert (run_dir / RECORD).is_file() and (run_dir / "checkpoints" / "step-00000008").is_dir()
+    monkeypatch.undo()
+    for other in (None, "fresh"):  # half moved: no other start until the change is finished
+        cfg = config(run_dir, 8, lr=0.01)
+        cfg["resume"] = other
+        with pytest.raises(saferun.SaferunError, match="unfinished change of course.*resume=auto"):
+            ToyTrainer(cfg).fit()
+    again = config(run_dir, 8, lr=0.01)
+    again["resume"], again["force_resume"] = "auto", True
+    ToyTrainer(again).fit()
+    assert not (run_dir / RECORD).exists()
+    assert_as_if_not_killed(run_dir, changed, first)
+
+
+def test_carrying_out_a_change_twice_moves_each_entry_once(first_course, tmp_path):
+    # a run killed after the moves and copies: the next one carries the record out again
+    from saferun.checkpoint import course
+
+    first, changed = first_course
+    run_dir = tmp_path / "run"
+    shutil.copytree(first, run_dir)
+    step4 = run_dir / "checkpoints" / "step-00000004"
+    record = course.change_course(str(run_dir), step4, 4, main=True)
+    once = files(run_dir), files(run_dir / record["aside"])
+    assert course.change_course(str(run_dir), step4, 4, main=True) == record
+    assert (files(run_dir), files(run_dir / record["aside"])) == once
+    kept = ("checkpoints/step-00000002/", "checkpoints/step-00000004/")
+    assert once[1] == {k: v for k, v in files(first).items() if not k.startswith(kept)}
+    # the continued course's past: the first course's lines and events up to step 4 alone
+    assert jsonl(once[0]["metrics.jsonl"]) == [r for r in jsonl(files(first)["metrics.jsonl"])
+                                                if r["step"] <= 4]
+    old = scalars(first / "tensorboard")
+    assert scalars(run_dir / "tensorboard") == {
+        tag: [p for p in points if p[0] <= 4] for tag, points in old.items()}
+    assert not list((run_dir / "tensorboard").glob("*.hparams"))  # the new course writes its own
+
+
+def test_another_run_directorys_checkpoint_sets_this_ones_earlier_run_aside_and_continues_paths_logs(
+        first_course, tmp_path):
+    # run directory b holds an earlier run; resume=<a's step 4>: b's metrics.jsonl is never
+    # cut to a's recorded length: b's run goes aside whole, b continues a's course
+    first, changed = first_course
+    b = tmp_path / "b"
+    ToyTrainer(config(b, 6, lr=0.3)).fit()
+    earlier = files(b)
+    ToyTrainer(config(b, 8, resume=first / "checkpoints" / "step-00000004", lr=0.01)).fit()
+    [aside] = superseded(b)
+    assert files(aside) == earlier
+    assert untimed(jsonl((b / "metrics.jsonl").read_bytes())) == \
+        untimed(jsonl((changed / "metrics.jsonl").read_bytes()))
+    assert scalars(b / "tensorboard") == scalars(changed / "tensorboard")
+    for done in list_checkpoints(changed / "checkpoints")[1:]:  # steps 4 (b's own copy), 6, 8
+        assert_same(whole_state(b / "checkpoints" / done.name), whole_state(done))
+
+
+@pytest.mark.slow  # a process per kill point; one in this process in the default run (above)
+@pytest.mark.parametrize("point", KILL_POINTS)
 def test_a_change_of_course_killed_at_any_point_is_finished_by_resume_auto(first_course, tmp_path, point):
     kill_case(first_course, tmp_path, point)
 
@@ -202,7 +275,46 @@ def test_a_change_to_another_run_directorys_checkpoint_killed_is_finished_by_res
     killed_then_auto(first, run_dir, point, first / "checkpoints" / "step-00000004")
     [aside] = superseded(run_dir)
     assert files(aside) == earlier
-    for done in list_checkpoints(changed / "checkpoints")[2:]:  # steps 6 and 8
+    for done in list_checkpoints(changed / "checkpoints")[1:]:  # steps 4 (its own copy), 6, 8
         assert_same(whole_state(run_dir / "checkpoints" / done.name), whole_state(done))
     assert untimed(jsonl((run_dir / "metrics.jsonl").read_bytes())) == \
         untimed(jsonl((changed / "metrics.jsonl").read_bytes()))
+
+
+class PlantedValidation(ToyTrainer):
+    """Validation reports the loss planted for each step."""
+
+    losses = {}
+
+    def validation_step(self, batch):
+        return {"loss": torch.tensor(self.losses[self.state.step])}
+
+
+@pytest.mark.parametrize("losses, where, named", [
+    # the best (step 2) was deleted by the first course's rotation once step 8 was better
+    ({2: 1.0, 4: 2.0, 6: 3.0, 8: 0.5}, "a", ""),
+    ({2: 1.0, 4: 2.0, 6: 3.0, 8: 0.5}, "b", ""),
+    # PATH itself is the best: in another run directory, this one's own copy of it
+    ({2: 3.0, 4: 2.0, 6: 1.0, 8: 0.5}, "b", "b/checkpoints/step-00000006"),
+])
+def test_after_a_change_of_course_save_best_names_a_checkpoint_of_this_run_directory_or_none(
+        tmp_path, losses, where, named, caplog):
+    class Trainer(PlantedValidation):
+        pass
+    Trainer.losses = losses
+
+    def cfg(run_dir, steps, resume=None):
+        c = config(run_dir, steps, resume)
+        c["trainer"].update(keep_last=2, save_best="val/loss", val_every_n_steps=2)
+        return c
+    a = tmp_path / "a"
+    Trainer(cfg(a, 8)).fit()
+    step6 = a / "checkpoints" / "step-00000006"
+    best = load_checkpoint(step6)["loop"]["best"]
+    assert Path(best[1]).name == ("step-00000002" if losses[2] == 1.0 else "step-00000006")
+    Trainer(cfg(tmp_path / where, 6, resume=step6)).fit()  # resumed at step 6, ends there
+    saved = load_checkpoint(tmp_path / where / "checkpoints" / "step-00000006")["loop"]["best"]
+    assert saved[0] == 1.0  # the course's best so far: a new best must beat it
+    assert saved[1] == (str(tmp_path / named) if named else "")
+    if not named:
+        assert "save_best" in caplog.text and "step-00000002" in caplog.text
