@@ -238,16 +238,24 @@ class Checkpointer:
         check_resume_config(state["config"], config, o.cfg.force_resume)
         forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
         configured = configured_hyperparameters(o.optimizer, o.scheduler) if forced else None
+        o.load_state_dict(state)  # in memory (it may refuse): the files are untouched so far
         # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
         # (auto alone took the newest checkpoint: nothing is newer)
         changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main) \
             if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) else None
-        o.load_state_dict(state)
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
+        if configured is not None:  # force_resume with a new optim/sched: what was asked applies
+            steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
+            use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)
+            log.warning("force_resume: %s changed; the optimizer now uses the configured values "
+                        "(learning rate %s at step %d), its moments are the checkpoint's.",
+                        ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
         if changed is not None:
             self._best_of_this_directory(path)
-            self.ensure_one()  # PATH elsewhere: this run directory's own first checkpoint
+            # PATH elsewhere: this run directory's own first checkpoint, as this run goes on
+            # (after force_resume's values: a resume from it must not go back to PATH's)
+            self.ensure_one()
             course.finished(o.state.run_dir, changed, o.ranks.is_main)
             if o.ranks.is_main:
                 log.warning("resume=%s: the course it supersedes in this run directory (%s) is "
@@ -255,12 +263,6 @@ class Checkpointer:
                             "%s up to step %d, then this run.", o.cfg.resume,
                             ", ".join(changed["move"]) or "nothing", Path(o.state.run_dir) / changed["aside"],
                             path, o.state.step)
-        if configured is not None:  # force_resume with a new optim/sched: what was asked applies
-            steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
-            use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)
-            log.warning("force_resume: %s changed; the optimizer now uses the configured values "
-                        "(learning rate %s at step %d), its moments are the checkpoint's.",
-                        ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
 
     def _best_of_this_directory(self, resumed: Path) -> None:
         """After a change of course, save_best's record names a checkpoint of this run
