@@ -24,7 +24,7 @@ The course-kill kinds change course instead: `resume=<the oldest checkpoint of a
 run>` with a lower learning rate and force_resume, killed with SIGKILL at a point of the change
 drawn at random (SAFERUN_KILL_AT, see saferun/checkpoint/course.py: once its record is written,
 after the n-th rename, after the logs are copied), in that run's directory (course-kill) or in
-a new one (course-kill-other). The resume=auto after it must finish the change: exact means it
+another one that holds an earlier run (course-kill-other). The resume=auto after it must finish the change: exact means it
 ends bitwise equal to the same change made uninterrupted, not to the old course.
 
 Slow and manual: not part of the test suite. Exit status 1 if any case was unclear or a
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import random
 import re
@@ -201,10 +202,12 @@ class Injector:
 
     def course(self, kind: str, run_dir: Path) -> tuple[Run, str]:
         """Change course to the oldest checkpoint of a finished run (a copy of the reference),
-        killed at a point drawn at random; return the run and the point."""
+        killed at a point drawn at random; return the run and the point. course-kill-other:
+        `run_dir` holds an earlier run of its own (another copy), which goes aside."""
         first = run_dir if kind == "course-kill" else self.work / "course-first"
-        if not first.exists():
-            shutil.copytree(self.work / "reference", first)
+        for path in {first, run_dir}:
+            if not path.exists():
+                shutil.copytree(self.work / "reference", path)
         path = list_checkpoints(first / "checkpoints")[0]
         point = self.rng.choice(COURSE_POINTS)
         run = Run(self.job_dir, run_dir, f"resume={path}", *COURSE_CHANGE,
@@ -221,7 +224,7 @@ class Injector:
             run = Run(self.job_dir, run_dir, f"resume={path}", *COURSE_CHANGE)
             if run.wait() != 0:
                 raise SystemExit(f"the uninterrupted change of course failed:\n{run.text}")
-            self._changed = final_state(run_dir)
+            self._changed = course_state(run_dir)
         return self._changed
 
     def course_resume(self, run_dir: Path, point: str) -> tuple[str, str]:
@@ -232,7 +235,7 @@ class Injector:
             kind = "unclear" if unclear(resume.text) or "saferun: error:" not in resume.text \
                 else "refused"
             return kind, f"killed at {point}; the resume ({status}): {last_error(resume.text)}"
-        difference = compare(final_state(run_dir), self.changed())
+        difference = compare(course_state(run_dir), self.changed())
         if difference:
             return "silent loss", f"killed at {point}; the resume continued another course: {difference}"
         if (run_dir / ".course-change.json").exists():
@@ -362,6 +365,20 @@ def final_state(run_dir: Path) -> dict[str, Any]:
     weights = run_dir / "model.pt"
     state["model.pt"] = torch.load(weights, weights_only=True) if weights.exists() else None
     return without_timings(state)
+
+
+def course_state(run_dir: Path) -> dict[str, Any]:
+    """`final_state` with metrics.jsonl's lines instead of its length in bytes: the lines of
+    a changed course were written by several processes, and their wall-clock times (and so
+    the length) differ from those of the uninterrupted change."""
+    state = final_state(run_dir)
+    for saved in state.get("callbacks", {}).values():
+        if isinstance(saved, dict):
+            saved.pop("length", None)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    state["metrics.jsonl"] = [without_timings({k: v for k, v in json.loads(line).items() if k != "time"})
+                              for line in lines]
+    return state
 
 
 def without_timings(obj: Any) -> Any:
