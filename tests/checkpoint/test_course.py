@@ -328,3 +328,24 @@ def test_after_a_change_of_course_save_best_names_a_checkpoint_of_this_run_direc
     assert saved[1] == (str(tmp_path / named) if named else "")
     if not named:
         assert "save_best" in caplog.text and "step-00000002" in caplog.text
+
+
+@pytest.mark.slow  # two command-line runs; the same change in this process: the tests above
+def test_from_the_command_line_the_superseded_course_takes_its_hydra_files_and_text_log_along(tmp_path):
+    run = [sys.executable, "-m", "saferun", "run", "debug=fast", "trainer.progress_bar=false",
+           "hydra.run.dir=exp", "trainer.max_steps=6", "trainer.save_every_n_steps=2",
+           "trainer.keep_last=10"]
+    subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    exp = tmp_path / "exp"
+    before = files(exp)
+    assert {".hydra/overrides.yaml", "saferun.log", "summary.json", "model.pt"} <= set(before)
+    change = ["resume=exp/checkpoints/step-00000002", "optim.lr=1e-4", "force_resume=true"]
+    proc = subprocess.run(run + change, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [aside] = superseded(exp)
+    assert files(aside) == {k: v for k, v in before.items() if not k.startswith("checkpoints/step-00000002/")}
+    assert "- force_resume=true" in (exp / ".hydra" / "overrides.yaml").read_text()
+    log = (exp / "saferun.log").read_text()
+    assert "Resumed from exp/checkpoints/step-00000002" in log and log.count("step 2/6") == 0
+    assert [r["step"] for r in jsonl((exp / "metrics.jsonl").read_bytes()) if r["kind"] == "train"] == \
+        [r["step"] for r in jsonl(before["metrics.jsonl"]) if r["kind"] == "train"]
