@@ -875,6 +875,8 @@ mutation("resume=PATH elsewhere saves this run directory's own first checkpoint"
          "            self.ensure_one()\n            course.finished(", "            course.finished(", OTHER_DIR)
 mutation("a finished change of course removes its record", CKPTR,
          "            course.finished(o.state.run_dir, changed, o.ranks.is_main)\n", "", STOPPED)
+mutation("a killed pass's temporary copies are removed", COURSE,
+         "            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()", "            pass", TWICE)
 mutation("save_best's record after a change of course is this directory's or none", CKPTR,
          "            self._best_of_this_directory(path)\n", "", BEST_AFTER)
 mutation("save_best's record naming PATH names this directory's copy", CKPTR,

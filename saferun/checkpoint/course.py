@@ -129,6 +129,9 @@ def _write_record(run_dir: Path, record: dict[str, Any]) -> None:
 
 
 def _carry_out(run_dir: Path, record: dict[str, Any]) -> None:
+    for pattern in (".tmp-course-*", ".tmp-metrics.jsonl-*", ".tmp-tensorboard-*"):
+        for stale in run_dir.glob(pattern):  # left by a killed pass
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     aside = run_dir / record["aside"]
     moved = []
     for number, name in enumerate(record["move"], 1):

@@ -225,7 +225,10 @@ def test_carrying_out_a_change_twice_moves_each_entry_once(first_course, tmp_pat
     step4 = run_dir / "checkpoints" / "step-00000004"
     record = course.change_course(str(run_dir), step4, 4, main=True)
     once = files(run_dir), files(run_dir / record["aside"])
+    (run_dir / ".tmp-tensorboard-dead").mkdir()  # a pass killed while copying the events
+    (run_dir / ".tmp-tensorboard-dead" / "events.out.tfevents.0.x").write_bytes(b"half")
     assert course.change_course(str(run_dir), step4, 4, main=True) == record
+    assert not (run_dir / ".tmp-tensorboard-dead").exists()
     assert (files(run_dir), files(run_dir / record["aside"])) == once
     kept = ("checkpoints/step-00000002/", "checkpoints/step-00000004/")
     assert once[1] == {k: v for k, v in files(first).items() if not k.startswith(kept)}
