@@ -20,6 +20,13 @@ more with resume=auto and no fault, and classifies the outcome:
                checkpoint than the newest complete one, or trained from step 0 although
                checkpoints existed
 
+The course-kill kinds change course instead: `resume=<the oldest checkpoint of a finished
+run>` with a lower learning rate and force_resume, killed with SIGKILL at a point of the change
+drawn at random (SAFERUN_KILL_AT, see saferun/checkpoint/course.py: once its record is written,
+after the n-th rename, after the logs are copied), in that run's directory (course-kill) or in
+another one that holds an earlier run (course-kill-other). The resume=auto after it must finish the change: exact means it
+ends bitwise equal to the same change made uninterrupted, not to the old course.
+
 Slow and manual: not part of the test suite. Exit status 1 if any case was unclear or a
 silent loss. The lead keeps the latest table in docs/fault_injection.md.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import random
 import re
@@ -95,7 +103,10 @@ trainer:
 '''
 
 KINDS = ["sigkill", "sigkill-in-save", "bitflip", "truncate", "corrupt-all", "disk-full",
-         "sigterm-main", "sigterm-group", "sigint-group", "double-sigint"]
+         "sigterm-main", "sigterm-group", "sigint-group", "double-sigint", "course-kill",
+         "course-kill-other"]
+COURSE_CHANGE = ("optim.lr=3e-4", "force_resume=true")  # the new course: a lower learning rate
+COURSE_POINTS = ["course-intent", "course-copied", *(f"course-rename-{n}" for n in range(1, 9))]
 OUTCOMES = ["exact", "refused", "unclear", "silent loss"]
 
 
@@ -103,7 +114,8 @@ class Run:
     """One `saferun run` in a session of its own (so that killpg reaches it and its workers),
     its output collected by a thread, its checkpoint directory watched by another."""
 
-    def __init__(self, job_dir: Path, run_dir: Path, *overrides: str) -> None:
+    def __init__(self, job_dir: Path, run_dir: Path, *overrides: str,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.run_dir = run_dir
         self.published: set[int] = set()  # steps seen as step-* directories
         self.saving = threading.Event()  # a temporary checkpoint directory was seen
@@ -113,7 +125,7 @@ class Run:
             [sys.executable, "-m", "saferun", "run", "-cd", str(job_dir), "recipe=faultjob",
              f"hydra.run.dir={run_dir}", *overrides],
             cwd=job_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **(env or {})})
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -184,6 +196,51 @@ class Injector:
         self.reference = final_state(work / "reference")
         self.state_bytes = (list_checkpoints(work / "reference" / "checkpoints")[-1]
                             / "state.pt").stat().st_size
+        self._changed: Optional[dict[str, Any]] = None  # the change of course, uninterrupted
+
+    # ------------------------------------------------------------------ changes of course
+
+    def course(self, kind: str, run_dir: Path) -> tuple[Run, str]:
+        """Change course to the oldest checkpoint of a finished run (a copy of the reference),
+        killed at a point drawn at random; return the run and the point. course-kill-other:
+        `run_dir` holds an earlier run of its own (another copy), which goes aside."""
+        first = run_dir if kind == "course-kill" else self.work / "course-first"
+        for path in {first, run_dir}:
+            if not path.exists():
+                shutil.copytree(self.work / "reference", path)
+        path = list_checkpoints(first / "checkpoints")[0]
+        point = self.rng.choice(COURSE_POINTS)
+        run = Run(self.job_dir, run_dir, f"resume={path}", *COURSE_CHANGE,
+                  env={"SAFERUN_KILL_AT": point})
+        run.wait()
+        return run, point
+
+    def changed(self) -> dict[str, Any]:
+        """The final state of the same change of course, uninterrupted."""
+        if self._changed is None:
+            run_dir = self.work / "course-uninterrupted"
+            shutil.copytree(self.work / "reference", run_dir)
+            path = list_checkpoints(run_dir / "checkpoints")[0]
+            run = Run(self.job_dir, run_dir, f"resume={path}", *COURSE_CHANGE)
+            if run.wait() != 0:
+                raise SystemExit(f"the uninterrupted change of course failed:\n{run.text}")
+            self._changed = course_state(run_dir)
+        return self._changed
+
+    def course_resume(self, run_dir: Path, point: str) -> tuple[str, str]:
+        """resume=auto after a change of course was killed: it must finish that change."""
+        resume = Run(self.job_dir, run_dir, "resume=auto", *COURSE_CHANGE)
+        status = resume.wait()
+        if status != 0:
+            kind = "unclear" if unclear(resume.text) or "saferun: error:" not in resume.text \
+                else "refused"
+            return kind, f"killed at {point}; the resume ({status}): {last_error(resume.text)}"
+        difference = compare(course_state(run_dir), self.changed())
+        if difference:
+            return "silent loss", f"killed at {point}; the resume continued another course: {difference}"
+        if (run_dir / ".course-change.json").exists():
+            return "silent loss", f"killed at {point}; the record of the change is left"
+        return "exact", f"killed at {point}; the change was finished"
 
     # ------------------------------------------------------------------ faults
 
@@ -254,8 +311,12 @@ class Injector:
 
     def case(self, number: int, kind: str) -> tuple[str, str]:
         run_dir = self.work / f"case-{number:03d}-{kind}"
-        run, destroyed = self.fault(kind, run_dir)
-        outcome, detail = self.resume(run, run_dir, destroyed)
+        if kind.startswith("course-"):
+            run, point = self.course(kind, run_dir)
+            outcome, detail = self.course_resume(run_dir, point)
+        else:
+            run, destroyed = self.fault(kind, run_dir)
+            outcome, detail = self.resume(run, run_dir, destroyed)
         if unclear(run.text) and outcome in ("exact", "refused"):
             return "unclear", f"the faulted run: {last_error(run.text)} (then {outcome}: {detail})"
         return outcome, f"[faulted run: status {run.proc.returncode}] {detail}"
@@ -304,6 +365,20 @@ def final_state(run_dir: Path) -> dict[str, Any]:
     weights = run_dir / "model.pt"
     state["model.pt"] = torch.load(weights, weights_only=True) if weights.exists() else None
     return without_timings(state)
+
+
+def course_state(run_dir: Path) -> dict[str, Any]:
+    """`final_state` with metrics.jsonl's lines instead of its length in bytes: the lines of
+    a changed course were written by several processes, and their wall-clock times (and so
+    the length) differ from those of the uninterrupted change."""
+    state = final_state(run_dir)
+    for saved in state.get("callbacks", {}).values():
+        if isinstance(saved, dict):
+            saved.pop("length", None)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    state["metrics.jsonl"] = [without_timings({k: v for k, v in json.loads(line).items() if k != "time"})
+                              for line in lines]
+    return state
 
 
 def without_timings(obj: Any) -> Any:

@@ -455,8 +455,8 @@ for _key, _kept in (("model", "task"), ("task", "model")):  # setup checks these
              also=(("saferun/config.py", '"seed", "model", ' if _key == "model" else
                     '"collate_fn", "task", ', '"seed", ' if _key == "model" else '"collate_fn", '),))
 mutation("resume=PATH sets the run's newer checkpoints aside", CKPTR,
-         '        if o.cfg.resume != "auto" and o.ranks.is_main:',
-         '        if False:',
+         '        changed = course.change_course(',
+         '        changed = None and course.change_course(',
          f"{RESUME}::test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside")
 
 # ---------------------------------------------------------------- non-finite guard
@@ -944,6 +944,53 @@ mutation("a trial an interruption left running is not continued", "saferun/sweep
          "    for frozen in reclaimed:", "    for frozen in ():",
          "tests/sweeps/test_optuna.py::test_an_interrupted_study_continues_its_trials_and_resumes_the_interrupted_one",
          known="its test is slow (pytest -m slow); killed by hand when written")
+# ---- resume-course (issue 21: items 1, 2, 11b, 11c, 14)
+mutation("a resume that changes what validation sees is refused", "saferun/checkpoint/compat.py",
+         '                  "trainer.val_every_n_steps", "trainer.limit_val_batches",\n'
+         '                  "trainer.val_batch_size")', ")",
+         "tests/checkpoint/test_resume.py::test_a_resume_that_changes_what_validation_sees_is_refused_without_force_resume")
+mutation("resume=latest (or True) asks: did you mean resume=auto", CKPTR,
+         "        if resume.lower() in _AUTO_WORDS:", "        if False:",
+         "tests/checkpoint/test_resume.py::test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_accepts")
+mutation("resume=<a folder of runs> names its latest run directory", CKPTR,
+         "        if runs:\n            what +=", "        if False:\n            what +=",
+         "tests/checkpoint/test_resume.py::test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_accepts")
+COURSE, TCOURSE = "saferun/checkpoint/course.py", "tests/checkpoint/test_course.py"
+STOPPED = TCOURSE + "::test_a_change_of_course_stopped_between_two_renames_is_finished_by_resume_auto"
+TWICE = TCOURSE + "::test_carrying_out_a_change_twice_moves_each_entry_once"
+OTHER_DIR = TCOURSE + "::test_another_run_directorys_checkpoint_sets_this_ones_earlier_run_aside_and_continues_paths_logs"
+BEST_AFTER = TCOURSE + "::test_after_a_change_of_course_save_best_names_a_checkpoint_of_this_run_directory_or_none"
+mutation("a change of course is recorded before anything moves", COURSE,
+         "                _write_record(Path(run_dir), record)\n", "", STOPPED)
+mutation("resume=auto resumes from an unfinished change's checkpoint", CKPTR,
+         "        if unfinished is not None:  # a change of course a killed run left", "        if False:  #", STOPPED)
+mutation("resume=auto carries an unfinished change of course out", CKPTR,
+         "            if o.cfg.resume != \"auto\" or course.interrupted(o.state.run_dir) else None",
+         "            if o.cfg.resume != \"auto\" else None", STOPPED)
+mutation("a start other than the unfinished change's own is refused", CKPTR,
+         "            if unfinished is not None and (found is None or", "            if False and (found is None or", STOPPED)
+mutation("each entry of a change of course moves once", COURSE,
+         "        if os.path.lexists(source) and not os.path.lexists(target):", "        if os.path.lexists(source):", TWICE)
+mutation("the continued course's TensorBoard events are copied once", COURSE,
+         "    if not source.is_dir() or os.path.lexists(target):", "    if not source.is_dir():", TWICE)
+mutation("the continued course's metrics.jsonl holds PATH's course's lines up to PATH", COURSE,
+         "json.loads(line)[\"step\"] > step:", "json.loads(line)[\"step\"] > step + 100:", TWICE)
+mutation("the continued course gets PATH's course's metrics.jsonl", COURSE,
+         "        _copy_jsonl(past / \"metrics.jsonl\"", "        (past / \"metrics.jsonl\"", OTHER_DIR)
+mutation("the continued course's TensorBoard events are PATH's up to PATH", COURSE,
+         "                    if Event.FromString(record).step <= step:", "                    if True:", TWICE)
+mutation("the superseded course's HParams entry is not copied", COURSE,
+         "            if file.name.endswith(\".hparams\"):", "            if False:", TWICE)
+mutation("resume=PATH elsewhere saves this run directory's own first checkpoint", CKPTR,
+         "            self.ensure_one()\n            course.finished(", "            course.finished(", OTHER_DIR)
+mutation("a finished change of course removes its record", CKPTR,
+         "            course.finished(o.state.run_dir, changed, o.ranks.is_main)\n", "", STOPPED)
+mutation("a killed pass's temporary copies are removed", COURSE,
+         "            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()", "            pass", TWICE)
+mutation("save_best's record after a change of course is this directory's or none", CKPTR,
+         "            self._best_of_this_directory(path)\n", "", BEST_AFTER)
+mutation("save_best's record naming PATH names this directory's copy", CKPTR,
+         "            self.best = (value, str(root / resumed.name))", "            pass", BEST_AFTER)
 
 # ---------------------------------------------------------------- the runner
 

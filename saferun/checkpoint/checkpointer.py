@@ -25,11 +25,11 @@ from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
-from . import rundir
+from . import course, rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                     load_latest, rotate, save_checkpoint, save_weights)
-from .superseded import FRESH, evaluated_weights, set_aside_newer, start_fresh
+from .superseded import FRESH, evaluated_weights, start_fresh
 
 log = logging.getLogger("saferun")
 
@@ -170,6 +170,12 @@ class Checkpointer:
         if resume is None or resume == FRESH:
             return
         where = Path(o.state.run_dir) if resume == "auto" else Path(resume)
+        unfinished = course.interrupted(o.state.run_dir) if resume == "auto" else None
+        if unfinished is not None:  # a change of course a killed run left: fit() finishes it
+            where = Path(unfinished["resumed"])
+            log.warning("resume=auto: %s holds a change of course to %s that a killed run left "
+                        "unfinished; it is finished and the run continues from there.",
+                        o.state.run_dir, where)
         if (where / "manifest.json").is_file():
             found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
         else:
@@ -177,7 +183,7 @@ class Checkpointer:
             found = load_latest(root)
         if found is None:
             if resume != "auto":
-                raise CheckpointError(f"resume={resume}: no complete checkpoint there.")
+                raise CheckpointError(no_checkpoint_at(resume))
             log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
             self.untrained_auto = True
             return
@@ -203,6 +209,10 @@ class Checkpointer:
         o = self._owner
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
+            unfinished = course.interrupted(o.state.run_dir)
+            found = self.pending_resume
+            if unfinished is not None and (found is None or str(found[0].resolve()) != unfinished["resumed"]):
+                course.refuse_other_start(o.state.run_dir, o.cfg.resume, unfinished)
             if self.pending_resume is None and o.state.step == 0:
                 start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main)  # an earlier run: aside
             self.resume()
@@ -228,21 +238,51 @@ class Checkpointer:
         check_resume_config(state["config"], config, o.cfg.force_resume)
         forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
         configured = configured_hyperparameters(o.optimizer, o.scheduler) if forced else None
-        o.load_state_dict(state)
+        o.load_state_dict(state)  # in memory (it may refuse): the files are untouched so far
+        # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
+        # (auto alone took the newest checkpoint: nothing is newer)
+        changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main) \
+            if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) else None
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
-        if o.cfg.resume != "auto" and o.ranks.is_main:  # auto took the newest: none is newer
-            aside = set_aside_newer(checkpoint_root(o.state.run_dir), path)
-            if aside is not None:
-                log.warning("resume=%s: this run directory held checkpoints of a later step or "
-                            "of another run; they are moved to %s, so that a later resume=auto "
-                            "continues this run, not those.", o.cfg.resume, aside)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
             steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
             use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)
             log.warning("force_resume: %s changed; the optimizer now uses the configured values "
                         "(learning rate %s at step %d), its moments are the checkpoint's.",
                         ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
+        if changed is not None:
+            self._best_of_this_directory(path)
+            # PATH elsewhere: this run directory's own first checkpoint, as this run goes on
+            # (after force_resume's values: a resume from it must not go back to PATH's)
+            self.ensure_one()
+            course.finished(o.state.run_dir, changed, o.ranks.is_main)
+            if o.ranks.is_main:
+                log.warning("resume=%s: the course it supersedes in this run directory (%s) is "
+                            "moved to %s, nothing deleted; this run's logs hold the course of "
+                            "%s up to step %d, then this run.", o.cfg.resume,
+                            ", ".join(changed["move"]) or "nothing", Path(o.state.run_dir) / changed["aside"],
+                            path, o.state.step)
+
+    def _best_of_this_directory(self, resumed: Path) -> None:
+        """After a change of course, save_best's record names a checkpoint of this run
+        directory: PATH itself (elsewhere: this directory's copy of it, saved next), one kept
+        here, or none ("") when the superseded course's rotation deleted it or it lies in
+        another run directory. Its value stays: a new best must beat the course's best so far."""
+        if self.best is None:
+            return
+        value, named = self.best
+        root = checkpoint_root(self._owner.state.run_dir)
+        if Path(named).resolve() == resumed.resolve():
+            self.best = (value, str(root / resumed.name))
+        elif Path(named).parent.resolve() != root.resolve() or not Path(named).is_dir():
+            self.best = (value, "")
+            if self._owner.ranks.is_main:
+                log.warning("save_best: the best checkpoint of this course so far (%s %s, %s) is "
+                            "not in this run directory (deleted by the superseded course's "
+                            "rotation, or in another run directory); a later checkpoint becomes "
+                            "the best only if it beats that value.", self._owner.cfg.trainer.save_best,
+                            value, named)
 
     def replaced(self) -> None:
         """`load_state_dict` was called: its state replaces any found by setup."""
@@ -335,6 +375,32 @@ class Checkpointer:
             return True
         return value < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
             else value > self.best[0]
+
+
+# what users of other tools write for "the newest checkpoint"
+_AUTO_WORDS = {"latest", "last", "newest", "true", "yes", "on", "1", "continue", "resume"}
+ACCEPTS = ("resume accepts auto (the newest checkpoint of this run directory), fresh (start "
+           "over here, the earlier run moved aside), a run directory (its newest checkpoint) or "
+           "a checkpoint directory (<run dir>/checkpoints/step-N)")
+
+
+def no_checkpoint_at(resume: str) -> str:
+    """Why `resume=PATH` found no complete checkpoint: what is at PATH, what resume accepts."""
+    where = Path(resume)
+    if not where.exists():
+        what = f"{where.absolute()} does not exist"
+        if resume.lower() in _AUTO_WORDS:
+            what += "; did you mean resume=auto (the newest checkpoint of this run directory)?"
+    elif not where.is_dir():
+        what = f"{where} is a file, not a run directory or checkpoint directory"
+    else:
+        runs = sorted((p for p in where.iterdir() if list_checkpoints(checkpoint_root(p))),
+                      key=lambda p: list_checkpoints(checkpoint_root(p))[-1].stat().st_mtime)
+        what = f"{where} exists but holds no complete checkpoint"
+        if runs:
+            what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
+                     f"name one, e.g. the latest, resume={runs[-1]}")
+    return f"resume={resume}: {what}. {ACCEPTS}."
 
 
 def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:

@@ -16,7 +16,11 @@ EXACTNESS_KEYS = ("seed", "model", "data", "collate_fn", "task", "optim", "sched
                   "trainer.accumulate", "trainer.num_workers", "trainer.shuffle",
                   "trainer.drop_last", "trainer.precision", "trainer.frozen_modules",
                   "trainer.max_grad_norm", "trainer.sched_metric", "trainer.ema",
-                  "guards.nonfinite", "guards.spikes")  # which steps are skipped or rolled back
+                  "guards.nonfinite", "guards.spikes",  # which steps are skipped or rolled back
+                  # which steps validate, on which batches: that steers ReduceLROnPlateau,
+                  # EarlyStopping and save_best
+                  "trainer.val_every_n_steps", "trainer.limit_val_batches",
+                  "trainer.val_batch_size")
 # Under a spike policy that drops steps (skip, rollback), which steps are spikes.
 SPIKE_KEYS = ("guards.spike_window", "guards.spike_threshold", "guards.spike_warmup")
 

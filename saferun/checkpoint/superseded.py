@@ -1,8 +1,8 @@
 """An earlier timeline in the run directory is set aside, never mixed with this run's, never
 deleted: `move_aside` is the one place that moves it, into `<dir>/superseded-<time>/`.
 
-- `set_aside_newer`: a resume from an older checkpoint (or from another directory) moves the
-  checkpoints a later `resume=auto` must not pick up.
+- `course.change_course`: a resume from an older checkpoint (or from another directory) moves
+  the course it supersedes (its checkpoints and logs) the same way.
 - `start_fresh`: a run that starts from step 0 where an earlier run left its files. With that
   run's checkpoints there and `resume` unset, the user most likely forgot `resume=auto`: refused,
   naming what is there. With `resume=fresh`, or when the earlier run left only logs (it crashed
@@ -31,7 +31,7 @@ FRESH = "fresh"  # resume=fresh: start over here, the earlier run's files moved 
 # job log). .hydra/ too where the command line writes it once this run is accepted (not if
 # Hydra wrote it before the job, hydra.output_subdir set by the user: then it is this run's).
 RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "saferun.log", "config.yaml",
-             "summary.json", "model.pt", "model_ema.pt")
+             "summary.json", "model.pt", "model_ema.pt", "model_best.pt", "model_ema_best.pt")
 
 
 def move_aside(parent: Path, paths: Sequence[Path]) -> Optional[Path]:
@@ -44,7 +44,7 @@ def move_aside(parent: Path, paths: Sequence[Path]) -> Optional[Path]:
     moved: list[Path] = []
     try:
         for path in paths:
-            _close_log_files(path)
+            close_log_files(path)
             path.rename(aside / path.name)
             moved.append(path)
     except OSError:  # all or nothing: put back what was moved
@@ -52,31 +52,30 @@ def move_aside(parent: Path, paths: Sequence[Path]) -> Optional[Path]:
             (aside / path.name).rename(path)
         aside.rmdir()
         raise
-    for path in moved:  # this run's first lines, logged before now, stay with this run
-        start = _log_starts.get(str(path.absolute()))
+    keep_this_runs_lines(parent, [aside / path.name for path in moved])
+    fsync_dir(parent)
+    return aside
+
+
+def keep_this_runs_lines(parent: Path, moved: Sequence[Path]) -> None:
+    """This run's first lines, logged to a file of `parent` before it was `moved` aside,
+    stay with this run: they go back into a new file of that name."""
+    for path in moved:
+        start = log_starts.get(str((parent / path.name).absolute()))
         if start is not None:
-            with open(aside / path.name, "r+b") as f:
+            with open(path, "r+b") as f:
                 f.seek(start)
                 mine = f.read()
                 f.truncate(start)
-            path.write_bytes(mine)
-    fd = os.open(parent, os.O_RDONLY)
+            (parent / path.name).write_bytes(mine)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return aside
-
-
-def set_aside_newer(root: Path, resumed: Path) -> Optional[Path]:
-    """Move the checkpoints under `root` that a run resumed from `resumed` (another timeline's
-    past) must not be mixed with into `root/superseded-<time>/`: every one of a later step
-    than `resumed`, and, when `resumed` lies elsewhere, every one. A later `resume=auto` then
-    finds only this run's own checkpoints. Returns the folder, if any."""
-    resumed = resumed.resolve()
-    inside = resumed.parent == root.resolve()
-    return move_aside(root, [p for p in list_checkpoints(root)
-                             if not inside or (p.resolve() != resumed and step_of(p) > step_of(resumed))])
 
 
 def start_fresh(run_dir: str, resume: Optional[str], main: bool) -> None:
@@ -111,10 +110,7 @@ def _clear(path: Path, resume: Optional[str]) -> None:
             f"resume=auto. To start over here, set resume=fresh: its checkpoints and logs are "
             f"moved into {path}/superseded-<time>/ (nothing is deleted). Or use another run "
             f"directory (hydra.run.dir=... on the command line, trainer.run_dir in Python).")
-    # (a log file this process opened empty, Hydra's saferun.log in a new directory, is this run's)
-    names = RUN_FILES + ((".hydra",) if rundir.writes_hydra_dir(str(path)) else ())
-    earlier = [p for p in (path / name for name in names)
-               if p.exists() and _log_starts.get(str(p.absolute())) != 0]
+    earlier = earlier_files(path)
     aside = move_aside(path, earlier)
     if aside is not None:
         why = "resume=fresh" if resume == FRESH else \
@@ -123,6 +119,15 @@ def _clear(path: Path, resume: Optional[str]) -> None:
         log.warning("Starting from step 0 (%s): the earlier run's %s moved to %s, nothing "
                     "deleted; this run's logs start empty.", why,
                     ", ".join(p.name for p in earlier), aside)
+
+
+def earlier_files(path: Path) -> list[Path]:
+    """The files an earlier run left in the run directory `path` (RUN_FILES, and .hydra/
+    where this run writes its own)."""
+    names = RUN_FILES + ((".hydra",) if rundir.writes_hydra_dir(str(path)) else ())
+    # (a log file this process opened empty, Hydra's saferun.log in a new directory, is this run's)
+    return [p for p in (path / name for name in names)
+            if p.exists() and log_starts.get(str(p.absolute())) != 0]
 
 
 def evaluated_weights(entry: str, run_dir: str, resume: Optional[str], untrained_auto: bool,
@@ -144,7 +149,7 @@ def evaluated_weights(entry: str, run_dir: str, resume: Optional[str], untrained
                     step_of(found[-1]))
 
 
-_log_starts: dict[str, int] = {}  # a log file's size when this run began to append to it
+log_starts: dict[str, int] = {}  # a log file's size when this run began to append to it
 
 
 def note_log_files() -> None:
@@ -153,10 +158,10 @@ def note_log_files() -> None:
     set aside, the lines this run logged before that come back to this run's log."""
     for handler in _file_handlers():
         if os.path.exists(handler.baseFilename):
-            _log_starts[handler.baseFilename] = os.path.getsize(handler.baseFilename)
+            log_starts[handler.baseFilename] = os.path.getsize(handler.baseFilename)
 
 
-def _close_log_files(path: Path) -> None:
+def close_log_files(path: Path) -> None:
     """Close a logging file handler writing to `path`: its next line opens a new file at the
     same name, not the moved one."""
     for handler in _file_handlers():

@@ -195,7 +195,7 @@ def test_resume_auto_without_checkpoint_starts_fresh_and_explicit_path_must_exis
     t.fit()
     assert t.state.step == 3
     cfg["resume"] = str(tmp_path / "nowhere")
-    with pytest.raises(saferun.SaferunError, match="no complete checkpoint"):
+    with pytest.raises(saferun.SaferunError, match="nowhere does not exist"):
         ToyTrainer(cfg).fit()
 
 
@@ -225,7 +225,7 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     ToyTrainer(cfg).fit()
     assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000004",
                                                         "step-00000006"]
-    aside = [p for p in root.iterdir() if p.name.startswith("superseded-")]
+    aside = [p / "checkpoints" for p in root.parent.iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == \
         ["step-00000006", "step-00000008"]
     assert torch.equal(load_checkpoint(aside[0] / "step-00000008")["model"]["head.weight"],
@@ -518,3 +518,49 @@ def test_a_signal_during_a_step_saves_right_after_that_step(tmp_path):
         t.fit()
     assert e.value.code == 128 + signal.SIGTERM and t.state.step == 5  # not at a log point
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000005"]
+
+
+@pytest.mark.parametrize("key, value", [("val_every_n_steps", 3), ("limit_val_batches", 1),
+                                        ("val_batch_size", 8)])
+def test_a_resume_that_changes_what_validation_sees_is_refused_without_force_resume(tmp_path, key, value):
+    # validation steers ReduceLROnPlateau (sched_metric), EarlyStopping and save_best: a
+    # resume that validates at other steps or on other batches continues another run
+    cfg = toy_config(tmp_path, max_steps=4, val_every_n_steps=2, save_best="val/loss")
+    ToyTrainer(cfg).fit()
+    cfg = toy_config(tmp_path, max_steps=6, val_every_n_steps=2, save_best="val/loss")
+    cfg["trainer"][key], cfg["resume"] = value, "auto"
+    with pytest.raises(saferun.ConfigError, match=rf"trainer\.{key}: .* -> {value}.*force_resume=true"):
+        ToyTrainer(cfg).fit()
+    cfg["force_resume"] = True
+    t = ToyTrainer(cfg)
+    t.fit()
+    assert t.state.step == 6
+
+
+def test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_accepts(tmp_path):
+    # a recipe's parent folder holding two runs, a path that does not exist, and words
+    # from other tools: each message says whether the path exists and what resume accepts
+    for name in ("20260101-000000-ab12", "20260102-000000-cd34"):
+        cfg = toy_config(tmp_path, max_steps=2)
+        cfg["trainer"]["run_dir"] = str(tmp_path / "outputs" / "toy" / name)
+        ToyTrainer(cfg).fit()
+    accepts = "resume accepts auto"
+
+    def refusal(resume):
+        cfg = toy_config(tmp_path, max_steps=4)
+        cfg["trainer"]["run_dir"], cfg["resume"] = str(tmp_path / "new"), resume
+        with pytest.raises(saferun.SaferunError) as e:
+            ToyTrainer(cfg).fit()
+        return str(e.value)
+
+    parent = refusal(str(tmp_path / "outputs" / "toy"))
+    assert "exists" in parent and accepts in parent and "holds run directories" in parent
+    assert f"resume={tmp_path / 'outputs' / 'toy' / '20260102-000000-cd34'}" in parent  # the newest
+    missing = refusal(str(tmp_path / "nowhere"))
+    assert "does not exist" in missing and accepts in missing and "did you mean" not in missing
+    for word in ("latest", True, "last"):
+        said = refusal(word)
+        assert "does not exist" in said and accepts in said and "did you mean resume=auto" in said
+    file = tmp_path / "weights.pt"
+    file.write_bytes(b"x")
+    assert "is a file" in refusal(str(file))
