@@ -233,6 +233,35 @@ def test_a_loss_spike_can_be_skipped(tmp_path):
     assert t.scheduler.last_epoch == 39  # its update and its schedule step were dropped
 
 
+class SpikesPlanted(ToyTrainer):
+    """The loss is multiplied at several steps: once early, twice in a row, smaller ones late."""
+
+    PLANTED = {15: 1000.0, 27: 50.0, 28: 50.0, 44: 20.0, 53: 3.0, 58: 8.0}
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * self.PLANTED.get(self.state.step + 1, 1.0)
+
+
+class Skipped(saferun.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_step_end(self, view, output):
+        if output.skipped:  # a Python bool: no host sync
+            self.steps.append(view.step)
+
+
+def test_planted_spikes_are_skipped_at_the_same_steps_as_before(tmp_path):
+    # Pinned with the detector that refreshed its statistics at every step (before issue 27).
+    seen = Skipped()
+    SpikesPlanted(spike_config(tmp_path, "skip", max_steps=60), callbacks=[seen]).fit()
+    assert seen.steps == PLANTED_SKIPPED
+
+
+PLANTED_SKIPPED = [15, 27, 28, 44, 53, 58]
+
+
 def test_a_skipped_spike_leaves_parameters_and_buffers_as_before_it(tmp_path):
     cfg = spike_config(tmp_path, "skip", max_steps=30)
     cfg["optim"] = {"_target_": "torch.optim.SGD", "lr": 0.05, "momentum": 0.9}

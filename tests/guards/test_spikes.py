@@ -109,6 +109,30 @@ def test_state_dict_is_a_copy_and_a_wrong_window_is_refused():
         SpikeDetector(window=16, warmup=2).load_state_dict(state)
 
 
+def planted_series() -> list[float]:
+    """A training curve (fast fall, then a slow one) with 4 % noise, a NaN, an Inf, and planted
+    spikes from 1.5x to 40x, some of them on consecutive steps."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.arange(400, dtype=torch.float64)
+    curve = 2.5 * torch.exp(-t / 120) + 0.4
+    values = (curve * (1 + 0.04 * torch.randn(400, generator=g, dtype=torch.float64))).tolist()
+    for at, factor in {30: 10.0, 57: 3.0, 130: 6.0, 131: 6.0, 132: 1.5, 250: 2.0, 333: 40.0,
+                       399: 1.8}.items():
+        values[at] *= factor
+    values[200], values[201] = float("nan"), float("inf")
+    return values
+
+
+# Pinned with the detector as it was before its statistics were refreshed less often (issue
+# 27): the steps it flagged on the planted series, at every step's fresh statistics.
+PLANTED_FLAGGED = [30, 57, 130, 131, 333, 399]
+
+
+def test_the_planted_series_flags_the_same_steps_as_before():
+    found = flags(SpikeDetector(window=100, warmup=20), planted_series())
+    assert [i for i, f in enumerate(found) if f] == PLANTED_FLAGGED
+
+
 @pytest.mark.parametrize("kwargs", [{"window": 0}, {"window": 5, "warmup": 6}, {"warmup": 0},
                                     {"threshold": 0.0}, {"min_rel_mad": -1.0}])
 def test_bad_settings_are_refused(kwargs):
