@@ -69,7 +69,11 @@ class BadStepPolicy:
         self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
         self.spikes: Optional[dict[str, SpikeDetector]] = None
         if g.spikes != "off":
-            self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup)
+            # Each step is compared with a limit on the device; the statistics behind it are
+            # refreshed every log interval, and at least four times per window.
+            every = max(1, min(t.log_every_n_steps, g.spike_window // 4))
+            self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup,
+                                            refresh_every=every)
                            for k in ("loss", "grad_norm")}
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
