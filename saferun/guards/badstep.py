@@ -140,8 +140,13 @@ class BadStepPolicy:
         self._rollbacks = 0
 
     def window_good(self) -> bool:
-        """Check the steps since the last log point (one host sync); False after a rollback."""
+        """Check the steps since the last log point (one host sync) and, with
+        guards.check_params, the parameters (one more); False after a rollback."""
         g, tr = self._g, self._trainer
+        # A save between log points must not write a non-finite parameter either.
+        if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
+            self.on_bad()  # raises (or rolls back, if the window's steps were bad)
+            return False
         if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not tr._running.losses:
             return True
         if tr._running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks) is None:
