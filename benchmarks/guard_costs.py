@@ -121,22 +121,11 @@ def run(workload: str, rounds: int, warmup: int, n_batches: int) -> dict[str, An
 
 
 def count(arms: dict[str, Step], groups: list, every: int) -> dict[str, dict[str, float]]:
-    """Per arm, over one whole log interval (its log point included): torch operators
-    dispatched and host syncs, per step."""
-    from saferun.guards.syncs import HostSyncCounter
-    from step_micro import _OpCounter
+    """Per arm, over one whole log interval (its log point included): Python and C calls,
+    torch operators dispatched and host syncs, per step (step_micro's counters)."""
+    from step_micro import counts
 
-    counted = {}
-    for name, step in arms.items():
-        ops = _OpCounter()
-        with ops:
-            for i in range(every):
-                step(groups[i % len(groups)])
-        with HostSyncCounter() as syncs:
-            for i in range(every):
-                step(groups[i % len(groups)])
-        counted[name] = {"torch_ops": ops.count / every, "host_syncs": syncs.count / every}
-    return counted
+    return {name: counts(step, groups, every) for name, step in arms.items()}
 
 
 def render(r: dict[str, Any]) -> str:
