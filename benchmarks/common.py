@@ -35,6 +35,7 @@ class Job:
     lr: float = 1e-3
     max_grad_norm: float = 1.0
     seed: int = 0
+    guards: Optional[dict] = None  # saferun only: guards config keys over the defaults
 
     @property
     def precision(self) -> str:

@@ -59,6 +59,7 @@ def config(job: Job) -> dict[str, Any]:
                     "precision": job.precision, "run_dir": job.run_dir},
         "optim": {"_target_": "torch.optim.AdamW", "lr": job.lr},
         "seed": job.seed,
+        **({"guards": job.guards} if job.guards else {}),
     }
 
 

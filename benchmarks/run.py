@@ -39,6 +39,14 @@ SCHEDULES = {
 }
 SMOKE = {"steps": 20, "log_every": 5, "val_every": 10, "warmup": 5}
 VARIANTS = ("hand", "saferun", "lightning", "hand+anomaly")
+# saferun with optional guards on (not run unless named in --variants; issue 27's table)
+GUARD_VARIANTS = {
+    "saferun+spikes": {"spikes": "raise"},
+    "saferun+check_params": {"check_params": True},
+    "saferun+anomaly_replay": {"anomaly_replay": True},
+    "saferun+strict": {"spikes": "raise", "check_params": True, "anomaly_replay": True},
+    "saferun+sync_audit": {"sync_audit": True},
+}
 
 
 def main() -> None:
@@ -46,7 +54,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each variant (default 3)")
     p.add_argument("--workloads", default="mlp,cnn", help="comma-separated: mlp, cnn")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated, in run order: " + ", ".join(VARIANTS))
+                   help="comma-separated, in run order: " + ", ".join(VARIANTS + tuple(GUARD_VARIANTS)))
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: the CPU, then CUDA when available (default)")
     p.add_argument("--smoke", action="store_true",
@@ -56,7 +64,7 @@ def main() -> None:
 
     variants = args.variants.split(",")
     workloads = args.workloads.split(",")
-    unknown = set(variants) - set(VARIANTS) or set(workloads) - set(SCHEDULES)
+    unknown = set(variants) - set(VARIANTS) - set(GUARD_VARIANTS) or set(workloads) - set(SCHEDULES)
     if unknown:
         p.error(f"unknown: {', '.join(sorted(unknown))}")
     if args.smoke:
@@ -103,11 +111,12 @@ def run_one(variant: str, workload: str, device: str, schedule: dict[str, int], 
     """One fresh process running one variant; the first repetition also counts syncs."""
     base, _, extra = variant.partition("+")
     with tempfile.TemporaryDirectory(prefix="saferun-bench-") as tmp:
-        job = {"workload": workload, "device": device, "run_dir": tmp, **schedule}
+        job = {"workload": workload, "device": device, "run_dir": tmp, **schedule,
+               **({"guards": GUARD_VARIANTS[variant]} if variant in GUARD_VARIANTS else {})}
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.join(HERE, "job.py"), "--variant", base,
                "--job", json.dumps(job), "--out", out]
-        if extra == "anomaly":
+        if extra == "anomaly" and base == "hand":
             cmd.append("--anomaly")
         elif rep == 0:
             cmd.append("--count-syncs")
@@ -126,6 +135,7 @@ def run_one(variant: str, workload: str, device: str, schedule: dict[str, int], 
             result = json.load(f)
     result["variant"], result["rep"] = variant, rep
     result["job"].pop("run_dir")
+    result["job"].pop("guards", None)
     return result
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/step_micro.py                      # MLP, 3000 pairs
     python benchmarks/step_micro.py --workload cnn --pairs 1000 --json out.json
+    python benchmarks/step_micro.py --guards --pairs 2000   # each optional guard's cost
 
 A whole-process benchmark (`run.py`) swings by tens of percent on a shared machine, so it
 cannot show a 2 % change. This one can: both steps live in one process and train the same
@@ -260,10 +261,22 @@ def main() -> None:
     p.add_argument("--ema", type=float, default=None, metavar="DECAY",
                    help="time trainer.ema's update alone: the hand step plus the weight average's "
                         "update (as saferun's optimizer hook runs it) against the hand step")
+    p.add_argument("--guards", action="store_true",
+                   help="instead: each optional guard against the defaults, saferun against "
+                        "saferun (benchmarks/guard_costs.py); --pairs rounds of every arm")
     p.add_argument("--json", help="also write the figures here as JSON")
     args = p.parse_args()
 
     torch.set_num_threads(1)
+    if args.guards:
+        import guard_costs
+
+        result = guard_costs.run(args.workload, args.pairs, args.warmup, args.batches)
+        print(guard_costs.render(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="saferun-micro-") as tmp:
         trainer, hand, model, opt, groups = build(args.workload, tmp, args.batches, ema=args.ema)

@@ -991,6 +991,34 @@ mutation("save_best's record after a change of course is this directory's or non
          "            self._best_of_this_directory(path)\n", "", BEST_AFTER)
 mutation("save_best's record naming PATH names this directory's copy", CKPTR,
          "            self.best = (value, str(root / resumed.name))", "            pass", BEST_AFTER)
+# ---------------------------------------------------------------- guard-cost (issue 27)
+SPIKES_T = "tests/guards/test_spikes.py"
+mutation("spikes never enter the window (refreshed statistics)", "saferun/guards/spikes.py",
+         "        accept = (v <= limit) & (v > _NEG_INF)  # not a spike, and finite (-Inf: not finite)",
+         "        accept = v > _NEG_INF",
+         f"{SPIKES_T}::test_spikes_do_not_enter_the_window_so_a_second_one_is_flagged_too")
+mutation("spikes: non-finite values are not spikes (per-step comparison)", "saferun/guards/spikes.py",
+         "        v = torch.nan_to_num(v, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)\n",
+         "",
+         f"{SPIKES_T}::test_non_finite_values_are_neither_spikes_nor_kept")
+mutation("spikes: statistics refreshed after warmup and while the window fills", "saferun/guards/spikes.py",
+         "        self._due = 1 if self._updates < self.window else self.refresh_every",
+         "        self._due = self.refresh_every",
+         f"{SPIKES_T}::test_statistics_refresh_at_each_update_until_the_window_is_full_then_every_refresh_every",
+         "tests/parallel/test_torchrun.py::test_a_spike_on_rank_1_is_reported_with_its_values_and_checkpointed_per_rank")
+mutation("spikes: the limit and update count are saved with the state", "saferun/guards/spikes.py",
+         '            self._updates, self._due = int(state["updates"]), int(state["due"])',
+         "            self._updates, self._due = 0, self.warmup",
+         f"{SPIKES_T}::test_state_saved_between_refreshes_resumes_with_identical_decisions")
+mutation("check_params: saves between log points check the parameters", BADSTEP,
+         "        if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:",
+         "        if False:",
+         "tests/guards/test_guards.py::test_check_params_keeps_a_non_finite_parameter_out_of_every_checkpoint")
+mutation("sync audit: only sampled steps are audited", "saferun/guards/sync_audit.py",
+         "        if self._seen < self.first or step % self.every == 0:",
+         "        if True:",
+         "tests/guards/test_guards.py::test_sync_audit_audits_only_its_sampled_steps")
+
 
 # ---------------------------------------------------------------- the runner
 

@@ -69,7 +69,11 @@ class BadStepPolicy:
         self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
         self.spikes: Optional[dict[str, SpikeDetector]] = None
         if g.spikes != "off":
-            self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup)
+            # Each step is compared with a limit on the device; the statistics behind it are
+            # refreshed every log interval, and at least four times per window.
+            every = max(1, min(t.log_every_n_steps, g.spike_window // 4))
+            self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup,
+                                            refresh_every=every)
                            for k in ("loss", "grad_norm")}
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
@@ -136,8 +140,13 @@ class BadStepPolicy:
         self._rollbacks = 0
 
     def window_good(self) -> bool:
-        """Check the steps since the last log point (one host sync); False after a rollback."""
+        """Check the steps since the last log point (one host sync) and, with
+        guards.check_params, the parameters (one more); False after a rollback."""
         g, tr = self._g, self._trainer
+        # A save between log points must not write a non-finite parameter either.
+        if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
+            self.on_bad()  # raises (or rolls back, if the window's steps were bad)
+            return False
         if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not tr._running.losses:
             return True
         if tr._running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks) is None:

@@ -1,8 +1,9 @@
 """Loss spikes and gradient explosions, detected on the device without a host sync.
 
 `SpikeDetector.update(value)` compares a scalar (the loss, the gradient norm)
-with robust statistics of the last `window` accepted values: the median and
-the median absolute deviation (MAD). The value is a spike when
+with a limit computed from robust statistics of the last `window` accepted
+values: the median and the median absolute deviation (MAD). The value is a
+spike when
 
     value > median + threshold * 1.4826 * max(MAD, min_rel_mad * |median|)
 
@@ -12,9 +13,15 @@ window, so they do not drag the statistics up, and neither are NaN and Inf,
 which are not spikes: the non-finite guard handles them. As a consequence a
 lasting jump in level is flagged at every step until something else acts.
 
-Each update is about 25 small ops on the value's device (about 0.3 ms on one
-CPU thread; on CUDA, kernel launches that do not wait for the GPU). The result
-is a 0-dim bool tensor for the loop to act on or to read at a log step.
+What cannot wait runs at every update: the comparison with the limit, held on
+the device (two small ops; on CUDA, two kernel launches that do not wait for
+the GPU), and the value is kept for the window. What can wait is done every
+`refresh_every` updates: the kept values join the window (those that were not
+spikes, oldest out first) and the limit is recomputed (about 30 small ops). So
+every value is checked at its own update, against statistics at most
+`refresh_every` updates old; with `refresh_every=1` the statistics are those
+of all the values before it. The result is a 0-dim bool tensor for the loop to
+act on or to read at a log step.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 _MAD_TO_STD = 1.4826
 _MIN_SCALE = 1e-8  # keeps a zero median with a zero MAD from flagging any positive value
+_INF, _NEG_INF = float("inf"), float("-inf")
 
 
 class SpikeDetector:
@@ -35,10 +43,12 @@ class SpikeDetector:
         threshold: how many robust standard deviations above the median is a spike.
         warmup: accepted values needed before anything is flagged (at most `window`).
         min_rel_mad: floor on the MAD, relative to |median|.
+        refresh_every: updates between two refreshes of the statistics (the first one
+            after `warmup` updates, when the limit can first be finite).
     """
 
     def __init__(self, window: int = 100, threshold: float = 6.0, warmup: int = 20,
-                 min_rel_mad: float = 0.01) -> None:
+                 min_rel_mad: float = 0.01, refresh_every: int = 1) -> None:
         if window < 1:
             raise ValueError(f"spike detector: window must be at least 1; got {window}.")
         if not 1 <= warmup <= window:
@@ -47,40 +57,87 @@ class SpikeDetector:
         if threshold <= 0 or min_rel_mad < 0:
             raise ValueError(f"spike detector: threshold must be positive and min_rel_mad not "
                              f"negative; got {threshold} and {min_rel_mad}.")
+        if refresh_every < 1:
+            raise ValueError(f"spike detector: refresh_every must be at least 1; got {refresh_every}.")
         self.window = window
         self.threshold = threshold
         self.warmup = warmup
         self.min_rel_mad = min_rel_mad
+        self.refresh_every = refresh_every
         self._values: Optional[torch.Tensor] = None  # (window,) float32; NaN marks an empty slot
         self._count: Optional[torch.Tensor] = None  # int64 0-dim: values accepted so far
-        self._slots: Optional[torch.Tensor] = None  # arange(window)
+        self._limit: Optional[torch.Tensor] = None  # float32 0-dim; +inf until warmed up
+        self._pending: list[torch.Tensor] = []  # values compared with _limit, not yet in the window
+        # (with NaN and +Inf as -Inf)
+        self._updates = 0  # values seen (host side: no sync to decide when to refresh)
+        self._due = warmup  # updates until the next refresh
         self.last_limit: Optional[torch.Tensor] = None
         """The limit the last value was compared with (0-dim, on the device)."""
 
     def update(self, value: torch.Tensor) -> torch.Tensor:
-        """Return whether `value` is a spike (0-dim bool, on its device); add it if it is not."""
+        """Return whether `value` is a spike (0-dim bool, on its device); keep it if it is not."""
         if value.numel() != 1:
             raise ValueError(f"spike detector: expected a scalar, got shape {tuple(value.shape)}.")
-        values, count, slots = self._state(value.device)
-        v = value.detach().reshape(()).to(torch.float32)
-        n = count.clamp(max=self.window)
-        median = _lower_median(values, n)
-        mad = _lower_median((values - median).abs(), n)
-        scale = torch.maximum(mad, self.min_rel_mad * median.abs()).clamp(min=_MIN_SCALE)
-        limit = median + self.threshold * _MAD_TO_STD * scale
-        finite = torch.isfinite(v)
-        spike = finite & (count >= self.warmup) & (v > limit)
-        accept = finite & ~spike
-        # Write into the oldest slot with a mask: indexing with a device tensor would sync.
-        values.copy_(torch.where((slots == count % self.window) & accept, v, values))
-        count.add_(accept.to(torch.int64))
+        if self._due == 0:
+            self.refresh()
+        limit = self._limit
+        if limit is None or limit.device != value.device:
+            limit = self._state(value.device)[2]
+        v = value.detach() if value.requires_grad else value
+        if v.dim() or v.dtype != torch.float32:
+            v = v.reshape(()).to(torch.float32)
+        # NaN and +Inf become -Inf, which is never above the limit: non-finite is not a spike.
+        v = torch.nan_to_num(v, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
+        self._pending.append(v)
+        self._updates += 1
+        self._due -= 1
         self.last_limit = limit
-        return spike
+        return v > limit
+
+    def refresh(self) -> None:
+        """Add the kept values to the window, recompute the limit on the device (no sync)."""
+        # While the window fills, each value moves the statistics much: refresh at every update.
+        self._due = 1 if self._updates < self.window else self.refresh_every
+        if self._values is None and not self._pending:
+            return
+        device = self._pending[0].device if self._pending else None
+        values, count, limit = self._state(device)
+        if self._pending:
+            self._fold(values, count, limit)
+        n = count.clamp(max=self.window)
+        k = ((n - 1).clamp(min=0) // 2).reshape(1)  # the lower median's place among the n
+        median = _kth(values, k)
+        mad = _kth((values - median).abs(), k)  # empty slots stay NaN and sort last
+        scale = torch.maximum(mad, self.min_rel_mad * median.abs()).clamp(min=_MIN_SCALE)
+        self._limit = torch.where(count >= self.warmup,
+                                  median + self.threshold * _MAD_TO_STD * scale, _INF)
+
+    def _fold(self, values: torch.Tensor, count: torch.Tensor, limit: torch.Tensor) -> None:
+        """Write the pending values that were not spikes into the window's oldest slots, in order."""
+        v = torch.stack(self._pending)
+        self._pending = []
+        accept = (v <= limit) & (v > _NEG_INF)  # not a spike, and finite (-Inf: not finite)
+        rank = accept.cumsum(0)  # 1, 2, ... among the accepted
+        total = rank[-1]
+        # The last `window` accepted go to slots (count + rank - 1) % window (a ring, oldest
+        # out); the others to a scratch slot past the end: no index repeats, nothing syncs.
+        slot = torch.where(accept & (rank > total - self.window),
+                           (rank + (count - 1)) % self.window, self.window)
+        ring = torch.cat([values, v[:1]]).scatter_(0, slot, v)
+        values.copy_(ring[:self.window])
+        count.add_(total)
 
     def state_dict(self) -> dict[str, Any]:
-        """The window and the count of accepted values, as tensors (loads with weights_only)."""
-        values, count, _ = self._state(None)
-        return {"values": values.clone(), "count": count.clone()}
+        """The window (kept values included), the count of accepted values, the limit in use and
+        the updates until the next refresh, as tensors (loads with weights_only)."""
+        values, count, limit = self._state(None)
+        values, count = values.clone(), count.clone()
+        if self._pending:
+            pending = list(self._pending)
+            self._fold(values, count, limit)  # into the copies: this detector goes on unchanged
+            self._pending = pending
+        return {"values": values, "count": count, "limit": limit.clone(),
+                "updates": torch.tensor(self._updates), "due": torch.tensor(self._due)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` returned; the window size must match."""
@@ -91,29 +148,34 @@ class SpikeDetector:
                              f"window={self.window}. Resume with the same window.")
         self._values = values.detach().to(torch.float32).clone()
         self._count = count.detach().to(device=self._values.device, dtype=torch.int64).clone()
-        self._slots = torch.arange(self.window, device=self._values.device)
+        self._pending = []
+        if "limit" in state:
+            self._limit = state["limit"].detach().to(self._values).clone()
+            self._updates, self._due = int(state["updates"]), int(state["due"])
+        else:  # saved before the limit was kept (every update recomputed it): recompute it now
+            self._limit = torch.full((), _INF, device=self._values.device)
+            self._updates = int(self._count)
+            self.refresh()
 
     def _state(self, device: Optional[torch.device]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The buffers, created on first use and moved to `device` if it differs."""
+        """The window, count and limit, created on first use and moved to `device` if it differs."""
         if self._values is None:
             self._values = torch.full((self.window,), float("nan"), device=device)
             self._count = torch.zeros((), dtype=torch.int64, device=device)
-            self._slots = torch.arange(self.window, device=device)
-        assert self._count is not None and self._slots is not None
+            self._limit = torch.full((), float("inf"), device=device)
+        assert self._count is not None and self._limit is not None
         if device is not None and self._values.device != device:
             self._values = self._values.to(device)
             self._count = self._count.to(device)
-            self._slots = self._slots.to(device)
-        return self._values, self._count, self._slots
+            self._limit = self._limit.to(device)
+        return self._values, self._count, self._limit
 
 
-def _lower_median(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The lower median of the `n` finite entries of `x` (the rest are NaN), on the device.
+def _kth(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The entry at place `k` (a 1-element device tensor) of `x` sorted, NaN last, on the device.
 
     torch.nanmedian would do, but on CUDA it indexes with a tensor, which reads
     it back to the host (aten/src/ATen/native/cuda/Sorting.cpp, median_impl).
     """
-    ordered = torch.sort(x).values  # NaN sorts last
-    k = ((n - 1).clamp(min=0) // 2).reshape(1)
-    return ordered.gather(0, k).reshape(())
+    return torch.sort(x).values.gather(0, k).reshape(())

@@ -233,6 +233,35 @@ def test_a_loss_spike_can_be_skipped(tmp_path):
     assert t.scheduler.last_epoch == 39  # its update and its schedule step were dropped
 
 
+class SpikesPlanted(ToyTrainer):
+    """The loss is multiplied at several steps: once early, twice in a row, smaller ones late."""
+
+    PLANTED = {15: 1000.0, 27: 50.0, 28: 50.0, 44: 20.0, 53: 3.0, 58: 8.0}
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * self.PLANTED.get(self.state.step + 1, 1.0)
+
+
+class Skipped(saferun.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_step_end(self, view, output):
+        if output.skipped:  # a Python bool: no host sync
+            self.steps.append(view.step)
+
+
+def test_planted_spikes_are_skipped_at_the_same_steps_as_before(tmp_path):
+    # Pinned with the detector that refreshed its statistics at every step (before issue 27).
+    seen = Skipped()
+    SpikesPlanted(spike_config(tmp_path, "skip", max_steps=60), callbacks=[seen]).fit()
+    assert seen.steps == PLANTED_SKIPPED
+
+
+PLANTED_SKIPPED = [15, 27, 28, 44, 53, 58]
+
+
 def test_a_skipped_spike_leaves_parameters_and_buffers_as_before_it(tmp_path):
     cfg = spike_config(tmp_path, "skip", max_steps=30)
     cfg["optim"] = {"_target_": "torch.optim.SGD", "lr": 0.05, "momentum": 0.9}
@@ -272,7 +301,53 @@ def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):
     assert counter.count == 4 + 4  # 4 log points, 4 validations
 
 
+# ---------------------------------------------------------------------- parameter checks
+
+class InfParameterAt(ToyTrainer):
+    """At step 5, after the forward and before the backward, a bias becomes +Inf: that step's
+    loss and gradients are finite (a bias is not saved for backward), its parameters are not."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step + 1 == 5:
+            with torch.no_grad():
+                self.model.head.bias[0] = float("inf")
+        return loss
+
+
+def test_check_params_keeps_a_non_finite_parameter_out_of_every_checkpoint(tmp_path):
+    cfg = toy_config(tmp_path, max_steps=12, log_every_n_steps=10, save_every_n_steps=5)
+    cfg["guards"] = {"check_params": True}
+    with pytest.raises(NonFiniteError, match=r"parameters are not finite at step 5: head.bias: "
+                                             r"0 NaN and 1 Inf"):
+        InfParameterAt(cfg).fit()  # the save at step 5 comes before the log point at step 10
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert [p.name for p in saved] == []  # none was due before step 5, and step 5's was refused
+
+
 # ---------------------------------------------------------------------- sync audit
+
+def test_sync_audit_audits_only_its_sampled_steps(tmp_path, caplog):
+    from saferun.guards.sync_audit import SyncAudit
+
+    class Chatty(ToyTrainer):
+        intercepted = []
+
+        def training_step(self, batch):
+            if torch._C._len_torch_function_stack():  # the counter's mode is on for this step
+                self.intercepted.append(self.state.step + 1)
+            loss = super().training_step(batch)
+            self.seen = loss.item()
+            return loss
+
+    audit = SyncAudit(first=3, every=10)
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        Chatty(toy_config(tmp_path, max_steps=25, log_every_n_steps=5), callbacks=[audit]).fit()
+    assert Chatty.intercepted == [1, 2, 3, 10, 20] and len(audit.steps) == 5
+    assert all(sum(sites.values()) >= 1 for sites in audit.steps)
+    assert "5 of 25 steps audited" in caplog.records[-1].getMessage()
+    assert not torch._C._len_torch_function_stack()  # nothing left intercepting after the run
+
 
 def test_sync_audit_names_a_per_step_item_in_user_code(tmp_path, caplog):
     class Chatty(ToyTrainer):

@@ -109,8 +109,71 @@ def test_state_dict_is_a_copy_and_a_wrong_window_is_refused():
         SpikeDetector(window=16, warmup=2).load_state_dict(state)
 
 
+def planted_series() -> list[float]:
+    """A training curve (fast fall, then a slow one) with 4 % noise, a NaN, an Inf, and planted
+    spikes from 1.5x to 40x, some of them on consecutive steps."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.arange(400, dtype=torch.float64)
+    curve = 2.5 * torch.exp(-t / 120) + 0.4
+    values = (curve * (1 + 0.04 * torch.randn(400, generator=g, dtype=torch.float64))).tolist()
+    for at, factor in {30: 10.0, 57: 3.0, 130: 6.0, 131: 6.0, 132: 1.5, 250: 2.0, 333: 40.0,
+                       399: 1.8}.items():
+        values[at] *= factor
+    values[200], values[201] = float("nan"), float("inf")
+    return values
+
+
+# Pinned with the detector as it was before its statistics were refreshed less often (issue
+# 27): the steps it flagged on the planted series, at every step's fresh statistics.
+PLANTED_FLAGGED = [30, 57, 130, 131, 333, 399]
+
+
+@pytest.mark.parametrize("refresh_every", [1, 10, 25])  # 25: the loop's, at the defaults
+def test_the_planted_series_flags_the_same_steps_as_before(refresh_every):
+    found = flags(SpikeDetector(window=100, warmup=20, refresh_every=refresh_every),
+                  planted_series())
+    assert [i for i, f in enumerate(found) if f] == PLANTED_FLAGGED
+
+
+def test_statistics_refresh_at_each_update_until_the_window_is_full_then_every_refresh_every():
+    d = SpikeDetector(window=4, warmup=2, refresh_every=3)
+    assert flags(d, [1.0, 1.0]) == [False] * 2  # warming up: the limit is +inf
+    assert flags(d, [1.08, 1.08]) == [False] * 2  # filling: fresh statistics at each update
+    # Updates 5-7 are compared with the statistics of updates 1-4 (median 1.0, limit 1.089): the
+    # second 1.15 is a spike although the 1.08 before it, once in the window, would pass it.
+    assert flags(d, [1.15, 1.08, 1.15]) == [True, False, True]
+    assert flags(d, [1.15]) == [False]  # refreshed: median 1.08, limit 1.176
+    assert int(d.state_dict()["count"]) == 6
+
+
+def test_state_saved_between_refreshes_resumes_with_identical_decisions():
+    history, future = noisy(75, seed=1), noisy(40, seed=2)
+    future[5], future[25] = 3.0, 9.0
+    uninterrupted = SpikeDetector(window=32, warmup=16, refresh_every=7)
+    flags(uninterrupted, history)  # 75 - 16 = 59 updates after warmup: 3 pending
+    buffer = io.BytesIO()
+    torch.save(uninterrupted.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = SpikeDetector(window=32, warmup=16, refresh_every=7)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    expected = flags(uninterrupted, future)
+    assert flags(resumed, future) == expected and expected[5] and expected[25]
+    a, b = resumed.state_dict(), uninterrupted.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_state_saved_before_the_limit_was_kept_still_loads():
+    d = SpikeDetector(window=16, warmup=4)
+    flags(d, noisy(20))
+    old = {k: v for k, v in d.state_dict().items() if k in ("values", "count")}
+    resumed = SpikeDetector(window=16, warmup=4)
+    resumed.load_state_dict(old)
+    assert flags(resumed, [2.0, 30.0]) == flags(d, [2.0, 30.0]) == [False, True]
+
+
 @pytest.mark.parametrize("kwargs", [{"window": 0}, {"window": 5, "warmup": 6}, {"warmup": 0},
-                                    {"threshold": 0.0}, {"min_rel_mad": -1.0}])
+                                    {"threshold": 0.0}, {"min_rel_mad": -1.0},
+                                    {"refresh_every": 0}])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="spike detector"):
         SpikeDetector(**kwargs)
