@@ -74,8 +74,12 @@ class TensorBoardLogger(Callback):
                         "run. Give each run its own directory (logger.tensorboard.log_dir; "
                         "the default is <run_dir>/tensorboard) and point TensorBoard at their "
                         "parent.", log_dir, ", ".join(self._others[:3]))
-        self._writer = SummaryWriter(log_dir, flush_secs=10,
-                                     purge_step=view.step if resumed else None)
+        # A fresh run's writer starts a session too (purge_step=0 writes its START event):
+        # TensorBoard's server purges on a session's second START only, so without it a
+        # resumed writer would hide nothing there (each step after the checkpoint shown twice).
+        # Not in a directory holding other runs' files: their steps would be hidden.
+        self._writer = SummaryWriter(log_dir, flush_secs=10, purge_step=view.step if resumed
+                                     else None if self._others else 0)
         # this process's new file (another run sharing log_dir may add its own meanwhile)
         mine = {n for n in _event_files(log_dir) - earlier
                 if f".{socket.gethostname()}.{os.getpid()}." in n}
