@@ -326,6 +326,17 @@ class LogLines(Callback):
         log.info(format_metrics(view, metrics))
 
 
+# The loggers a config may name without `_target_` ({"mlflow": {...}} in Python).
+NAMED = {"tensorboard": "saferun.loggers.TensorBoardLogger", "jsonl": "saferun.loggers.MetricsJsonl",
+         "mlflow": "saferun.trackers.MLflowLogger", "wandb": "saferun.trackers.WandbLogger"}
+
+
+def with_targets(given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` logger nodes with the `_target_` of each known name that has none."""
+    return {k: {"_target_": NAMED[k], **v} if isinstance(v, Mapping) and k in NAMED
+            and "_target_" not in v else v for k, v in given.items()}
+
+
 def chosen_loggers(given: Mapping[str, Any], merged: Mapping[str, Any],
                    defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The `logger` set of a config: `given` is the whole set (`{}`: none) unless a name in it
