@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import time
+import uuid
 from typing import Any, Mapping, Optional, Sequence
 
 from .callbacks import Callback, TrainerView
@@ -184,16 +185,23 @@ class WandbLogger(Callback):
         self.sent = -1  # the latest step sent (checkpointed: after a resume, not sent again)
         self._run: Any = None
         self._wandb: Any = None
+        self._held = -1  # after a resume: the latest step the interrupted run had sent
+        self._sent_file = ""
 
     def on_fit_start(self, view: TrainerView) -> None:
         wandb = self._wandb = require("wandb", "wandb")
         os.makedirs(view.run_dir, exist_ok=True)
-        self.run_id = self.run_id or wandb.util.generate_id()
+        self.run_id = self.run_id or uuid.uuid4().hex[:12]
         self._run = wandb.init(
             project=self.project or view.config.get("name") or "saferun", entity=self.entity,
             name=self.name or os.path.basename(os.path.abspath(view.run_dir)), tags=self.tags,
             id=self.run_id, resume="allow", mode=self.mode, dir=view.run_dir,
             config=dict(view.config), settings=wandb.Settings(silent=True))
+        # The steps an interrupted run sent after its checkpoint: offline, W&B cannot say.
+        self._sent_file = os.path.join(view.run_dir, "wandb", "saferun-sent-step")
+        if os.path.isfile(self._sent_file):
+            with open(self._sent_file) as f:
+                self._held = max(self._held, int(f.read() or -1))
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._send(view.step, dict(metrics))
@@ -215,9 +223,12 @@ class WandbLogger(Callback):
 
     def _send(self, step: int, row: dict[str, Any]) -> None:
         # W&B takes steps in order only (a lower one is dropped); an equal one joins its row
-        if self._run is None or step < self.sent:
+        if self._run is None or step < self.sent or step <= self._held:
             return
         self._run.log(row, step=step)
+        if step != self.sent:
+            with open(self._sent_file, "w") as f:
+                f.write(str(step))
         self.sent = step
 
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
