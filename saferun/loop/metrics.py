@@ -116,7 +116,8 @@ class RunningTrainMetrics:
         if columns:
             stacked = distributed.all_reduce(torch.stack(columns))
             stacked[:averaged] /= world_size
-            values = torch.cat([stacked, *[v.reshape(1) for v in folded.values()]]).tolist()
+            stacked = torch.cat([stacked, *[v.reshape(1) for v in folded.values()]])
+            values = stacked.tolist()
         elif folded:
             values = torch.stack(list(folded.values())).tolist()
         names += list(folded)

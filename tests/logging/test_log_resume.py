@@ -131,3 +131,16 @@ def test_step_and_epoch_in_every_hook_match_the_logged_steps(tmp_path):
                     ("after_fit", 4, 1)]
     with pytest.raises(AttributeError):
         t.step = 3  # read-only
+
+
+def test_the_gan_recipe_logs_a_grid_of_generated_digits(tmp_path):
+    from recipe_tools import build_recipe
+    from saferun.loggers import TensorBoardLogger
+
+    build_recipe("gan", tmp_path, "trainer.max_steps=4", "trainer.val_every_n_steps=2",
+                 "trainer.limit_val_batches=1", "task.sample_digits=0",
+                 callbacks=[TensorBoardLogger()]).fit()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    grids = acc.Images("val/digits")
+    assert [(e.step, e.width, e.height) for e in grids] == [(2, 32, 32), (4, 32, 32)]
