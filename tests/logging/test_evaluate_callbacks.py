@@ -80,6 +80,8 @@ class Ranked(ToyTrainer):
         v = torch.tensor(self.step * 10.0 + self.ranks.rank)
         for reduce in ("mean", "last", "min", "max", "sum"):
             self.log(f"v_{reduce}", v, reduce=reduce)
+        if self.ranks.rank == 1 or self.step < 4:  # rank 0 skips the last step
+            self.log("late", v, reduce="last")
         return super().training_step(batch)
 
     def validation_step(self, batch):
@@ -117,6 +119,7 @@ def test_every_reduction_is_agreed_over_two_real_ranks(tmp_path):
         assert final["train/v_min"] == 10.0 and final["train/v_max"] == 41.0
         assert final["train/v_sum"] == sum(values)
         assert final["train/v_last"] == 40.0  # the last step's, from rank 0
+        assert final["train/late"] == 41.0  # the latest step's, from the one rank that logged it
         assert final["train/v_mean"] == pytest.approx(sum(values) / len(values))
         # 64 validation samples, 32 per rank in batches of 16: 2 batches a rank
         assert final["val/rank_last"] == 0.0 and final["val/rank_sum"] == 4.0
