@@ -126,3 +126,32 @@ def test_every_reduction_is_agreed_over_two_real_ranks(tmp_path):
         assert final["val/probe_all"] == 0.5 and final["val/probe_main"] == 7.0
     same = [{k: v for k, v in final.items() if not k.startswith("perf/")} for final in got]
     assert same[0] == same[1]
+
+
+def test_on_evaluate_and_on_media_fire_in_the_documented_order(tmp_path):
+    events = []
+
+    class Recorder(saferun.Callback):
+        def on_log(self, view, metrics):
+            events.append(("log", view.step))
+
+        def on_evaluate(self, view, model, log):
+            events.append(("evaluate", view.step))
+            log.log_text("t", "x")
+
+        def on_validation_end(self, view, metrics):
+            events.append(("validation_end", view.step))
+
+        def on_media(self, view, media):
+            events.append(("media", view.step, [m.name for m in media]))
+
+    class Images(ToyTrainer):
+        def training_step(self, batch):
+            if self.step == 1:
+                self.log_image("first", torch.zeros(4, 4))
+            return super().training_step(batch)
+
+    Images(cfg(tmp_path), callbacks=[Recorder()]).fit()
+    assert events == [("log", 2), ("media", 2, ["train/first"]),
+                      ("evaluate", 2), ("validation_end", 2), ("media", 2, ["val/t"]),
+                      ("log", 4), ("evaluate", 4), ("validation_end", 4), ("media", 4, ["val/t"])]
