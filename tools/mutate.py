@@ -880,6 +880,9 @@ mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/t
          "        if self._run is None or step < self.sent:",
          "tests/logging/test_trackers.py::test_wandb_offline_writes_locally_and_a_resume_continues_the_same_run",
          known="its test is slow (W&B's service, twice): run by hand with -m slow")
+mutation("on_evaluate may not log a name validation_step reports", "saferun/loop/logbook.py",
+         "        if name in self._book.val_names:", "        if False:",
+         "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_logging_a_name_validation_step_reports_is_refused")
 mutation("self.step is 1-based inside training_step", "saferun/trainer.py",
          '        return self.state.step + (self._logbook.phase == "train")', "        return self.state.step",
          "tests/logging/test_log_resume.py::test_step_and_epoch_in_every_hook_match_the_logged_steps")

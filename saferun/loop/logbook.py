@@ -123,6 +123,7 @@ class Logbook:
         self.means: dict[str, torch.Tensor] = {}  # reduce="mean", this micro-batch or batch
         self.folded = Folded()  # the other reductions, this step or this validation pass
         self.media: list[Media] = []
+        self.val_names: set[str] = set()  # what this validation pass's validation_step reported
 
     # ------------------------------------------------------------------ the user's calls
 
@@ -205,6 +206,7 @@ class Logbook:
         the rest into `folded`; media named `prefix`/name. A validation_step that only logs
         may return None."""
         batch_index = 0
+        self.val_names = set()
 
         def step(batch: Any) -> Any:
             nonlocal batch_index
@@ -213,9 +215,12 @@ class Logbook:
             out = step_fn(batch)
             if out is None and (self.means or self.folded.values):
                 out = {}
+            self.val_names |= set(self.folded.values)
             folded.merge(self.folded)
             self.folded = Folded()
-            return self.joined(out, "validation_step")
+            out = self.joined(out, "validation_step")
+            self.val_names |= set(out) if isinstance(out, Mapping) else set()
+            return out
 
         return step
 
@@ -241,6 +246,9 @@ class EvalLog:
 
     def log(self, name: str, value: Any, reduce: str = "mean") -> None:
         """A scalar, as `Trainer.log` (reduce over the ranks that ran the callback)."""
+        if name in self._book.val_names:
+            raise SaferunError(f"on_evaluate logs {name!r}, which validation_step reports too "
+                               f"(val/{name}): rename one of them.")
         self._book.log(name, value, reduce, {})
 
     def log_image(self, name: str, image: Any) -> None:

@@ -61,6 +61,15 @@ def test_on_evaluate_that_changes_the_model_is_caught_by_the_purity_guard(tmp_pa
         ToyTrainer(cfg(tmp_path), callbacks=[Corrupts()]).fit()
 
 
+def test_on_evaluate_logging_a_name_validation_step_reports_is_refused(tmp_path):
+    class Clash(saferun.Callback):
+        def on_evaluate(self, view, model, log):
+            log.log("acc", 1.0)
+
+    with pytest.raises(SaferunError, match="on_evaluate logs 'acc', which validation_step reports"):
+        ToyTrainer(cfg(tmp_path), callbacks=[Clash()]).fit()
+
+
 def test_evaluate_ranks_must_be_main_or_all(tmp_path):
     class Odd(Samples):
         evaluate_ranks = "rank1"
