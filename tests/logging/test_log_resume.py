@@ -133,6 +133,7 @@ def test_step_and_epoch_in_every_hook_match_the_logged_steps(tmp_path):
         t.step = 3  # read-only
 
 
+@pytest.mark.slow  # ~7 s (Hydra compose, the digits data); on_evaluate + log_image run by default above
 def test_the_gan_recipe_logs_a_grid_of_generated_digits(tmp_path):
     from recipe_tools import build_recipe
     from saferun.loggers import TensorBoardLogger
