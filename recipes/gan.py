@@ -81,11 +81,28 @@ def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
 
 
+class DigitGrid(saferun.Callback):
+    """At each validation, a grid of digits generated from fixed latent codes, logged as the
+    image val/digits (TensorBoard's Images tab, or the tracker's). It needs the model, so it
+    uses `on_evaluate`: eval mode, no autograd, checked to leave the model as it found it."""
+
+    def __init__(self, side: int = 4) -> None:
+        self.side = side
+
+    def on_evaluate(self, view, model, log) -> None:
+        n = self.side
+        z = torch.randn(n * n, model.latent_dim, generator=torch.Generator().manual_seed(0))
+        images = model.generator(z.to(next(model.parameters()).device)).cpu()  # (n * n, 64)
+        grid = images.reshape(n, n, 8, 8).permute(0, 2, 1, 3).reshape(n * 8, n * 8)
+        log.log_image("digits", (grid + 1) / 2)  # (H, W) in [0, 1]
+
+
 class GANTrainer(saferun.Trainer):
     """Non-saturating GAN losses; the discriminator's real label smoothed to `real_label`."""
 
-    def __init__(self, cfg, callbacks=(), real_label: float = 0.9, sample_digits: int = 8) -> None:
-        super().__init__(cfg, callbacks)
+    def __init__(self, cfg, callbacks=(), real_label: float = 0.9, sample_digits: int = 8,
+                 grid_side: int = 4) -> None:
+        super().__init__(cfg, [*callbacks, *([DigitGrid(grid_side)] if grid_side > 0 else [])])
         self.real_label, self.sample_digits = real_label, sample_digits
 
     def build_optimizer(self, params: list[nn.Parameter]) -> dict[str, torch.optim.Optimizer]:

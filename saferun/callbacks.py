@@ -15,9 +15,12 @@ pins this order)::
             on_train_step_end(view, output)              -> Control | None
             if step % log_every_n_steps == 0:
                 on_log(view, metrics)                    -> Control | None
+                on_media(view, media)    what training_step logged with log_image/_histogram/_text
             if validation is due or a callback asked for it:
-                validate(); step a ReduceLROnPlateau (trainer.sched_metric)
+                validate()   validation_step over the set, then on_evaluate(view, model, log)
+                             in eval mode under the purity check; step a ReduceLROnPlateau
                 on_validation_end(view, metrics) -> Control | None
+                on_media(view, media)    what validation logged with log_image/_histogram/_text
                 if save_best improved: save; on_checkpoint(view, path)
             if a save is due or a callback asked for it:
                 save; on_checkpoint(view, path)
@@ -33,6 +36,12 @@ pins this order)::
 
 A callback sees a read-only `TrainerView`, never the model or the optimizer,
 and its only lever is the `Control` it returns. Callbacks run in list order.
+The one exception is `on_evaluate`, for callbacks that need the model (sample images from a
+generator, a probe on a fixed batch): it runs inside validation, on the ranks the callback's
+`evaluate_ranks` names ("main", the default, or "all"), with the model in eval mode under
+inference_mode (trainer.eval_grad_mode), training's random streams untouched, and the
+purity guard checking that it left every parameter and buffer as it found them
+(guards.eval_purity). What it logs through `log` is reported with the validation.
 
 Under torchrun every rank runs its callbacks (loggers exist on rank 0 only), and a
 `Control` returned on any rank counts for all, so that every rank stops, validates and
@@ -54,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 
 import torch
 
+from .errors import SaferunError
 from .parallel import distributed
 
 if TYPE_CHECKING:
@@ -168,6 +178,16 @@ class Callback(Protocol):
         """Validation finished; `metrics` are averages weighted by batch size."""
         return None
 
+    def on_evaluate(self, view: TrainerView, model: torch.nn.Module, log: Any) -> None:
+        """During validation, after validation_step: run code on `model` (eval mode, no
+        autograd, checked by the purity guard). `log` has the Trainer's log, log_image,
+        log_histogram and log_text; what it logs is val/<name> at this step. Runs on rank 0
+        unless the callback sets `evaluate_ranks = "all"`."""
+
+    def on_media(self, view: TrainerView, media: Sequence[Any]) -> None:
+        """Images, histograms and texts (`saferun.loop.logbook.Media`: kind, name, value on the
+        CPU, step) logged since the last log point or in this validation; rank 0 only."""
+
     def on_checkpoint(self, view: TrainerView, path: str) -> None:
         """A complete checkpoint was written to the directory `path`."""
 
@@ -212,6 +232,27 @@ class CallbackList(Callback):
         for cb in self.callbacks:
             control = _merge(control, cb.on_validation_end(view, metrics))
         return control
+
+    def on_evaluate(self, view: TrainerView, model: torch.nn.Module, log: Any,
+                    is_main: bool = True, sharded: bool = False) -> None:
+        for cb in self.callbacks:
+            if getattr(cb, "on_evaluate", None) is None:
+                continue
+            ranks = getattr(cb, "evaluate_ranks", "main")
+            if ranks not in ("main", "all"):
+                raise SaferunError(f"{type(cb).__name__}.evaluate_ranks is {ranks!r}: "
+                                   f"\"main\" (rank 0) or \"all\".")
+            if sharded and ranks != "all":  # every rank must take part in a sharded forward
+                raise SaferunError(f"{type(cb).__name__}.on_evaluate runs on rank 0 only, but "
+                                   f"with trainer.strategy=fsdp the model's forward needs every "
+                                   f"rank: set evaluate_ranks = \"all\".")
+            if ranks == "all" or is_main:
+                cb.on_evaluate(view, model, log)
+
+    def on_media(self, view: TrainerView, media: Sequence[Any]) -> None:
+        for cb in self.callbacks:
+            if getattr(cb, "on_media", None) is not None:
+                cb.on_media(view, media)
 
     def on_checkpoint(self, view: TrainerView, path: str) -> None:
         for cb in self.callbacks:

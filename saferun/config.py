@@ -278,6 +278,9 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
 
     schema = OmegaConf.structured(Config)
     cfg = dataclasses.asdict(cfg) if isinstance(cfg, Config) else cfg
+    if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):  # {"mlflow": {...}}
+        from .loggers import with_targets
+        cfg = {**cfg, "logger": with_targets(cfg["logger"])}
     try:
         merged = schema if cfg is None else OmegaConf.merge(schema, cfg)
         result = OmegaConf.to_object(merged)

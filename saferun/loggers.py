@@ -14,10 +14,11 @@ import re
 import socket
 import sys
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from .callbacks import Callback, TrainerView
 from .errors import ConfigError
+from .loop.logbook import Media
 
 log = logging.getLogger("saferun")
 
@@ -43,6 +44,7 @@ class TensorBoardLogger(Callback):
         self._resumed = False
         self._last_step = -1  # the latest step written, and the scalars written at it
         self._last_scalars: dict[str, float] = {}
+        self._last_media: list[Any] = []  # images, histograms, texts written at that step
         self._others: list[str] = []  # other runs' event files in a shared log_dir: kept
 
     def on_fit_start(self, view: TrainerView) -> None:
@@ -72,8 +74,12 @@ class TensorBoardLogger(Callback):
                         "run. Give each run its own directory (logger.tensorboard.log_dir; "
                         "the default is <run_dir>/tensorboard) and point TensorBoard at their "
                         "parent.", log_dir, ", ".join(self._others[:3]))
-        self._writer = SummaryWriter(log_dir, flush_secs=10,
-                                     purge_step=view.step if resumed else None)
+        # A fresh run's writer starts a session too (purge_step=0 writes its START event):
+        # TensorBoard's server purges on a session's second START only, so without it a
+        # resumed writer would hide nothing there (each step after the checkpoint shown twice).
+        # Not in a directory holding other runs' files: their steps would be hidden.
+        self._writer = SummaryWriter(log_dir, flush_secs=10, purge_step=view.step if resumed
+                                     else None if self._others else 0)
         # this process's new file (another run sharing log_dir may add its own meanwhile)
         mine = {n for n in _event_files(log_dir) - earlier
                 if f".{socket.gethostname()}.{os.getpid()}." in n}
@@ -81,12 +87,28 @@ class TensorBoardLogger(Callback):
             self._writer = _reopen_sorted_last(self._writer, log_dir, mine, max(earlier), view.step)
         if resumed and self._last_step == view.step:
             self._write(view.step, dict(self._last_scalars))
+            self.on_media(view, list(self._last_media))
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._write(view.step, metrics)
 
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._write(view.step, metrics)
+
+    def on_media(self, view: TrainerView, media: Sequence[Media]) -> None:
+        """log_image (CHW or HW, floats in [0, 1] or uint8), log_histogram, log_text."""
+        if self._writer is None:
+            return
+        self._at(view.step)
+        self._last_media += media
+        for m in media:
+            if m.kind == "image":
+                self._writer.add_image(m.name, m.value, m.step,
+                                       dataformats="HW" if m.value.ndim == 2 else "CHW")
+            elif m.kind == "histogram":
+                self._writer.add_histogram(m.name, m.value.float(), m.step)
+            else:
+                self._writer.add_text(m.name, m.value, m.step)
 
     def on_checkpoint(self, view: TrainerView, path: str) -> None:
         if self._writer is not None:
@@ -102,12 +124,13 @@ class TensorBoardLogger(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self._last_step, "scalars": dict(self._last_scalars),
-                "others": list(self._others)}
+                "media": [vars(m) for m in self._last_media], "others": list(self._others)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._resumed = True
         self._last_step = int(state.get("step", -1))
         self._last_scalars = dict(state.get("scalars", {}))
+        self._last_media = [Media(**m) for m in state.get("media", [])]
         self._others = list(state.get("others", []))
         if self._writer is not None:  # a rollback mid-run: hide what came after the checkpoint
             self._writer.close()
@@ -135,11 +158,14 @@ class TensorBoardLogger(Callback):
     def _write(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._writer is None:
             return
-        if step != self._last_step:
-            self._last_step, self._last_scalars = step, {}
+        self._at(step)
         self._last_scalars.update(metrics)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
+
+    def _at(self, step: int) -> None:
+        if step != self._last_step:
+            self._last_step, self._last_scalars, self._last_media = step, {}, []
 
     def close(self) -> None:
         if self._writer is not None:
@@ -298,6 +324,17 @@ class LogLines(Callback):
 
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         log.info(format_metrics(view, metrics))
+
+
+# The loggers a config may name without `_target_` ({"mlflow": {...}} in Python).
+NAMED = {"tensorboard": "saferun.loggers.TensorBoardLogger", "jsonl": "saferun.loggers.MetricsJsonl",
+         "mlflow": "saferun.trackers.MLflowLogger", "wandb": "saferun.trackers.WandbLogger"}
+
+
+def with_targets(given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` logger nodes with the `_target_` of each known name that has none."""
+    return {k: {"_target_": NAMED[k], **v} if isinstance(v, Mapping) and k in NAMED
+            and "_target_" not in v else v for k, v in given.items()}
 
 
 def chosen_loggers(given: Mapping[str, Any], merged: Mapping[str, Any],

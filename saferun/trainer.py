@@ -36,6 +36,7 @@ from .guards.unused import report_unused_parameters
 from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
+from .loop.logbook import EvalLog, Folded, Logbook
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.manual import optimize, setup_optimizers
@@ -82,6 +83,7 @@ class Trainer:
         self._owed: Optional[dict[str, Any]] = None  # a step's end that a stop interrupted
         self._validated_at = -1  # the step of the last completed validation
         self._is_setup = False
+        self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
 
     # ------------------------------------------------------------------ task hooks
 
@@ -190,7 +192,7 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
-        self._manual = setup_optimizers(self, model)  # + schedules; several: the step driving them
+        self._manual = setup_optimizers(self, model, self._logbook)  # + schedules; several: the step driving them
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
@@ -240,7 +242,7 @@ class Trainer:
                 for micro_batches, epoch_end, where in (
                         () if control and control.stop else self._batches.groups()):
                     output = self.train_step(micro_batches)
-                    self._running.add(output, where)
+                    self._running.add(output, where, self._logbook.take())
                     control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
                     if state.step % t.log_every_n_steps == 0:
                         control = _merge(control, self._log())
@@ -311,7 +313,9 @@ class Trainer:
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
         with self._strategy.micro_batch(last):
             with self._autocast():
-                loss, logs = loss_and_logs(self.training_step(batch), self.state.step + 1)
+                self._logbook.begin("train", self.state.step + 1)
+                loss, logs = loss_and_logs(self._logbook.joined(self.training_step(batch),
+                                                                "training_step"), self.state.step + 1)
             if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
                 loss, logs = loss * share, {k: v * share for k, v in logs.items()}
             self._scaler.scale(loss).backward()
@@ -325,11 +329,31 @@ class Trainer:
             return {}
         set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
         stopped = lambda: self.ranks.world_size == 1 and self._stop_signals.received is not None  # noqa: E731
+        self._logbook.take()  # (media of a validate() outside fit, never written: not these)
         metrics = averaging.validate_both(self, self._ema, self._evaluator, lambda e: self.finish_validation(
-            e.validate(self.val_loader, self.validation_step, self.batch_size,
-                       self.cfg.trainer.limit_val_batches, stopped, self.state.step)))
+            self._validation_pass(e, stopped)))
         self.state.metrics.update(metrics)
         return metrics
+
+    def _validation_pass(self, evaluator: Evaluator, stopped: Callable[[], bool]) -> dict[str, float]:
+        """One pass of validate(): validation_step over the loader with what it self.log()s,
+        then (the raw weights' pass) the callbacks' on_evaluate, reduced with it."""
+        folded, raw = Folded(), evaluator is self._evaluator
+        step_fn = self._logbook.validation_step(self.validation_step, "val" if raw else "val_ema",
+                                                folded)
+
+        def finish() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            self._logbook.begin("val", 0)
+            if raw:
+                self._callbacks.on_evaluate(self.view, self.model, EvalLog(self._logbook),
+                                            self.ranks.is_main, self._strategy.sharded)
+            means = self._logbook.joined({}, "on_evaluate")
+            folded.merge(self._logbook.take_folded())
+            return means, folded.reduced(self.device)
+
+        return evaluator.validate(self.val_loader, step_fn, self.batch_size,
+                                  self.cfg.trainer.limit_val_batches, stopped, self.state.step,
+                                  finish)
 
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.
@@ -423,6 +447,7 @@ class Trainer:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
         control = self._strategy.agreed(self._callbacks.on_validation_end(self.view, metrics))
+        self._write_media(self._logbook.take()[1])
         self._checkpointer.save_if_best(metrics)
         return control
 
@@ -480,6 +505,7 @@ class Trainer:
         strategy, signals = self._strategy, self._stop_signals
         metrics = self._running.read(extra, strategy.stop_votes(signals), self.ranks.world_size)
         strategy.count_stop_votes(metrics, signals)
+        media = self._running.media
         if not self._guard.log_point_good(metrics):
             self._guard.on_bad()  # raises, or rolls back (the window's metrics are then moot)
             return None
@@ -487,4 +513,45 @@ class Trainer:
         self._guard.clean_log_point()
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
-        return self._strategy.agreed(self._callbacks.on_log(self.view, metrics))
+        control = self._strategy.agreed(self._callbacks.on_log(self.view, metrics))
+        self._write_media(media)
+        return control
+
+    def _write_media(self, media: list[Any]) -> None:
+        """Images, histograms and texts logged since the last log point or in this validation:
+        to the loggers (rank 0), at this step."""
+        if media:
+            self._callbacks.on_media(self.view, [m.at(self.state.step) for m in media])
+
+    # ------------------------------------------------------------------ logging API
+
+    @property
+    def step(self) -> int:
+        """The step being computed, as the logs count it: in training_step of the first step,
+        1; everywhere else (validation_step, after_fit, callbacks) the steps taken so far."""
+        return self.state.step + (self._logbook.phase == "train")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being computed (0-based), as metrics.jsonl records it."""
+        return self.state.epoch
+
+    def log(self, name: str, value: torch.Tensor | float, reduce: str = "mean", **lightning: Any) -> None:
+        """Log a scalar from training_step (as train/<name>) or validation_step (val/<name>),
+        reduced over the log window (or the validation set) and the ranks with `reduce`:
+        "mean" (as a returned value: weighted by samples), "last", "min", "max" or "sum".
+        No host read: it is read with the other metrics at the log point."""
+        self._logbook.log(name, value, reduce, lightning)
+
+    def log_image(self, name: str, image: torch.Tensor | Any) -> None:
+        """Log an image (C, H, W) or (H, W), values in [0, 1]: written at the next log point
+        or validation end, on rank 0, to TensorBoard and the trackers."""
+        self._logbook.log_media("image", name, image)
+
+    def log_histogram(self, name: str, values: torch.Tensor | Any) -> None:
+        """Log the distribution of `values` (any shape), written as log_image is."""
+        self._logbook.log_media("histogram", name, values)
+
+    def log_text(self, name: str, text: str) -> None:
+        """Log a text (Markdown in TensorBoard), written as log_image is."""
+        self._logbook.log_media("text", name, text)

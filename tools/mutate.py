@@ -1019,6 +1019,58 @@ mutation("sync audit: only sampled steps are audited", "saferun/guards/sync_audi
          "        if True:",
          "tests/guards/test_guards.py::test_sync_audit_audits_only_its_sampled_steps")
 
+# ---------------------------------------------------------------- everyday-log (issue 23: self.log, trackers)
+mutation("self.log's non-mean values since the last log point are checkpointed", "saferun/loop/metrics.py",
+         '                "folded": self.folded.state_dict(), ', '                ',
+         "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
+mutation("images logged since the last log point are checkpointed", "saferun/loop/metrics.py",
+         '"media": [vars(m) for m in self.media]}', '}',
+         "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
+mutation("TensorBoard writes the checkpoint step's media again after a resume's purge", "saferun/loggers.py",
+         "            self.on_media(view, list(self._last_media))\n", "",
+         "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
+mutation("a fresh TensorBoard writer starts a session, so the server applies a resume's purge",
+         "saferun/loggers.py", "else None if self._others else 0)", "else None)",
+         "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
+mutation("reduce=min keeps the smallest value", "saferun/loop/logbook.py",
+         "        return torch.minimum(old, new)", "        return new",
+         "tests/logging/test_log_reductions.py::test_each_reduction_logs_what_it_says_over_each_window")
+mutation("reduce=last under torchrun is the latest step's, from the lowest rank", "saferun/loop/logbook.py",
+         "(positions == positions.max()).int().argmax()", "(positions == positions.max()).int().argmin()",
+         "tests/logging/test_evaluate_callbacks.py::test_every_reduction_is_agreed_over_two_real_ranks")
+mutation("an on_evaluate callback runs on rank 0 unless it asks for all", "saferun/callbacks.py",
+         "            if ranks == \"all\" or is_main:", "            if True:",
+         "tests/logging/test_evaluate_callbacks.py::test_every_reduction_is_agreed_over_two_real_ranks")
+mutation("a logged 'loss' other than the returned loss is refused", "saferun/loop/logbook.py",
+         "        if both:\n            loss =", "        if False:\n            loss =",
+         "tests/logging/test_log_reductions.py::test_mistakes_are_refused_with_what_to_do")
+mutation("a name keeps one reduction", "saferun/loop/logbook.py",
+         "        if self.reduces.setdefault(name, reduce) != reduce:", "        if False:",
+         "tests/logging/test_log_reductions.py::test_mistakes_are_refused_with_what_to_do")
+mutation("Lightning's self.log arguments are refused with what saferun does instead",
+         "saferun/loop/logbook.py", "        if extra:\n            said", "        if False:\n            said",
+         "tests/logging/test_log_reductions.py::test_mistakes_are_refused_with_what_to_do")
+mutation("an on_evaluate callback is checked by the purity guard", "saferun/loop/evaluation.py",
+         "        before = fingerprint(self._model) if self._purity else None\n        # preserved_rng",
+         "        before = None\n        # preserved_rng",
+         "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_that_changes_the_model_is_caught_by_the_purity_guard")
+mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/trackers.py",
+         "        if self._client is None or step <= self._held:", "        if self._client is None:",
+         "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
+mutation("MLflow: a resume continues the checkpoint's run", "saferun/trackers.py",
+         '        return {"run_id": self.run_id}', "        return {}",
+         "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
+mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
+         "        if self._run is None or step < self.sent or step <= self._held:",
+         "        if self._run is None or step < self.sent:",
+         "tests/logging/test_trackers.py::test_wandb_offline_writes_locally_and_a_resume_continues_the_same_run",
+         known="its test is slow (W&B's service, twice): run by hand with -m slow")
+mutation("on_evaluate may not log a name validation_step reports", "saferun/loop/logbook.py",
+         "        if name in self._book.val_names:", "        if False:",
+         "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_logging_a_name_validation_step_reports_is_refused")
+mutation("self.step is 1-based inside training_step", "saferun/trainer.py",
+         '        return self.state.step + (self._logbook.phase == "train")', "        return self.state.step",
+         "tests/logging/test_log_resume.py::test_step_and_epoch_in_every_hook_match_the_logged_steps")
 
 # ---------------------------------------------------------------- the runner
 

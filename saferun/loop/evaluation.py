@@ -48,9 +48,14 @@ class Evaluator:
 
     def validate(self, loader: DataLoader, step_fn: Callable[[Any], Any],
                  batch_size: Callable[[Any], int], limit: Optional[int],
-                 stopped: Callable[[], bool], step: int) -> dict[str, float]:
+                 stopped: Callable[[], bool], step: int,
+                 finish: Optional[Callable[[], tuple[Mapping[str, torch.Tensor],
+                                                     Mapping[str, torch.Tensor]]]] = None
+                 ) -> dict[str, float]:
         """The batch-size-weighted means of `step_fn`'s values over `loader` and the stateful
-        metrics' values (one host read)."""
+        metrics' values (one host read). `finish()`, called after the batches still in eval mode
+        and under the purity check, returns (values to average with weight 1, values already
+        reduced over the ranks) to report with them."""
         means = WeightedMeans()
         reset_all(self._metrics)
         before = fingerprint(self._model) if self._purity else None
@@ -69,8 +74,10 @@ class Evaluator:
                     raise
                 means.add(scalar_dict(out, "validation_step"),
                           samples_in(batch, batch_size, f"validation batch {i + 1}"))
+            finished = finish() if finish is not None else ({}, {})
+            means.add(finished[0], 1)
         probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
-        computed = compute_all(self._metrics)  # under torchrun: gathers every rank's state
+        computed = {**compute_all(self._metrics), **finished[1]}  # torchrun: every rank's state
         # one read: the means, the metrics and the purity flag
         values, flags = means.read(probe, self._device, computed)
         check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 from torch.autograd.graph import increment_version
 
+from .logbook import Logbook
 from ..callbacks import StepOutput
 from ..errors import SaferunError
 from ..parallel import distributed
@@ -64,8 +65,9 @@ class ManualOwner(Protocol):
 class ManualSteps:
     """Runs one step of training_step with several optimizers and checks how it used them."""
 
-    def __init__(self, trainer: ManualOwner) -> None:
+    def __init__(self, trainer: ManualOwner, logbook: Logbook) -> None:
         self._tr = trainer
+        self._logbook = logbook  # what training_step self.log()s joins its returned dict
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         self.names = list(trainer.optimizer)
         # per optimizer: its trainable parameters with their names (for the DDP average's
@@ -90,7 +92,8 @@ class ManualSteps:
         try:
             with tr._strategy.micro_batch(True):  # DDP: buffers broadcast after training_step
                 with tr._autocast():
-                    out = tr.training_step(batch)
+                    self._logbook.begin("train", tr.state.step + 1)
+                    out = self._logbook.joined(tr.training_step(batch), "training_step")
             done = self._done
         finally:
             self._done = None
@@ -207,7 +210,7 @@ class ManualSteps:
         return StepOutput(loss=zero, grad_norm=zero, num_samples=samples, skipped=True)
 
 
-def setup_optimizers(trainer: Any, model: torch.nn.Module) -> Optional[ManualSteps]:
+def setup_optimizers(trainer: Any, model: torch.nn.Module, logbook: Logbook) -> Optional[ManualSteps]:
     """After `build_optimizer` (Trainer.setup): set the Trainer's `scheduler` and `_schedule`.
     One optimizer: None (the loop's own step drives it). {name: optimizer}: check them, put
     the containers in `optimizer`, `scheduler`, `_schedule` (loop/optimizers.py) and return
@@ -215,7 +218,7 @@ def setup_optimizers(trainer: Any, model: torch.nn.Module) -> Optional[ManualSte
     if isinstance(trainer.optimizer, Mapping):
         trainer.optimizer, trainer.scheduler, trainer._schedule = build_named(
             trainer, trainer.optimizer, model)
-        return ManualSteps(trainer)
+        return ManualSteps(trainer, logbook)
     check_optimizer_params(trainer.optimizer, model)
     trainer.scheduler = trainer.build_scheduler(trainer.optimizer)
     trainer._schedule = Schedule(trainer.optimizer, trainer.scheduler,

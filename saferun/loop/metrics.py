@@ -11,6 +11,7 @@ import torch
 from ..parallel import distributed
 from ..callbacks import StepOutput
 from ..errors import SaferunError
+from .logbook import Folded, Media
 
 
 class RunningTrainMetrics:
@@ -30,6 +31,8 @@ class RunningTrainMetrics:
         self.batches: list[Any] = []  # per step: (epoch, [sample indices per micro-batch]) or None
         self.spikes: list[torch.Tensor] = []  # per step, when the spike guard is on
         self.loss_spikes: list[torch.Tensor] = []  # the same, for this rank's loss alone
+        self.folded = Folded()  # self.log(..., reduce=min/max/sum/last) since the last log point
+        self.media: list[Media] = []  # self.log_image/histogram/text, to write at the log point
         self.samples = 0
         self.skipped = 0
         self.started = time.perf_counter()
@@ -38,11 +41,17 @@ class RunningTrainMetrics:
     def steps(self) -> int:
         return len(self.losses) + self.skipped
 
-    def add(self, output: StepOutput, batches: Any = None) -> None:
+    def add(self, output: StepOutput, batches: Any = None,
+            logged: Optional[tuple[Folded, list[Media]]] = None) -> None:
+        """One step's output; `logged`: what its training_step self.log()ged besides means
+        (dropped, as its returned values are, when the step was skipped)."""
         self.samples += output.num_samples
         if output.skipped:
             self.skipped += 1
             return
+        if logged is not None:
+            self.folded.merge(logged[0])
+            self.media += logged[1]
         self.losses.append(output.loss)
         self.grad_norms.append(output.grad_norm)
         if output.logs:
@@ -58,7 +67,8 @@ class RunningTrainMetrics:
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
                 "logs": [dict(d) for d in self.logs], "batches": list(self.batches),
                 "spikes": list(self.spikes), "loss_spikes": list(self.loss_spikes),
-                "samples": self.samples, "skipped": self.skipped}
+                "samples": self.samples, "skipped": self.skipped,
+                "folded": self.folded.state_dict(), "media": [vars(m) for m in self.media]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.reset()
@@ -66,6 +76,8 @@ class RunningTrainMetrics:
         self.logs, self.batches = [dict(d) for d in state["logs"]], list(state["batches"])
         self.spikes, self.loss_spikes = list(state["spikes"]), list(state.get("loss_spikes", []))
         self.samples, self.skipped = state["samples"], state["skipped"]
+        self.folded.load_state_dict(state.get("folded", {}))  # (absent: saferun before self.log)
+        self.media = [Media(**m) for m in state.get("media", [])]
 
     def read(self, extra: Mapping[str, torch.Tensor] = {}, totals: Mapping[str, torch.Tensor] = {},
              world_size: int = 1) -> dict[str, float]:
@@ -99,10 +111,16 @@ class RunningTrainMetrics:
         names += list(sums)
         columns += [v.float() for v in sums.values()]
         values: list[float] = []
+        device = columns[0].device if columns else torch.device("cpu")
+        folded = {f"train/{k}": v for k, v in self.folded.reduced(device).items()}
         if columns:
             stacked = distributed.all_reduce(torch.stack(columns))
             stacked[:averaged] /= world_size
+            stacked = torch.cat([stacked, *[v.reshape(1) for v in folded.values()]])
             values = stacked.tolist()
+        elif folded:
+            values = torch.stack(list(folded.values())).tolist()
+        names += list(folded)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         metrics = dict(zip(names, values))
         for k in keys if ranked and self.losses else ():

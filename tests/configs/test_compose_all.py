@@ -90,4 +90,4 @@ def test_every_yaml_on_disk_is_tested():
     assert len(on_disk) == len(shipped_configs()) + len(list((CONF / "hydra").rglob("*.yaml")))
     assert not [f for f in on_disk if f.endswith(".yml")], "use .yaml: Hydra only finds .yaml"
     # Update when adding a config: the parametrised test above must cover it.
-    assert len(shipped_configs()) == 29
+    assert len(shipped_configs()) == 31

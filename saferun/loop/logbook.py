@@ -1,0 +1,261 @@
+"""What `self.log`, `log_image`, `log_histogram` and `log_text` collect, kept on the device until
+the loop's next log point or validation end.
+
+A value logged with reduce="mean" joins the dict training_step or validation_step returns, so it
+is reduced exactly as a returned value (weighted by the micro-batch's share under accumulation,
+by batch size in validation, averaged over ranks). The other reductions fold each new value into
+one device tensor per name as it comes (`Folded`): no host read until the log point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from ..errors import SaferunError
+from ..parallel import distributed
+
+REDUCTIONS = ("mean", "last", "min", "max", "sum")
+_IDENTITY = {"min": float("inf"), "max": float("-inf"), "sum": 0.0, "last": 0.0}
+_LIGHTNING_ARGS = {
+    "on_step": "training values are reduced over each log window (trainer.log_every_n_steps); "
+               "for the value of the step itself use reduce='last'",
+    "on_epoch": "validation values are reduced over the whole validation set",
+    "sync_dist": "saferun always reduces over the ranks under torchrun",
+    "prog_bar": "the progress bar shows train/loss",
+    "batch_size": "validation values are weighted by the batch size the batch_size hook gives",
+}
+
+
+@dataclass
+class Media:
+    """An image, histogram or text to write at the next log point or validation end."""
+
+    kind: str  # "image" | "histogram" | "text"
+    name: str  # with its prefix: train/..., val/...
+    value: Any  # a detached tensor (CPU once read) or a str
+    step: int = 0  # set when written: the step of that log point or validation
+
+    def at(self, step: int) -> "Media":
+        """This media to write at `step`, its tensor on the CPU (the one host read)."""
+        value = self.value.cpu() if isinstance(self.value, torch.Tensor) else self.value
+        return Media(self.kind, self.name, value, step)
+
+
+def _fold(kind: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    if kind == "min":
+        return torch.minimum(old, new)
+    if kind == "max":
+        return torch.maximum(old, new)
+    if kind == "sum":
+        return old + new
+    return new  # last
+
+
+class Folded:
+    """Values logged with reduce min, max, sum or last: name -> (reduce, value, position), where
+    position (the step, or the validation batch) orders "last" across ranks."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[str, torch.Tensor, int]] = {}
+
+    def add(self, name: str, kind: str, value: torch.Tensor, position: int) -> None:
+        if name in self.values:
+            value = _fold(kind, self.values[name][1], value)
+        self.values[name] = (kind, value, position)
+
+    def merge(self, other: "Folded") -> None:
+        for name, (kind, value, position) in other.values.items():
+            self.add(name, kind, value, position)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: list(v) for k, v in self.values.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.values = {k: (v[0], v[1], int(v[2])) for k, v in state.items()}
+
+    def reduced(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """name -> the value over every rank, on the device (one collective under torchrun):
+        min, max, sum over ranks; last: the latest position's, from the lowest rank that had it."""
+        keys = [f"{kind}:{name}" for name, (kind, _, _) in self.values.items()]
+        keys = distributed.union(keys)  # the same columns on every rank
+        if not keys:
+            return {}
+        rows = []
+        for key in keys:
+            kind, name = key.split(":", 1)
+            if name in self.values:
+                _, value, position = self.values[name]
+                rows.append(torch.stack([value.to(device).float().reshape(()),
+                                         torch.full((), float(position), device=device)]))
+            else:
+                rows.append(torch.tensor([_IDENTITY[kind], -1.0], device=device))
+        mine = torch.stack(rows)  # (keys, 2): value, position
+        world = distributed.dist.get_world_size() if distributed.dist.is_initialized() else 1
+        if world == 1:
+            return {k.split(":", 1)[1]: mine[i, 0] for i, k in enumerate(keys)}
+        every = [torch.empty_like(mine) for _ in range(world)]
+        distributed.dist.all_gather(every, mine)
+        ranks = torch.stack(every)  # (world, keys, 2)
+        out = {}
+        for i, key in enumerate(keys):
+            kind, name = key.split(":", 1)
+            values, positions = ranks[:, i, 0], ranks[:, i, 1]
+            if kind == "last":  # argmax: the first (lowest) rank at the latest position
+                out[name] = values[(positions == positions.max()).int().argmax()]
+            else:
+                out[name] = getattr(values, kind)()
+        return out
+
+
+class Logbook:
+    """The Trainer's collection of what its hooks log. `phase` says where a value goes:
+    "train" (training_step), "val" (validation_step, a callback's on_evaluate) or None
+    (nowhere: saferun's own replays of a step, e.g. the compile check, log nothing)."""
+
+    def __init__(self, is_main: bool) -> None:
+        self.is_main = is_main  # media are written on rank 0 only
+        self.phase: Optional[str] = None
+        self.position = 0  # the step (training) or the batch (validation) being computed
+        self.reduces: dict[str, str] = {}  # name -> its reduce, fixed by its first use
+        self.means: dict[str, torch.Tensor] = {}  # reduce="mean", this micro-batch or batch
+        self.folded = Folded()  # the other reductions, this step or this validation pass
+        self.media: list[Media] = []
+        self.val_names: set[str] = set()  # what this validation pass's validation_step reported
+
+    # ------------------------------------------------------------------ the user's calls
+
+    def log(self, name: str, value: Any, reduce: str, extra: Mapping[str, Any]) -> None:
+        if extra:
+            said = "; ".join(f"{k}: {_LIGHTNING_ARGS.get(k, 'not an argument of self.log')}"
+                             for k in extra)
+            raise SaferunError(f"self.log({name!r}, ...) takes a name, a value and reduce= "
+                               f"(one of {', '.join(REDUCTIONS)}); got {', '.join(extra)}. {said}.")
+        if reduce not in REDUCTIONS:
+            raise SaferunError(f"self.log({name!r}, ..., reduce={reduce!r}): reduce is one of "
+                               f"{', '.join(REDUCTIONS)}.")
+        if self.reduces.setdefault(name, reduce) != reduce:
+            raise SaferunError(f"self.log({name!r}) with reduce={reduce!r}, but it was logged with "
+                               f"reduce={self.reduces[name]!r} before: a name keeps one reduction.")
+        tensor = _scalar(name, value)
+        if self.phase is None:
+            return
+        if reduce == "mean":
+            self.means[name] = tensor
+        else:
+            self.folded.add(name, reduce, tensor.detach().reshape(()), self.position)
+
+    def log_media(self, kind: str, name: str, value: Any) -> None:
+        if self.phase is None or not self.is_main:
+            return
+        if kind == "text":
+            if not isinstance(value, str):
+                raise SaferunError(f"self.log_text({name!r}, ...) takes a str, got "
+                                   f"{type(value).__name__}.")
+        else:
+            value = torch.as_tensor(value).detach().clone()  # the caller may change it in place
+            if kind == "image" and not (2 <= value.ndim <= 3):
+                raise SaferunError(f"self.log_image({name!r}, ...) takes an image (C, H, W) or "
+                                   f"(H, W), got shape {tuple(value.shape)}. For several "
+                                   f"images make a grid (torchvision.utils.make_grid).")
+        self.media.append(Media(kind, f"{self.phase}/{name}", value))
+
+    # ------------------------------------------------------------------ the loop's calls
+
+    def begin(self, phase: Optional[str], position: int) -> None:
+        """A hook that may log starts: `position` is its step (or validation batch)."""
+        self.phase, self.position = phase, position
+        self.means = {}
+
+    def joined(self, out: Any, hook: str) -> Any:
+        """`hook`'s return value with what it self.log()ged as "mean": a loss tensor becomes
+        {"loss": loss, ...}; a dict gets the values added. A name both returned and logged is
+        refused; "loss" logged in training_step must be the returned loss itself (train/loss)."""
+        self.phase = None
+        logged, self.means = self.means, {}
+        if not (logged or self.folded.values) or \
+                not (out is None or isinstance(out, (torch.Tensor, Mapping))):
+            return out  # (anything else: the loop's own check names the mistake)
+        returned = {"loss": out} if isinstance(out, torch.Tensor) else dict(out or {})
+        if "loss" in logged and logged["loss"] is returned.get("loss"):
+            del logged["loss"]  # self.log("loss", loss); return loss: train/loss, once
+        both = sorted((set(logged) | set(self.folded.values)) & set(returned))
+        if both:
+            loss = " (train/loss is the loss training_step returns)" if "loss" in both else ""
+            raise SaferunError(f"{hook} both returns and self.log()s {', '.join(both)}: keep one "
+                               f"of the two{loss}.")
+        if not logged:
+            return out
+        return {**returned, **{k: v.detach().reshape(()) for k, v in logged.items()}}
+
+    def take_folded(self) -> Folded:
+        folded, self.folded = self.folded, Folded()
+        return folded
+
+    def take(self) -> tuple[Folded, list[Media]]:
+        """What the step or validation pass logged besides means; the book starts empty."""
+        folded, media = self.folded, self.media
+        self.folded, self.media = Folded(), []
+        return folded, media
+
+    def validation_step(self, step_fn: Callable[[Any], Any], prefix: str, folded: Folded
+                        ) -> Callable[[Any], Any]:
+        """`step_fn` (validation_step) collecting what it logs: means into its returned dict,
+        the rest into `folded`; media named `prefix`/name. A validation_step that only logs
+        may return None."""
+        batch_index = 0
+        self.val_names = set()
+
+        def step(batch: Any) -> Any:
+            nonlocal batch_index
+            batch_index += 1
+            self.begin(prefix, batch_index)
+            out = step_fn(batch)
+            if out is None and (self.means or self.folded.values):
+                out = {}
+            self.val_names |= set(self.folded.values)
+            folded.merge(self.folded)
+            self.folded = Folded()
+            out = self.joined(out, "validation_step")
+            self.val_names |= set(out) if isinstance(out, Mapping) else set()
+            return out
+
+        return step
+
+
+def _scalar(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise SaferunError(f"self.log({name!r}, ...) takes a scalar (a one-element tensor or a "
+                           f"number), got {shape}. Reduce it first (e.g. .mean()), or log it "
+                           f"with self.log_histogram.")
+    return value  # (detached where it is kept: the identity of a logged loss is compared)
+
+
+
+class EvalLog:
+    """The Trainer's logging methods, handed to a callback's `on_evaluate`: what it logs is
+    reported with the validation (val/<name>, at the validation's step)."""
+
+    def __init__(self, book: Logbook) -> None:
+        self._book = book
+
+    def log(self, name: str, value: Any, reduce: str = "mean") -> None:
+        """A scalar, as `Trainer.log` (reduce over the ranks that ran the callback)."""
+        if name in self._book.val_names:
+            raise SaferunError(f"on_evaluate logs {name!r}, which validation_step reports too "
+                               f"(val/{name}): rename one of them.")
+        self._book.log(name, value, reduce, {})
+
+    def log_image(self, name: str, image: Any) -> None:
+        self._book.log_media("image", name, image)
+
+    def log_histogram(self, name: str, values: Any) -> None:
+        self._book.log_media("histogram", name, values)
+
+    def log_text(self, name: str, text: str) -> None:
+        self._book.log_media("text", name, text)
