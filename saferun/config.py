@@ -327,6 +327,26 @@ def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -
             f"{key}: {target} does not accept these arguments ({e}). "
             f"Accepted: {', '.join(sig.parameters)}."
         ) from None
+    for name, value in kwargs.items():
+        _check_type(f"{key}.{name}", value, sig.parameters.get(name), target)
+
+
+def _check_type(key: str, value: Any, param: Optional[inspect.Parameter], target: str) -> None:
+    """A string where the target's default is a number or a bool (optim.lr="3e-3"): refused
+    naming the key, before torch compares it with a number deep inside the target."""
+    default = None if param is None else param.default
+    if not isinstance(value, str) or not isinstance(default, (bool, int, float)):
+        return
+    if any(word in str(param.annotation) for word in ("str", "Literal")):  # "auto", "all": valid
+        return
+    kind = "true or false" if isinstance(default, bool) else "a number"
+    try:
+        float(value)
+        why = f"a string that looks like a number: write it unquoted ({key}={value})"
+    except ValueError:
+        why = f"not {kind}"
+    raise ConfigError(f"{key} must be {kind} ({target}'s default is {default!r}); got the "
+                      f"string {value!r}, {why}.")
 
 
 def _positive(cfg: Any, *names: str) -> None:
