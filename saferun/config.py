@@ -91,7 +91,7 @@ class TrainerConfig:
     progress_bar: Optional[bool] = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
-    """Directory for this run's outputs (None: runs/<timestamp>)."""
+    """Directory for this run's outputs (None: a new runs/<timestamp>-<4 hex>/ for each Trainer)."""
     ema: EmaConfig = field(default_factory=EmaConfig)  # weight averaging, see EmaConfig
     strategy: str = "auto"
     """Under torchrun: ddp (every rank holds the whole model), fsdp (parameters, gradients and
