@@ -42,6 +42,18 @@ def collective_failed(exc: BaseException) -> bool:
             and _raised_in_torch(exc))
 
 
+def peer_failure(exc: BaseException) -> Optional[str]:
+    """Under torchrun: the first line of the collective error in `exc` or what it wraps (a
+    save's), caused by another rank; else None."""
+    seen: Optional[BaseException] = exc
+    while seen is not None and several_ranks():
+        text = str(seen).strip()
+        if isinstance(seen, (RuntimeError, ConnectionError)) and _PEER.search(text):
+            return text.splitlines()[0][:300]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _raised_in_torch(exc: BaseException) -> bool:
     """Is the traceback's innermost frame torch's (a collective, DDP's backward)?"""
     tb = exc.__traceback__
