@@ -39,17 +39,15 @@ def did_you_mean(key: str, schema: type) -> str:
             rest = ".".join(parts[1:2])
             valid = top[0] in nodes and rest in {f.name for f in dataclasses.fields(nodes[top[0]])}
             return f" Did you mean {top[0]}.{rest}?" if valid else f" Did you mean {top[0]}?"
-    # Else the key's last part against the last part of every known key: the same name under
-    # another node first (lr -> optim.lr), then a close one in the same node, then anywhere.
+    # Else the key's last part against the last part of every known key: in the same node
+    # first (trainer.max_stepz), then anywhere (lr -> optim.lr, max_steps -> trainer.max_steps).
     last, known = parts[-1], known_keys(schema)
-    same_node = [k for k in known if k.split(".")[0] == parts[0]]
-    found = [k for k in known if k.rsplit(".", 1)[-1] == last and k != key]
-    for pool in ([] if found else (same_node, known)):
-        ends = {k.rsplit(".", 1)[-1]: k for k in reversed(pool)}
-        found = [ends[m] for m in difflib.get_close_matches(last, list(ends), n=1, cutoff=0.8)]
+    for pool in ([k for k in known if k.split(".")[0] == parts[0]], known):
+        ends = {k.rsplit(".", 1)[-1]: k for k in reversed(pool) if k != key}
+        found = difflib.get_close_matches(last, list(ends), n=1, cutoff=0.8)
         if found:
-            break
-    return f" Did you mean {' or '.join(found)}?" if found else ""
+            return f" Did you mean {ends[found[0]]}?"
+    return ""
 
 
 def known_keys(schema: type) -> list[str]:
