@@ -25,7 +25,7 @@ def run(args: list[str]) -> None:
     _ARGS = list(args)
     _register_with_hydra()
     _check_run_dir_arg(args)
-    rundirs.check_args(args)
+    rundirs.note_args(args)
     _check_override_keys(args)
     for config_dir in _config_dirs(args)[0]:
         # A copied recipe (saferun new) keeps its Python file next to its configs.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,15 +22,11 @@ _LEFT_BY_A_REFUSED_RUN = {"saferun.log", ".saferun.lock", ".hydra"}
 _absent: Optional[tuple[Path, Path]] = None
 
 
-def check_args(args: Sequence[str]) -> None:
-    """Before Hydra starts: refuse `trainer.run_dir=` (exit 1); note whether a
-    `hydra.run.dir=` given exists yet."""
+def note_args(args: Sequence[str]) -> None:
+    """Before Hydra starts: note whether a `hydra.run.dir=` given exists yet."""
     global _absent
     for arg in args:
         key, _, value = arg.partition("=")
-        if key.lstrip("+~") == "trainer.run_dir":
-            print(f"saferun: error: {arg}: {TRAINER_RUN_DIR}", file=sys.stderr)
-            raise SystemExit(1)
         if key == "hydra.run.dir" and "${" not in value and not Path(value).exists():
             path = Path(value).absolute()
             _absent = path, next(p for p in path.parents if p.exists())
@@ -42,7 +37,8 @@ def check_run_dir(configured: Optional[str], resume: Optional[str], run_dir: str
     """Raise `SaferunError` for a trainer.run_dir set in a config file, or resume=auto in a
     run directory made up for this run (there is nothing in it to continue)."""
     if configured is not None:
-        raise SaferunError(f"trainer.run_dir={configured} (set in a config file): {TRAINER_RUN_DIR}")
+        raise SaferunError(f"trainer.run_dir={configured} is set (on the command line or in a "
+                           f"config file): {TRAINER_RUN_DIR}")
     made = generated_part(run_dir)
     if resume == "auto" and made is not None:
         raise SaferunError(_nothing_to_resume(made, args, multirun))
