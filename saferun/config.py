@@ -97,7 +97,7 @@ class TrainerConfig:
     progress_bar: Optional[bool] = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
     run_dir: Optional[str] = None
-    """Directory for this run's outputs (None: runs/<timestamp>)."""
+    """Directory for this run's outputs (None: a new runs/<timestamp>-<4 hex>/ for each Trainer)."""
     ema: EmaConfig = field(default_factory=EmaConfig)  # weight averaging, see EmaConfig
     strategy: str = "auto"
     """Under torchrun: ddp (every rank holds the whole model), fsdp (parameters, gradients and
@@ -350,6 +350,26 @@ def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -
             f"{key}: {target} does not accept these arguments ({e}). "
             f"Accepted: {', '.join(sig.parameters)}."
         ) from None
+    for name, value in kwargs.items():
+        _check_type(f"{key}.{name}", value, sig.parameters.get(name), target)
+
+
+def _check_type(key: str, value: Any, param: Optional[inspect.Parameter], target: str) -> None:
+    """A string where the target's default is a number or a bool (optim.lr="3e-3"): refused
+    naming the key, before torch compares it with a number deep inside the target."""
+    default = None if param is None else param.default
+    if not isinstance(value, str) or not isinstance(default, (bool, int, float)):
+        return
+    if any(word in str(param.annotation) for word in ("str", "Literal")):  # "auto", "all": valid
+        return
+    kind = "true or false" if isinstance(default, bool) else "a number"
+    try:
+        float(value)
+        why = f"a string that looks like a number: write it unquoted ({key}={value})"
+    except ValueError:
+        why = f"not {kind}"
+    raise ConfigError(f"{key} must be {kind} ({target}'s default is {default!r}); got the "
+                      f"string {value!r}, {why}.")
 
 
 def _positive(cfg: Any, *names: str) -> None:

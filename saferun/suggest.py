@@ -27,21 +27,44 @@ def typed_keys(schema: type) -> list[str]:
 
 
 def did_you_mean(key: str, schema: type) -> str:
-    """' Did you mean trainer.max_steps?' for the closest valid key of `schema` (saferun.Config)
-    to `key`, or ''. (The schema is passed in: config.py imports this module.)"""
+    """' Did you mean trainer.max_steps?' for the valid key of `schema` (saferun.Config) closest
+    to `key`, or '' when none is close: a wrong suggestion misleads more than none. (The schema
+    is passed in: config.py imports this module.)"""
     parts = key.split(".")
     fields = [f.name for f in dataclasses.fields(schema)]
     nodes = typed_nodes(schema)
-    if parts[0] not in fields:  # a misspelt first part: the closest node, with the rest if valid
-        top = difflib.get_close_matches(parts[0], fields, n=1, cutoff=0.6)
-        if not top:
-            return ""
-        rest = ".".join(parts[1:2])
-        valid = top[0] in nodes and rest in {f.name for f in dataclasses.fields(nodes[top[0]])}
-        return f" Did you mean {top[0]}.{rest}?" if valid else f" Did you mean {top[0]}?"
-    candidates = [k for k in typed_keys(schema) if k.startswith(parts[0] + ".")]
-    found = difflib.get_close_matches(".".join(parts[:2]), candidates, n=1, cutoff=0.6)
-    return f" Did you mean {found[0]}?" if found else ""
+    if parts[0] not in fields:
+        top = difflib.get_close_matches(parts[0], fields, n=1, cutoff=0.75)
+        if top:  # a misspelt first part: the closest node, with the rest if valid
+            rest = ".".join(parts[1:2])
+            valid = top[0] in nodes and rest in {f.name for f in dataclasses.fields(nodes[top[0]])}
+            return f" Did you mean {top[0]}.{rest}?" if valid else f" Did you mean {top[0]}?"
+    # Else the key's last part against the last part of every known key: in the same node
+    # first (trainer.max_stepz), then anywhere (lr -> optim.lr, max_steps -> trainer.max_steps).
+    last, known = parts[-1], known_keys(schema)
+    for pool in ([k for k in known if k.split(".")[0] == parts[0]], known):
+        ends = {k.rsplit(".", 1)[-1]: k for k in reversed(pool) if k != key}
+        found = difflib.get_close_matches(last, list(ends), n=1, cutoff=0.8)
+        if found:
+            return f" Did you mean {ends[found[0]]}?"
+    return ""
+
+
+def known_keys(schema: type) -> list[str]:
+    """The typed keys, and the arguments of the shipped optim and sched options (optim.lr,
+    sched.warmup_steps): what a user may mean by a key the schema does not have."""
+    import yaml
+
+    keys = typed_keys(schema)
+    conf = importlib.resources.files("saferun.conf")
+    for group in ("optim", "sched"):
+        for option in sorted(conf.joinpath(group).iterdir(), key=lambda p: p.name):
+            text = option.read_text() if option.name.endswith(".yaml") else ""
+            node = yaml.safe_load(text) or {}
+            if "# @package _global_" in text:  # sched/constant.yaml: `sched: null`
+                node = node.get(group) or {}
+            keys += [f"{group}.{k}" for k in node if not k.startswith("_") and f"{group}.{k}" not in keys]
+    return keys
 
 
 def unknown_override(args: Sequence[str], schema: type, config_dirs: Sequence[str] = ()

@@ -10,9 +10,7 @@ override point; callbacks observe it (see `saferun.callbacks`).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
-import os
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.rundir import default_run_dir
 from .config import Config, load_config
 from .data import check_datasets, check_training_loader, make_loaders, set_loader_epoch
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
@@ -200,8 +199,7 @@ class Trainer:
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
                                     t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self)
-        self.state.run_dir = t.run_dir or os.path.join(
-            "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        self.state.run_dir = t.run_dir or default_run_dir()
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
             self.cfg, self.ranks.is_main, self.device.type))
         self._running = RunningTrainMetrics()

@@ -109,6 +109,16 @@ def _lock(path: Path) -> RunDirLock:
     return lock
 
 
+def default_run_dir() -> str:
+    """The run directory of a Trainer given no trainer.run_dir: runs/<YYYYmmdd-HHMMSS>-<4 hex>,
+    one that does not exist yet, so that two fit()s started within a second (a loop over
+    learning rates, k folds) never meet in one directory; rank 0's on every rank."""
+    while True:
+        path = os.path.join("runs", f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
+        if not os.path.exists(path):
+            return distributed.broadcast(path)
+
+
 def check_writable(path: Path) -> Optional[str]:
     """Why `path` cannot be (or become) a writable run directory, or None if it can."""
     existing = next(p for p in (path, *path.absolute().parents) if p.exists())

@@ -273,6 +273,15 @@ def step_of(path: Path) -> int:
 
 def _write_failure(path: Path, error: BaseException) -> str:
     """Which file could not be written and why, in words, instead of torch's internal message."""
+    from ..guards.explain_ranks import peer_failure
+
+    peer = peer_failure(error)
+    if peer is not None:  # not the disk: another rank died (killed during the save, say)
+        return (f"could not write {path}: a collective with the other ranks failed during the "
+                f"save ({peer}). Another rank most likely died: its own error, or torchrun's "
+                f"report of how it ended, says why. The disk is not known to be at fault: the "
+                f"checkpoints written before are intact, and resume=auto continues from the "
+                f"newest.")
     cause = error
     while not isinstance(cause, OSError) and cause.__context__ is not None:
         cause = cause.__context__  # torch.save's RuntimeError hides the file's OSError

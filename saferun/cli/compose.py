@@ -56,16 +56,27 @@ def _register_with_hydra() -> None:
 
 
 _RUN_ID: Optional[str] = None
+_GENERATED = False  # the id was made up here: a directory named with it is new, this run's
 
 
 def run_id() -> str:
     """The run's id: $SAFERUN_RUN_ID if set (so all ranks of a torchrun job agree), else
     a timestamp with a random suffix, fixed for the life of this process."""
-    global _RUN_ID
+    global _RUN_ID, _GENERATED
     if _RUN_ID is None:
+        _GENERATED = not os.environ.get("SAFERUN_RUN_ID")
         _RUN_ID = os.environ.get("SAFERUN_RUN_ID") or (
             datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(2))
     return _RUN_ID
+
+
+def generated_part(run_dir: str) -> Optional[Path]:
+    """The part of `run_dir` (itself or a parent) that `run_id` made up for this run (not
+    $SAFERUN_RUN_ID): runs/<name>/<id>, or a sweep's runs/<name>/multirun-<id>; else None."""
+    if not _GENERATED or _RUN_ID is None:
+        return None
+    path = Path(run_dir)
+    return next((p for p in (path, *path.parents) if _RUN_ID in p.name), None)
 
 
 def _config_dirs(args: list[str]) -> tuple[list[str], list[str]]:

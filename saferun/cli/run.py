@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from . import compose
+from . import compose, rundirs
 from .compose import _config_dirs, _register_with_hydra, run_id
 from ..sweep.cluster import prepare_multirun, in_job
 
@@ -22,8 +22,11 @@ def run(args: list[str]) -> None:
 
     from ..parallel.distributed import ranks_from_env
 
+    global _ARGS
+    _ARGS = list(args)
     _register_with_hydra()
     _check_run_dir_arg(args)
+    rundirs.note_args(args)
     _check_override_keys(args)
     for config_dir in _config_dirs(args)[0]:
         # A copied recipe (saferun new) keeps its Python file next to its configs.
@@ -49,6 +52,7 @@ def run(args: list[str]) -> None:
 
 
 _WRITE_HYDRA_DIR = False  # saferun, not Hydra, writes <run dir>/.hydra/ (after acceptance)
+_ARGS: list[str] = []  # the command line as given, for the commands an error suggests
 
 
 def _write_hydra_dir(run_dir: str, cfg: Any, hydra_cfg: Any) -> None:
@@ -142,6 +146,8 @@ def _train(cfg: Any) -> Optional[float]:
     try:
         # Resolved once, on rank 0, for every rank (interpolations such as ${now:} could differ).
         plain = broadcast(compose.plain_config(cfg))
+        rundirs.check_run_dir(plain["trainer"].get("run_dir"), plain.get("resume"), run_dir,
+                              _ARGS, hydra_cfg.mode.name == "MULTIRUN")
         plain["trainer"]["run_dir"] = run_dir
         config = load_config(plain)
         if config.task is None:
@@ -159,6 +165,8 @@ def _train(cfg: Any) -> Optional[float]:
         metrics = trainer.fit()
     except SaferunError as e:
         print(f"saferun: error: {e}", file=sys.stderr, flush=True)
+        if main:
+            rundirs.remove_if_refused(run_dir)
         raise SystemExit(1) from None
     if not main:
         return None

@@ -36,7 +36,7 @@ DRAWS = 8  # worker seeding: draws of sample 0 per worker
 @dataclass
 class CheckResult:
     name: str
-    status: str  # "pass", "warn" or "fail"
+    status: str  # "pass", "warn", "fail" or "skip" (the check ran but cannot conclude)
     finding: str
 
     def __str__(self) -> str:
@@ -63,7 +63,7 @@ def run_checks(make: Factory, cfg: Config, only: Optional[Sequence[str]] = None
                 raise ValueError(f"no check named {', '.join(sorted(unknown))}; checks: "
                                  f"{', '.join(_name(c) for c in checks)}")
             checks = [c for c in checks if _name(c) in only]
-        return [_run(check, make, base) for check in checks]
+        return [_run(check, _in_own_dir(make, tmp), base) for check in checks]
 
 
 def _name(check: Callable[..., CheckResult]) -> str:
@@ -84,8 +84,16 @@ def _short_session(cfg: Config, tmp: str) -> Config:
     t = dataclasses.replace(cfg.trainer, max_steps=STEPS, log_every_n_steps=STEPS,
                             val_every_n_steps=None, limit_val_batches=2, save_every_n_steps=None,
                             progress_bar=False, run_dir=tmp)
-    # Every check trains afresh in `tmp`: each explicitly starts over (the previous moved aside).
-    return dataclasses.replace(cfg, trainer=t, logger={}, resume="fresh")
+    return dataclasses.replace(cfg, trainer=t, logger={}, resume=None)
+
+
+def _in_own_dir(make: Factory, tmp: str) -> Factory:
+    """`make`, each Trainer training afresh in a new directory under `tmp` (not over the
+    previous one's files, which would be moved aside, saying so)."""
+    def build(cfg: Config) -> Trainer:
+        own = tempfile.mkdtemp(dir=tmp, prefix="trainer-")
+        return make(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=own)))
+    return build
 
 
 def _pickling(make: Factory, cfg: Config) -> CheckResult:
@@ -142,9 +150,24 @@ def _eval_purity(make: Factory, cfg: Config) -> CheckResult:
     trainer.setup()
     if trainer.val_loader is None:
         return CheckResult("eval purity", "pass", "no validation set: not checked")
+    _materialise_lazy(trainer, cfg.seed)
     trainer.validate()  # raises, naming the tensor, if evaluation changes the model
     return CheckResult("eval purity", "pass",
                        "validation leaves every parameter and buffer unchanged, no inference tensors")
+
+
+def _materialise_lazy(trainer: Trainer, seed: int) -> None:
+    """torch's lazy modules (nn.LazyLinear) take their shapes at the first forward, which in
+    training comes before any validation: so here too, lest their new parameters read as an
+    evaluation that changed the model (and as inference tensors, made in inference mode)."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    lazy = [m for m in trainer.model.modules() if isinstance(m, LazyModuleMixin)]
+    if any(m.has_uninitialized_params() for m in lazy):  # type: ignore[operator]
+        assert trainer.train_loader is not None
+        batch = first_batch(trainer.train_loader, seed, 0, trainer.device, False)
+        with modes.evaluating(trainer.model, "no_grad"), preserved_rng():
+            trainer.training_step(batch)
 
 
 def _declared_modes(make: Factory, cfg: Config) -> CheckResult:
@@ -205,6 +228,12 @@ def _overfit_one_batch(make: Factory, cfg: Config) -> CheckResult:
     if trainer._manual is not None:  # several optimizers: losses may be adversarial
         return CheckResult("one-batch overfit", *each_optimizer_moves(trainer, batch, 4 * STEPS))
     losses = [float(trainer.train_step([batch]).loss) for _ in range(4 * STEPS)]
+    if losses[-1] < losses[0] and not losses[-1] < 0.9 * losses[0]:  # falling, slowly
+        return CheckResult("one-batch overfit", "skip",
+                           f"inconclusive: the loss on one repeated batch fell, but only "
+                           f"{losses[0]:.4g} -> {losses[-1]:.4g} in {len(losses)} steps: a "
+                           f"learning rate still warming up or small, or a loss with small "
+                           f"gradients (Huber)")
     if not losses[-1] < 0.9 * losses[0]:
         return CheckResult("one-batch overfit", "warn",
                            f"the loss on one repeated batch went {losses[0]:.4g} -> {losses[-1]:.4g} "
@@ -272,25 +301,32 @@ def _batch_independence(make: Factory, cfg: Config) -> CheckResult:
 def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
     """Fit one repeated batch twice, with real and with zeroed inputs, then compare the loss
     on it in eval mode (no dropout noise): only a model that uses its inputs gets lower."""
-    steps, losses, zeroed_calls = 2 * STEPS, [], [0]
+    steps, starts, losses, zeroed_calls = 2 * STEPS, [], [], [0]
     for zeroed in (False, True):
         trainer, batch = _first_batch(make, copy.deepcopy(cfg))
         if trainer._manual is not None:
             return CheckResult("input baseline", "pass", NO_SINGLE_LOSS)
         handle = datachecks.zeroing_inputs(trainer.model, zeroed_calls) if zeroed else None
         try:
+            with preserved_rng():  # the loss before fitting: the same draws follow either way
+                starts.append(_eval_loss(trainer, batch))
             with modes.training(trainer.model, trainer._frozen):
                 for _ in range(steps):
                     trainer.train_step([batch])
-            with modes.evaluating(trainer.model, "no_grad"):
-                losses.append(float(loss_and_logs(trainer.training_step(batch), 0, False)[0]))
+            losses.append(_eval_loss(trainer, batch))
         finally:
             if handle is not None:
                 handle.remove()
     if not zeroed_calls[0]:
         return CheckResult("input baseline", "pass", "training_step does not call the model "
                            "itself (only its submodules): not checked")
-    return CheckResult("input baseline", *datachecks.baseline_finding(losses[0], losses[1], steps))
+    return CheckResult("input baseline", *datachecks.baseline_finding(
+        losses[0], losses[1], (starts[0], starts[1]), steps))
+
+
+def _eval_loss(trainer: Trainer, batch: Any) -> float:
+    with modes.evaluating(trainer.model, "no_grad"):
+        return float(loss_and_logs(trainer.training_step(batch), 0, False)[0])
 
 
 def _eval_determinism(make: Factory, cfg: Config) -> CheckResult:
@@ -373,8 +409,10 @@ def format_report(results: list[CheckResult]) -> str:
     lines = [str(r) for r in results]
     failed = sum(r.status == "fail" for r in results)
     warned = sum(r.status == "warn" for r in results)
-    lines.append(f"{len(results)} checks: {len(results) - failed - warned} passed, {warned} "
-                 f"warned, {failed} failed.")
+    skipped = sum(r.status == "skip" for r in results)
+    lines.append(f"{len(results)} checks: {len(results) - failed - warned - skipped} passed, "
+                 + (f"{skipped} inconclusive, " if skipped else "")
+                 + f"{warned} warned, {failed} failed.")
     return "\n".join(lines)
 
 

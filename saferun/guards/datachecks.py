@@ -235,16 +235,23 @@ def batch_dependence(model: nn.Module, call: Callable[[], Any], rows: int) -> tu
     return "pass", f"samples are independent: sample 0's output depends only on its own input ({rows} per batch)"
 
 
-def baseline_finding(real: float, zeroed: float, steps: int) -> tuple[str, str]:
+def baseline_finding(real: float, zeroed: float, starts: tuple[float, float], steps: int
+                     ) -> tuple[str, str]:
     """(status, finding) comparing the eval-mode loss on one batch fitted for `steps` steps
-    with its real inputs and with them zeroed."""
+    with its real inputs and with them zeroed (`starts`: both losses before fitting)."""
     # A model that ignores its inputs gives the very same loss both times (same seed, same
     # batch, eval mode); one that uses them fits the batch further than the targets' average.
-    if not real < 0.99 * zeroed:
+    if math.isclose(real, zeroed, rel_tol=1e-6, abs_tol=1e-12):
         return "warn", (f"fitting one batch for {steps} steps, the model got to a loss of "
                         f"{real:.4g} on its real inputs and {zeroed:.4g} with all inputs zeroed: "
                         f"it does not seem to use its inputs (inputs detached, overwritten, or "
                         f"not passed to the model)")
+    if not real < 0.99 * zeroed:  # the output depends on the inputs; too few steps to say more
+        return "skip", (f"inconclusive: the output depends on the inputs, but in {steps} steps "
+                        f"on one batch the loss moved too little to show that they help "
+                        f"(real inputs {starts[0]:.4g} -> {real:.4g}, zeroed {starts[1]:.4g} -> "
+                        f"{zeroed:.4g}): a learning rate still warming up or small, or a loss "
+                        f"with small gradients (Huber)")
     return "pass", (f"one batch, {steps} steps: real inputs {real:.4g}, below zeroed "
                     f"inputs {zeroed:.4g}")
 

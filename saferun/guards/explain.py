@@ -27,7 +27,7 @@ from ..loop.seeding import preserved_rng
 from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import (in_step as _in_step, manual as _manual,
                                replaying as _replaying)
-from .explain_ranks import (collective_failed, locate_in_traceback, report_collective_failure,
+from .explain_ranks import (collective_failed, collective_failure, locate_in_traceback,
                             several_ranks)
 from .model_audit import carried_graph_advice, graph_carriers
 from .replay import _forward_trace
@@ -102,9 +102,13 @@ def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCod
     (raise it `from exc`); else None. Never raises itself."""
     try:
         if collective_failed(exc):  # under torchrun, because another rank failed: not this step
-            report_collective_failure(exc, owner.state.rank, owner.state.step,
+            said = collective_failure(exc, owner.state.rank, owner.state.step,
                                       owner.cfg.trainer.collective_timeout)
-            return None
+            if said is None:
+                return None
+            error = ExplainedRuntimeError(said)
+            error.original = exc
+            return error
         if type(exc) not in _TYPED:  # e.g. a user's own exception class: left exactly as raised
             return None
         found = _failing_step(exc, owner)

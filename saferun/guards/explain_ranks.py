@@ -7,13 +7,12 @@ alone would wait for ranks that are not replaying, or pair with a collective the
 desynchronise them. So there the module is read from the traceback's frames instead.
 
 A rank whose collective failed because another rank failed first (its peer's connection
-closed, or the wait timed out) is not explained as a mistake in its own step: it logs one
-line that points at the other rank's error and re-raises unchanged.
+closed, or the wait timed out) is not explained as a mistake in its own step: its error
+says so, pointing at the other rank's (the original chained as its cause).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from typing import Any, Optional
@@ -24,7 +23,6 @@ from torch import nn
 
 from .batchinfo import describe_batch
 
-log = logging.getLogger("saferun")
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
@@ -44,6 +42,18 @@ def collective_failed(exc: BaseException) -> bool:
             and _raised_in_torch(exc))
 
 
+def peer_failure(exc: BaseException) -> Optional[str]:
+    """Under torchrun: the first line of the collective error in `exc` or what it wraps (a
+    save's), caused by another rank; else None."""
+    seen: Optional[BaseException] = exc
+    while seen is not None and several_ranks():
+        text = str(seen).strip()
+        if isinstance(seen, (RuntimeError, ConnectionError)) and _PEER.search(text):
+            return text.splitlines()[0][:300]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _raised_in_torch(exc: BaseException) -> bool:
     """Is the traceback's innermost frame torch's (a collective, DDP's backward)?"""
     tb = exc.__traceback__
@@ -52,18 +62,19 @@ def _raised_in_torch(exc: BaseException) -> bool:
     return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR)
 
 
-def report_collective_failure(exc: BaseException, rank: int, step: int, timeout: float) -> None:
-    """One line from a rank that stops because a collective failed (once per error: the
-    evaluation pass and then fit both see one raised in validation)."""
+def collective_failure(exc: BaseException, rank: int, step: int, timeout: float) -> Optional[str]:
+    """What a rank that stops because a collective failed says: one message, raised as its
+    error (so that it is printed with the rest of it, on stderr, not as a log line apart), once
+    per error (the evaluation pass and then fit both see one raised in validation)."""
     if getattr(exc, "_saferun_reported", False):
-        return
+        return None
     exc._saferun_reported = True  # type: ignore[attr-defined]
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    log.error("rank %d stopped after step %d: a collective with the other ranks failed (%s). "
-              "Another rank most likely failed first: its own error, printed by that rank "
-              "(torchrun's 'Root Cause'), says what went wrong; or a rank took longer than "
-              "trainer.collective_timeout=%gs to reach the same point. Nothing is known to be "
-              "wrong on rank %d.", rank, step, first[:300], timeout, rank)
+    return (f"rank {rank} stopped after step {step}: a collective with the other ranks failed "
+            f"({first[:300]}). Another rank most likely failed first: its own error, printed by "
+            f"that rank (torchrun's 'Root Cause'), says what went wrong; or a rank took longer "
+            f"than trainer.collective_timeout={timeout:g}s to reach the same point. Nothing is "
+            f"known to be wrong on rank {rank}.")
 
 
 def locate_in_traceback(exc: BaseException, model: nn.Module

@@ -56,12 +56,16 @@ class Report:
 
 
 def preflight(*loaders: Optional[DataLoader]) -> None:
-    """guards.preflight: check each loader; log the warnings, raise the errors."""
+    """guards.preflight: check each loader; log the warnings (each once: the training and
+    validation loaders often share a dataset class and find the same), raise the errors."""
+    said: set[str] = set()
     for loader in loaders:
         if loader is not None:
             report = check_loader(loader)
             for warning in report.warnings:
-                log.warning("DataLoader preflight: %s", warning)
+                if warning not in said:
+                    log.warning("DataLoader preflight: %s", warning)
+                said.add(warning)
             report.raise_errors()
 
 

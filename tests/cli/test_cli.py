@@ -129,6 +129,9 @@ def test_list_shows_recipes_and_groups(tmp_path):
     ("trainer.frozen_modules=[featurez]", ["featurez", "features, classifier"]),
     ("optim=sgdd", ["optim/sgdd", "adamw"]),
     ("optim.lrr=0.1", ["optim.lrr"]),
+    ("optim.lr=abc", ["optim.lr must be a number", "'abc'"]),
+    ("lr=1e-3", ["unknown config key 'lr'", "Did you mean optim.lr?"]),
+    ("trainer.run_dir=mine", ["trainer.run_dir=mine", "hydra.run.dir=DIR"]),
 ])
 def test_bad_input_exits_non_zero_naming_the_key(tmp_path, override, words):
     proc = saferun("run", *FAST, override, cwd=tmp_path, check=False)
@@ -137,7 +140,7 @@ def test_bad_input_exits_non_zero_naming_the_key(tmp_path, override, words):
     for w in words:
         assert w in out, out
     assert "Traceback" not in out
-    assert not list(tmp_path.glob("runs/*/*/summary.json"))  # no work was done
+    assert list(tmp_path.iterdir()) == []  # nothing left behind: no run directory, no saferun.log
 
 
 @pytest.mark.slow  # three Hydra start-ups for Hydra's own flags (9 s)
@@ -260,3 +263,34 @@ def test_a_fresh_start_over_another_runs_checkpoints_is_refused_from_the_command
     saferun("run", *FAST, "hydra.run.dir=other", "logger=jsonl", "logger.jsonl=null", cwd=tmp_path)
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
     assert not (tmp_path / "other" / "tensorboard").exists()
+
+
+def test_resume_auto_in_a_run_directory_made_for_this_run_is_refused_naming_the_latest_runs(tmp_path):
+    """Without hydra.run.dir each run gets a new directory: resume=auto would start from 0."""
+    alone = saferun("run", *FAST, "recipe=tabular", "resume=auto", cwd=tmp_path, check=False)
+    assert alone.returncode == 1 and "Traceback" not in alone.stderr
+    assert "resume=auto, but hydra.run.dir is not set" in alone.stderr
+    assert "No earlier run under runs/tabular left a checkpoint" in alone.stderr
+    assert list(tmp_path.iterdir()) == []  # the refused run left nothing
+    earlier_run(tmp_path / "runs" / "tabular" / "2026-01-01_00-00-00_abcd")
+    proc = saferun("run", *FAST, "recipe=tabular", "resume=auto", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "runs/tabular/2026-01-01_00-00-00_abcd (step 2)" in proc.stderr
+    assert proc.stderr.rstrip().endswith(
+        f"To continue the latest: saferun run {' '.join(FAST)} recipe=tabular resume=auto "
+        f"hydra.run.dir=runs/tabular/2026-01-01_00-00-00_abcd")
+    assert [p.name for p in (tmp_path / "runs" / "tabular").iterdir()] == ["2026-01-01_00-00-00_abcd"]
+
+
+@pytest.mark.slow  # three runs (15 s)
+def test_the_command_a_refused_resume_auto_names_continues_that_run(tmp_path):
+    run = ["run", *FAST, "recipe=tabular", "sched.total_steps=100", "trainer.save_every_n_steps=5"]
+    saferun(*run, cwd=tmp_path)
+    [earlier] = (tmp_path / "runs" / "tabular").iterdir()
+    refused = saferun(*run, "trainer.max_steps=15", "resume=auto", cwd=tmp_path, check=False)
+    command = refused.stderr.rstrip().rsplit("To continue the latest: ", 1)[1].split()
+    assert command[-1] == f"hydra.run.dir=runs/tabular/{earlier.name}"
+    proc = saferun(*command[1:], cwd=tmp_path)
+    assert "Resumed from" in proc.stdout + proc.stderr
+    assert json.loads((earlier / "summary.json").read_text())["step"] == 15
+    assert [p.name for p in (tmp_path / "runs" / "tabular").iterdir()] == [earlier.name]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from saferun.guards.check import run_checks
+from saferun.guards.check import format_report, run_checks
 from saferun.config import load_config
 from test_guards import BNAlwaysTrains, GeneratorOnDataset, LambdaTransformTrainer
 from toys import ToyTrainer, toy_config
@@ -118,3 +118,27 @@ def test_every_shipped_recipe_passes_every_check(tmp_path, recipe):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert good.returncode == 0, good.stdout + good.stderr
     assert "14 checks: 14 passed, 0 warned, 0 failed." in good.stdout
+    assert "superseded" not in good.stdout + good.stderr  # each check's Trainer has its own directory
+
+
+def test_an_input_baseline_that_cannot_conclude_says_so_instead_of_blaming_the_inputs(tmp_path):
+    """lr 1e-6: the loss does not move in 16 steps; the model does use its inputs."""
+    cfg = load_config({**toy_config(tmp_path), "optim": {"_target_": "torch.optim.SGD", "lr": 1e-6}})
+    [found] = run_checks(lambda c: ToyTrainer(c), cfg, only=["input baseline"])
+    assert found.status == "skip" and found.finding.startswith("inconclusive: "), found
+    assert "moved too little" in found.finding and "learning rate" in found.finding
+    assert "does not seem to use its inputs" not in found.finding
+    assert format_report([found]).splitlines() == [
+        f"SKIP  input baseline     {found.finding}",
+        "1 checks: 0 passed, 1 inconclusive, 0 warned, 0 failed."]
+    # (a model that ignores its input still warns: tests/mistakes.py, "model ignores its input")
+
+
+def test_lazy_modules_are_no_eval_purity_false_alarm(tmp_path):
+    """nn.LazyLinear takes its shape at the first forward: in training, before any evaluation."""
+    class Lazy(ToyTrainer):
+        def build_model(self):
+            return torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    [found] = run_checks(lambda c: Lazy(c), load_config(toy_config(tmp_path)), only=["eval purity"])
+    assert found.status == "pass", found

@@ -10,7 +10,8 @@ configured strategy (fsdp or ddp), then write each rank's view of the result int
 
 PLANT_JSON holds SelfSignalling's keyword arguments (tests/toys.py), plus `submodules: true`
 for a training_step that calls the model's submodules instead of the model, and
-`val_samples` (64) for the validation set's size.
+`val_samples` (64) for the validation set's size, and `die_in_save: true` for rank 1 to die
+while it writes its first checkpoint's shards.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def nbytes(tensors: Any) -> int:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     plant = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    if plant.pop("die_in_save", False) and os.environ.get("RANK") == "1":  # killed mid-save
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        FileSystemWriter.write_data = lambda *a, **kw: os._exit(9)  # type: ignore[method-assign]
     trainer = StackTrainer(cfg, **plant)
     calls = [0]
     reduce_scatter = torch.distributed.reduce_scatter_single  # FSDP2 looks it up at each call

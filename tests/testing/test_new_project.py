@@ -107,3 +107,19 @@ def test_an_item_per_step_planted_in_the_copy_fails_naming_the_line(tmp_path):
 @pytest.mark.parametrize("name", ["unseeded", "shared_rng", "eval_state"])
 def test_planted_bugs_fail_with_a_clear_message(tmp_path, name):
     check_plant(tmp_path, name)
+
+
+@pytest.mark.slow  # the generated check test: twelve checks (25 s)
+def test_a_harmless_edit_passes_the_generated_check_test(tmp_path):
+    """A Huber loss (small gradients) and another seed: the input baseline cannot conclude in
+    its 16 steps; it says so (inconclusive) rather than warn that the inputs go unused."""
+    project = tmp_path / "huber"
+    copy_recipe("tabular", project)
+    source = project / "huber.py"
+    old = "        return F.mse_loss(self.model(features), targets)\n"
+    assert old in source.read_text()
+    source.write_text(source.read_text().replace(
+        old, "        return F.huber_loss(self.model(features), targets, delta=0.1)\n", 1))
+    recipe = project / "recipe" / "huber.yaml"
+    recipe.write_text(recipe.read_text() + "seed: 1\n")
+    run_generated_test(project, "test_saferun_check_passes")

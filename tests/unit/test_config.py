@@ -47,3 +47,16 @@ def test_dataclass_instance_with_wrong_type_is_rejected():
 def test_trainer_validates_config_at_construction():
     with pytest.raises(saferun.ConfigError, match="trainer.max_steps"):
         saferun.Trainer({"trainer": {"max_steps": -1}})
+
+
+@pytest.mark.parametrize("lr, words", [
+    ("3e-3", ["optim.lr must be a number", "the string '3e-3'", "unquoted"]),
+    ("abc", ["optim.lr must be a number", "the string 'abc', not a number"]),
+])
+def test_a_string_where_the_target_takes_a_number_names_the_key(lr, words):
+    """Not torch's "'<=' not supported between 'float' and 'str'" when the optimizer is built."""
+    with pytest.raises(saferun.ConfigError) as e:
+        load_config({"optim": {"lr": lr}})
+    for w in words:
+        assert w in str(e.value)
+    assert load_config({"optim": {"lr": 3}}).optim["lr"] == 3  # an int where the default is a float

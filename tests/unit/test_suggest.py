@@ -25,3 +25,20 @@ def test_overrides_are_checked_before_hydra_and_valid_ones_pass():
           "model.width=5", "guards=strict", "guards.spikes=skip", "-m", "--cfg"]
     assert unknown_override(ok, Config) is None
     assert did_you_mean("completely_unrelated_zzz", Config) == ""
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("lr=1e-3", "Did you mean optim.lr?"),  # the same last part under another node
+    ("max_steps=5", "Did you mean trainer.max_steps?"),
+    ("warmup_steps=5", "Did you mean sched.warmup_steps?"),
+    ("+trainer.max_stepz=5", "Did you mean trainer.max_steps?"),
+    ("+trainer.warmup=5", None),  # nothing close: not trainer.ema (a wrong hint misleads)
+    ("trainer.ema_decai=0.9", None),
+])
+def test_a_suggestion_matches_the_keys_last_part_or_there_is_none(override, hint):
+    problem = unknown_override([override], Config)
+    assert problem is not None and override.split("=")[0].lstrip("+") in problem
+    if hint is None:
+        assert "Did you mean" not in problem, problem
+    else:
+        assert hint in problem, problem
