@@ -23,6 +23,7 @@ from typing import Any
 from saferun import config
 from saferun.loop.settings import EmaConfig
 from saferun.parallel.settings import FSDPConfig
+from saferun.sweep.settings import SweepConfig
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
 
@@ -45,7 +46,8 @@ EXTRA_ALLOWED = {
     "resume": "auto, fresh, a checkpoint's or run directory's path, null",
 }
 SECTIONS = [("trainer", config.TrainerConfig), ("trainer.ema", EmaConfig),
-            ("trainer.fsdp", FSDPConfig), ("guards", config.GuardsConfig), ("", config.Config)]
+            ("trainer.fsdp", FSDPConfig), ("guards", config.GuardsConfig), ("sweep", SweepConfig),
+            ("", config.Config)]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -133,6 +135,7 @@ def render() -> str:
              "arguments of their target, checked against its signature.", ""]
     titles = {"trainer": "The loop (`trainer.`)", "trainer.ema": "Weight averaging (`trainer.ema.`)",
               "trainer.fsdp": "Sharding (`trainer.fsdp.`)", "guards": "Guards (`guards.`)",
+              "sweep": "Sweeps (`sweep.`)",
               "": "The run (top-level keys)"}
     for prefix, cls in SECTIONS:
         parts += [f"## {titles[prefix]}", "", "| Key | Type | Default | Allowed | Meaning |",
