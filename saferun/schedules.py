@@ -13,9 +13,13 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from .errors import ConfigError
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: Optional[int],
                   min_lr_ratio: float = 0.0) -> LambdaLR:
     """Linear warm-up from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio` * lr."""
+    if total_steps is None:  # (conf/sched/cosine.yaml: ${trainer.max_steps}, null with max_epochs alone)
+        raise ValueError("warmup_cosine needs total_steps, the run's length in steps; it is null "
+                         "(trainer.max_steps is null when only trainer.max_epochs is set). Set "
+                         "trainer.max_steps, or sched.total_steps.")
     if warmup_steps < 0 or total_steps <= 0 or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(
             f"warmup_cosine needs warmup_steps >= 0, total_steps > 0 and 0 <= min_lr_ratio <= 1; "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import os
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
@@ -79,6 +80,7 @@ class Trainer:
         self._checkpointer = Checkpointer(self)
         self._owed: Optional[dict[str, Any]] = None  # a step's end that a stop interrupted
         self._validated_at = -1  # the step of the last completed validation
+        self._fitted: Optional[tuple[Optional[int], Optional[int]]] = None  # limits of the last fit
         self._is_setup = False
 
     # ------------------------------------------------------------------ task hooks
@@ -225,15 +227,19 @@ class Trainer:
             self._check_first_batch = self.train_loader is not None and self.train_loader.num_workers > 0
 
     def fit(self) -> dict[str, float]:
-        """Train for `trainer.max_steps` steps; return the final metrics."""
+        """Train until `trainer.max_steps` or `trainer.max_epochs`, whichever comes first;
+        return the final metrics. Called again after raising a limit, it continues from where
+        the last fit() ended, as one longer run would; with nothing left to train it refuses."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
+        self._check_limits()
         self._checkpointer.begin_run()
         try:
             self._start_training()
             cbs.on_fit_start(self.view)
             with self._stop_signals:
                 control, validated = self._owed_step_end()  # resumed from a stop in validation
+                limit = math.inf if t.max_steps is None else t.max_steps
                 # (no local name for the generator: a stop must close it, and its workers, at once)
                 for micro_batches, epoch_end, where in (
                         () if control and control.stop else self._batches.groups()):
@@ -244,13 +250,14 @@ class Trainer:
                         control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
                     control = self._end_step(control, validated)
-                    if (control and control.stop) or state.step >= t.max_steps:
+                    if (control and control.stop) or state.step >= limit:
                         break
                 if self._running.steps:
                     self._log()
                 if not validated:
                     self._validate_and_report(Control(stop=True))  # the loop has ended
                 self._checkpointer.save_final()
+            self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
                 self.after_fit(dict(state.metrics))
@@ -351,6 +358,33 @@ class Trainer:
             self._check_compile()
         if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:
             self._checkpointer.ensure_one()  # so there is always a good state to go back to
+
+    def _check_limits(self) -> None:
+        """A second fit() must have something left to train (else it would return the same
+        metrics, silently); the run's planned length for the progress bar; and a warning when
+        max_steps ends the run before max_epochs (a recipe's max_steps under a max_epochs
+        given on the command line)."""
+        t, state = self.cfg.trainer, self.state
+        done = (t.max_steps is not None and state.step >= t.max_steps) or (
+            t.max_epochs is not None and state.epoch >= t.max_epochs)
+        if self._fitted is not None and (done or self._fitted == (t.max_steps, t.max_epochs)):
+            raise SaferunError(
+                f"fit() already ran on this Trainer and ended at step {state.step}, epoch "
+                f"{state.epoch} (trainer.max_steps={t.max_steps}, trainer.max_epochs="
+                f"{t.max_epochs}): called again it would train nothing and return the same "
+                f"metrics. To train further, raise a limit first (e.g. "
+                f"trainer.cfg.trainer.max_steps = {2 * state.step}), then call fit(): it "
+                f"continues from step {state.step} as one longer run would. For a new run, build "
+                f"a new Trainer.")
+        per_epoch = self._batches.steps_per_epoch()
+        by_epochs = None if t.max_epochs is None or per_epoch is None else t.max_epochs * per_epoch
+        state.max_steps = t.max_steps if t.max_steps is not None else by_epochs
+        if (by_epochs is not None and t.max_steps is not None and t.max_steps < by_epochs
+                and self._fitted is None and self.ranks.is_main):
+            log.warning("trainer.max_steps=%d ends this run after %.3g of the trainer.max_epochs=%d "
+                        "epochs (%d steps each). To train every epoch, set trainer.max_steps=null "
+                        "(max_epochs alone then ends the run) or at least %d.", t.max_steps,
+                        t.max_steps / per_epoch, t.max_epochs, per_epoch, by_epochs)
 
     def _check_compile(self) -> None:
         """Compiled against eager on the first training batch (see `check_compiled_step`)."""
