@@ -197,7 +197,8 @@ class Trainer:
         self._non_blocking = self.device.type == "cuda"
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
-                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self)
+                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self,
+                                    self.cfg.guards.declared_modes)
         self.state.run_dir = t.run_dir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(

@@ -87,3 +87,35 @@ def test_both_set_the_first_limit_ends_the_run_and_setup_says_which(tmp_path, ca
     assert (t.state.step, t.state.epoch) == (12, 1)
     assert ("trainer.max_steps=12 ends this run after 1.5 of the trainer.max_epochs=3 epochs "
             "(8 steps each)") in caplog.text
+
+
+# ---------------------------------------------------------------- modes during evaluation
+
+class TrainsInValidation(ToyTrainer):
+    def validation_step(self, batch):
+        self.model.dropout.train()  # dropout on while evaluating: restored afterwards, unseen
+        return super().validation_step(batch)
+
+
+class TrainsInPredict(ToyTrainer):
+    def predict_step(self, batch):
+        self.model.head.train()  # (a BatchNorm set to train is found by guards.eval_purity)
+        return self.model(batch[0])
+
+
+def test_a_mode_changed_in_validation_step_is_refused_naming_module_and_hook(tmp_path):
+    t = TrainsInValidation(toy_config(tmp_path, max_steps=8))
+    with pytest.raises(SaferunError, match=r"step 8: module 'dropout' \(Dropout\) is in train "
+                       r"mode during validation_step, which saferun runs in eval mode"):
+        t.fit()
+
+
+def test_a_mode_changed_in_predict_step_is_refused_naming_module_and_hook(tmp_path):
+    t = TrainsInPredict(toy_config(tmp_path))
+    t.setup()
+    flags = [m.training for m in t.model.modules()]
+    x, y = make_classification(16)
+    with pytest.raises(SaferunError, match=r"step 0: module 'head' \(Linear\) is in train mode "
+                       r"during predict_step"):
+        t.predict(TensorDataset(x, y))
+    assert [m.training for m in t.model.modules()] == flags  # restored as predict found them
