@@ -35,6 +35,7 @@ from .guards.unused import report_unused_parameters
 from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
+from .loop.habits import StepHabits, check_step_signatures
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.manual import optimize, setup_optimizers
@@ -190,7 +191,10 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
-        self._manual = setup_optimizers(self, model)  # + schedules; several: the step driving them
+        check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
+        self._habits = StepHabits()  # no backward or optimizer step inside training_step
+        self._manual = setup_optimizers(self, model, self._habits)  # several: the step driving them
+        self._habits.watch(self.optimizer.values() if self._manual else [self.optimizer])
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
@@ -233,24 +237,25 @@ class Trainer:
         the last fit() ended, as one longer run would; with nothing left to train it refuses."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
-        self._check_limits()
+        limit = self._check_limits()
         self._checkpointer.begin_run()
         try:
             self._start_training()
             cbs.on_fit_start(self.view)
             with self._stop_signals:
                 control, validated = self._owed_step_end()  # resumed from a stop in validation
-                limit = math.inf if t.max_steps is None else t.max_steps
                 # (no local name for the generator: a stop must close it, and its workers, at once)
                 for micro_batches, epoch_end, where in (
                         () if control and control.stop else self._batches.groups()):
-                    output = self.train_step(micro_batches)
-                    self._running.add(output, where)
-                    control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
-                    if state.step % t.log_every_n_steps == 0:
-                        control = _merge(control, self._log())
+                    control = None
+                    if micro_batches:  # (none: a stream ran out, ending the epoch after its last step)
+                        output = self.train_step(micro_batches)
+                        self._running.add(output, where)
+                        control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
+                        if state.step % t.log_every_n_steps == 0:
+                            control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
-                    control = self._end_step(control, validated)
+                    control = self._end_step(control, validated, bool(micro_batches))
                     if (control and control.stop) or state.step >= limit:
                         break
                 if self._running.steps:
@@ -263,16 +268,22 @@ class Trainer:
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
-            with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
-                error = (self._preempted(exc) or explained(exc, state.step + 1)
-                         or explain_failure(exc, self) or exc)
-                cbs.on_exception(self.view, error)
+            error = self._failure(exc)
             if error is exc:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
         finally:
             self._checkpointer.end_run()
         return dict(state.metrics)
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """What fit() raises for `exc`: the preemption exit (after the save), an explained
+        error, or `exc` itself; the callbacks are told."""
+        with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
+            error = (self._preempted(exc) or explained(exc, self.state.step + 1)
+                     or explain_failure(exc, self) or exc)
+            self._callbacks.on_exception(self.view, error)
+        return error
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
@@ -315,9 +326,18 @@ class Trainer:
             if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
                 samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
+        habits, step = self._habits, self.state.step + 1
+        had_grads = habits.first_pending and habits.grads_before(self._params)
         with self._strategy.micro_batch(last):
             with self._autocast():
-                loss, logs = loss_and_logs(self.training_step(batch), self.state.step + 1)
+                habits.step = step  # an optimizer.step() in training_step is refused
+                try:
+                    out = self.training_step(batch)
+                finally:
+                    habits.step = 0
+                if habits.first_pending:  # a backward in training_step (checked once)
+                    habits.check_first_backward(self._params, had_grads, step)
+                loss, logs = loss_and_logs(out, step)
             if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
                 loss, logs = loss * share, {k: v * share for k, v in logs.items()}
             self._scaler.scale(loss).backward()
@@ -360,11 +380,11 @@ class Trainer:
         if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:
             self._checkpointer.ensure_one()  # so there is always a good state to go back to
 
-    def _check_limits(self) -> None:
-        """A second fit() must have something left to train (else it would return the same
-        metrics, silently); the run's planned length for the progress bar; and a warning when
-        max_steps ends the run before max_epochs (a recipe's max_steps under a max_epochs
-        given on the command line)."""
+    def _check_limits(self) -> float:
+        """The step limit of this fit(). A second fit() must have something left to train (else
+        it would return the same metrics, silently); the run's planned length for the progress
+        bar; and a warning when max_steps ends the run before max_epochs (a recipe's max_steps
+        under a max_epochs given on the command line)."""
         t, state = self.cfg.trainer, self.state
         done = (t.max_steps is not None and state.step >= t.max_steps) or (
             t.max_epochs is not None and state.epoch >= t.max_epochs)
@@ -386,6 +406,7 @@ class Trainer:
                         "epochs (%d steps each). To train every epoch, set trainer.max_steps=null "
                         "(max_epochs alone then ends the run) or at least %d.", t.max_steps,
                         t.max_steps / per_epoch, t.max_epochs, per_epoch, by_epochs)
+        return math.inf if t.max_steps is None else t.max_steps
 
     def _check_compile(self) -> None:
         """Compiled against eager on the first training batch (see `check_compiled_step`)."""
@@ -418,12 +439,14 @@ class Trainer:
         self._checkpointer.save_if_best(metrics)
         return control
 
-    def _end_step(self, control: Optional[Control], validate: bool) -> Optional[Control]:
+    def _end_step(self, control: Optional[Control], validate: bool, stepped: bool = True
+                  ) -> Optional[Control]:
         """The rest of a step after its log point: validation (if due or asked), a save (if
-        due or asked), and a stop on a signal, raised here, at the step boundary."""
+        due or asked), and a stop on a signal, raised here, at the step boundary. `stepped`:
+        False at a stream's end, after its last step, whose due save is made."""
         if validate:
             control = _merge(control, self._validate_and_report(control))
-        if (control and control.save) or self._checkpointer.save_due():
+        if (control and control.save) or (stepped and self._checkpointer.save_due()):
             self._checkpointer.save()
         if self._strategy.stop_agreed(self._stop_signals):
             raise StopRequested

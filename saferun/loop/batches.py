@@ -44,6 +44,8 @@ class BatchStream:
 
     def groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
         """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
+        A stream (an IterableDataset) has no length: when it runs out, ([], True, None) ends
+        its epoch after the last step, as a map-style epoch's last step does.
 
         `where` is (epoch, [sample indices of each micro-batch]), or None when the
         loader does not record indices (a user-built DataLoader).
@@ -55,7 +57,7 @@ class BatchStream:
         stopped, with saferun's loaders and with loaders built by the user.
         """
         t, state, loader = self._t, self._state, self._loader
-        per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        per_epoch = None if self.steps_per_epoch() is None else len(loader)  # None: a stream
         recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
         limit = math.inf if t.max_steps is None else t.max_steps
         if state.batches_in_epoch and self.resume_rng is None and self.epoch_start is not None:
@@ -89,6 +91,8 @@ class BatchStream:
                 raise SaferunError(
                     f"the training DataLoader yielded no batches in epoch {state.epoch}. With "
                     f"drop_last=True it needs at least batch_size={t.batch_size} samples.")
+            if per_epoch is None:  # a stream's epoch ends when it runs out: known only now
+                yield [], True, None  # (the loop validates, saves or stops as at an epoch's end)
             state.epoch += 1
             state.batches_in_epoch = 0
 

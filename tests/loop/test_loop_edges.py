@@ -2,13 +2,15 @@
 during evaluation, habits from other frameworks (see docs/loop-edges.md)."""
 
 import logging
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
+from saferun import Callback
 from saferun.config import TrainerConfig
 from saferun.errors import SaferunError
 from toys import AugmentedTrainer, ToyTrainer, make_classification, toy_config, weights
@@ -119,3 +121,157 @@ def test_a_mode_changed_in_predict_step_is_refused_naming_module_and_hook(tmp_pa
                        r"during predict_step"):
         t.predict(TensorDataset(x, y))
     assert [m.training for m in t.model.modules()] == flags  # restored as predict found them
+
+
+# ---------------------------------------------------------------- habits from other frameworks
+
+class WithIndex(ToyTrainer):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch)
+
+
+class ValidationWithIndex(ToyTrainer):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        return super().validation_step(batch)
+
+
+class StepsItself(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+
+class BackwardOnly(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        loss.backward()
+        return loss
+
+
+class StepsItsOwnOfSeveral(ToyTrainer):
+    def build_optimizer(self, params):
+        return {"all": torch.optim.SGD(params, lr=0.1)}
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        loss.backward()
+        self.optimizer["all"].step()
+
+
+@pytest.mark.parametrize("trainer, hook, extra", [
+    (WithIndex, "training_step(batch, batch_idx)", "batch_idx"),
+    (ValidationWithIndex, "validation_step(batch, batch_idx, dataloader_idx)", "batch_idx"),
+])
+def test_a_step_hook_taking_a_batch_index_is_refused_at_setup(tmp_path, trainer, hook, extra):
+    with pytest.raises(SaferunError, match=rf"{trainer.__name__}.{re.escape(hook)}: saferun calls "
+                       rf"\w+\(batch\) with the batch alone, so {extra} would get no value.*"
+                       r"self.state.step is the number of optimizer steps done"):
+        trainer(toy_config(tmp_path)).setup()
+
+
+@pytest.mark.parametrize("trainer, words", [
+    (StepsItself, r"step 1: training_step called SGD.step\(\) itself \(refused before it changed "
+                  r"any weight\).* remove loss.backward\(\), optimizer.step\(\) and zero_grad\(\) "
+                  r"from training_step and return the loss.*self.optimize\(name, loss\)"),
+    (BackwardOnly, r"step 1: training_step ran a backward itself .* no weight has changed"),
+    (StepsItsOwnOfSeveral, r"step 1: training_step called SGD.step\(\) itself"),
+])
+def test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update(
+        tmp_path, trainer, words):
+    t = trainer(toy_config(tmp_path))
+    t.setup()
+    before = [p.detach().clone() for p in t.model.parameters()]  # (the forward moves BN buffers)
+    with pytest.raises(SaferunError, match=words):
+        t.fit()
+    assert all(torch.equal(b, p) for b, p in zip(before, t.model.parameters()))  # no update
+
+
+class BackwardLater(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step == 3:  # not at the first step: autograd's error, explained
+            loss.backward()
+        return loss
+
+
+def test_a_later_backward_inside_training_step_gets_autograd_error_explained(tmp_path):
+    with pytest.raises(SaferunError, match=r"step 4: autograd refused saferun's backward.*If "
+                       r"training_step \(or code it calls\) ran loss.backward\(\) itself, remove"):
+        BackwardLater(toy_config(tmp_path)).fit()
+
+
+# ---------------------------------------------------------------- a stream's epochs
+
+class NoisyItems(Dataset):
+    """(x + noise, y), the noise drawn from torch's global RNG (no workers: the loop's own)."""
+
+    def __init__(self, n: int = 96) -> None:
+        self.x, self.y = make_classification(n)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.rand(self.x.shape[1]), self.y[i]
+
+
+class NoisyStream(IterableDataset):
+    """The same items, as a stream."""
+
+    def __init__(self) -> None:
+        self.items = NoisyItems()
+
+    def __iter__(self):
+        return (self.items[i] for i in range(len(self.items)))
+
+
+class Validations(Callback):
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_validation_end(self, view, metrics):
+        self.seen.append((view.step, view.epoch, metrics["val/loss"]))
+
+
+class MapData(ToyTrainer):
+    def build_datasets(self):
+        x, y = make_classification(32, seed=1)
+        return NoisyItems(), TensorDataset(x, y)
+
+
+class StreamData(MapData):
+    def build_datasets(self):
+        return NoisyStream(), super().build_datasets()[1]
+
+
+def stream_run(cls, path, resume_from=False, **trainer):
+    # 96 items of 16: 6 steps per epoch
+    seen = Validations()
+    cfg = toy_config(path, batch_size=16, shuffle=False, log_every_n_steps=3,
+                     **{"max_steps": None, "max_epochs": 3, **trainer})
+    cfg["resume"] = "auto" if resume_from else None
+    t = cls(cfg, callbacks=[seen])
+    t.fit()
+    return t, seen.seen
+
+
+def test_a_stream_ends_each_epoch_like_map_style_data(tmp_path):
+    mapped, map_seen = stream_run(MapData, tmp_path / "map")
+    stream, stream_seen = stream_run(StreamData, tmp_path / "stream")
+    assert [(s, e) for s, e, _ in map_seen] == [(6, 0), (12, 1), (18, 2)]
+    assert stream_seen == map_seen  # the same validations, labelled alike, the same values
+    assert_same(whole_state(stream), whole_state(mapped))
+
+
+@pytest.mark.parametrize("stop", [6, 8])  # at the epoch's end (its last step), and after it
+def test_a_stream_resumes_at_and_across_an_epoch_end_exactly(tmp_path, stop):
+    straight, seen = stream_run(StreamData, tmp_path / "a")
+    _, first = stream_run(StreamData, tmp_path / "b", max_steps=stop)
+    resumed, then = stream_run(StreamData, tmp_path / "b", resume_from=True)
+    if stop % 6:  # a run's end validates; step 8 is not an epoch's end in the straight run
+        assert first.pop()[:2] == (8, 1)
+    assert first + then == seen
+    assert_same(whole_state(resumed), whole_state(straight))
