@@ -238,8 +238,8 @@ class Checkpointer:
                             "of another run; they are moved to %s, so that a later resume=auto "
                             "continues this run, not those.", o.cfg.resume, aside)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
-            steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
-            use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)
+            use_configured_hyperparameters(o.optimizer, o.scheduler, configured,
+                                           state["scheduler"], o.state.step)
             log.warning("force_resume: %s changed; the optimizer now uses the configured values "
                         "(learning rate %s at step %d), its moments are the checkpoint's.",
                         ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
