@@ -25,7 +25,8 @@ from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer
 from .config import Config, load_config
-from .data import check_datasets, check_training_loader, make_loaders, set_loader_epoch
+from .data import (check_datasets, check_evaluation_limit, check_training_loader, make_loaders,
+                   set_loader_epoch)
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
@@ -188,6 +189,7 @@ class Trainer:
         check_datasets(train_set, val_set, self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
+        check_evaluation_limit(self.val_loader, t, self.ranks.world_size)  # same samples on any
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
