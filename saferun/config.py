@@ -23,14 +23,16 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("auto", "ddp", "fsdp")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+DEFAULT_MAX_STEPS = 1000  # trainer.max_steps when neither it nor trainer.max_epochs is set
 
 
 @dataclass
 class TrainerConfig:
     """Knobs of the training loop. Every field is checked in `__post_init__`."""
 
-    max_steps: int = 1000
-    """Optimizer steps to train for."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to train for. None: 1000 when max_epochs is not set either; with
+    max_epochs alone, no step limit (the epochs end the run). Both set: whichever comes first."""
     max_epochs: Optional[int] = None
     """Stop after this many passes over the training data (None: only max_steps)."""
     batch_size: int = 32
@@ -107,9 +109,11 @@ class TrainerConfig:
     """trainer.strategy=fsdp's settings."""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",
+        if self.max_steps is None and self.max_epochs is None:
+            self.max_steps = DEFAULT_MAX_STEPS  # the only limit: a default, not a silent cap
+        _positive(self, "batch_size", "accumulate", "log_every_n_steps", "keep_last",
                   "collective_timeout")
-        _positive_or_none(self, "max_epochs", "val_batch_size", "val_every_n_steps",
+        _positive_or_none(self, "max_steps", "max_epochs", "val_batch_size", "val_every_n_steps",
                           "limit_val_batches", "max_grad_norm", "save_every_n_steps")
         _one_of(self, "save_best_mode", ("min", "max"))
         _one_of(self, "precision", PRECISIONS)

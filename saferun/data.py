@@ -63,13 +63,16 @@ def make_loader(
     evaluation: bool = False,
     multiprocessing_context: Optional[str] = None,
     collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+    limit: Optional[int] = None,
 ) -> DataLoader:
     """A DataLoader whose order and worker seeds follow from `seed` (see `set_loader_epoch`).
 
     Map-style datasets get an `IndexRecorder` batch sampler, so that errors can
     name the samples of a bad step. With several ranks, training data is split
     by a DistributedSampler and evaluation data by a `ShardSampler` (no padding,
-    so every sample counts once in the metrics).
+    so every sample counts once in the metrics). `limit` (evaluation of a map-style
+    dataset): only its first `limit` samples, split over the ranks, so that a limit
+    means the same samples whatever the number of processes.
     """
     generator = torch.Generator()
     workers = dict(num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
@@ -82,8 +85,9 @@ def make_loader(
         return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
                           generator=generator, **workers)
     sampler: Sampler[int]
-    if world_size > 1 and evaluation:
-        sampler = ShardSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
+    if evaluation and (world_size > 1 or limit is not None):
+        n = len(dataset)  # type: ignore[arg-type]
+        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)
     elif world_size > 1:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                      seed=seed, drop_last=drop_last)
@@ -104,9 +108,34 @@ def make_loaders(train: Dataset, val: Optional[Dataset], t: Any, seed: int, rank
                                drop_last=t.drop_last, **common)
     val_loader = None
     if val is not None:
-        val_loader = make_loader(val, batch_size=t.val_batch_size or t.batch_size,
-                                 shuffle=False, drop_last=False, evaluation=True, **common)
+        size = t.val_batch_size or t.batch_size
+        limit = None if t.limit_val_batches is None else t.limit_val_batches * size
+        val_loader = make_loader(val, batch_size=size, shuffle=False, drop_last=False,
+                                 evaluation=True, limit=limit, **common)
     return train_loader, val_loader
+
+
+def check_evaluation_limit(loader: Optional[DataLoader], t: Any, world_size: int) -> None:
+    """Under torchrun, trainer.limit_val_batches (node `t`) must mean the same samples as in
+    one process: the first limit x val_batch_size. saferun's validation loader over a
+    map-style dataset holds only those (`make_loader`'s limit); refuse any other, where each
+    rank would take that many batches of its own share instead."""
+    if loader is None or t.limit_val_batches is None or world_size == 1:
+        return
+    sampler = sampler_of(loader)
+    samples = t.limit_val_batches * (t.val_batch_size or t.batch_size)
+    if isinstance(sampler, ShardSampler) and sampler.indices.stop <= samples:  # type: ignore[attr-defined]
+        return
+    what = ("an IterableDataset" if isinstance(loader.dataset, IterableDataset)
+            else "a loader built by build_dataloaders")
+    raise SaferunError(
+        f"trainer.limit_val_batches={t.limit_val_batches} under torchrun with {world_size} "
+        f"processes: the validation data is {what}, which saferun cannot cut to the first "
+        f"{samples} samples (limit x val_batch_size, as in one process). Each rank would take "
+        f"its first {t.limit_val_batches} batches of its own share, so the validation metrics "
+        f"would depend on the number of processes. Remove trainer.limit_val_batches (make the "
+        f"validation set itself smaller), or let saferun build the validation loader from a "
+        f"map-style dataset.")
 
 
 def set_loader_epoch(loader: DataLoader, seed: int, epoch: int, rank: int = 0) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -94,26 +94,44 @@ def evaluating(model: nn.Module, grad_mode: str = "inference_mode") -> Iterator[
 
 class DeclaredModes:
     """What `train()`/`eval()` state every submodule must be in during training steps:
-    frozen modules (and their children) in eval mode, all others in train mode."""
+    frozen modules (and their children) in eval mode, all others in train mode; during
+    evaluation (`evaluation=True`), every module in eval mode."""
 
-    def __init__(self, model: nn.Module, frozen: Sequence[nn.Module]) -> None:
+    def __init__(self, model: nn.Module, frozen: Sequence[nn.Module], evaluation: bool = False
+                 ) -> None:
         frozen_ids = {id(m) for f in frozen for m in f.modules()}
         named = [(name or type(model).__name__, m) for name, m in model.named_modules()]
         self.names = [name for name, _ in named]
         self.modules = [m for _, m in named]
-        self.expected = [id(m) not in frozen_ids for m in self.modules]
+        self.expected = [not evaluation and id(m) not in frozen_ids for m in self.modules]
 
-    def check(self, step: int) -> None:
-        """Raise `SaferunError` naming the first module whose mode differs from its declaration."""
-        actual = list(map(_TRAINING, self.modules))  # C calls only: ~30 ns per module
+    def now(self) -> list[bool]:
+        """Every module's `training` flag, in order."""
+        return list(map(_TRAINING, self.modules))  # C calls only: ~30 ns per module
+
+    def check(self, step: int, hook: str = "training_step", actual: Optional[list[bool]] = None
+              ) -> None:
+        """Raise `SaferunError` naming the first module whose mode differs from its declaration
+        after `hook` ran (training_step; in evaluation, validation_step or predict_step, with
+        the flags `now()` read at the end of the pass, before they were restored)."""
+        actual = self.now() if actual is None else actual
         if actual == self.expected:
             return
         i = next(i for i, (a, e) in enumerate(zip(actual, self.expected)) if a != e)
         module = self.modules[i]
+        where = f"step {step}: module '{self.names[i]}' ({type(module).__name__})"
+        if hook != "training_step":
+            raise SaferunError(
+                f"{where} is in train mode during {hook}, which saferun runs in eval mode: "
+                f"something in {hook} or forward called .train(), so this evaluation ran with "
+                f"dropout on and BatchNorm using (and updating) batch statistics. saferun sets "
+                f"eval mode for evaluation and restores every module's flag afterwards: remove "
+                f"that call. (For dropout at evaluation on purpose, e.g. Monte-Carlo dropout, "
+                f"call it functionally: F.dropout(x, p, training=True).)")
         now, declared = (("train", "eval (declared frozen in trainer.frozen_modules)")
                          if module.training else ("eval", "train"))
         raise SaferunError(
-            f"step {step}: module '{self.names[i]}' ({type(module).__name__}) is in {now} mode but "
-            f"should be in {declared} mode. Something in training_step or forward called "
-            f".train() or .eval(); saferun sets the modes itself, so remove that call, or "
-            f"declare the module in trainer.frozen_modules to keep it in eval mode.")
+            f"{where} is in {now} mode but should be in {declared} mode. Something in "
+            f"training_step or forward called .train() or .eval(); saferun sets the modes "
+            f"itself, so remove that call, or declare the module in trainer.frozen_modules to "
+            f"keep it in eval mode.")

@@ -13,9 +13,13 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from .errors import ConfigError
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: Optional[int],
                   min_lr_ratio: float = 0.0) -> LambdaLR:
     """Linear warm-up from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio` * lr."""
+    if total_steps is None:  # (conf/sched/cosine.yaml: ${trainer.max_steps}, null with max_epochs alone)
+        raise ValueError("warmup_cosine needs total_steps, the run's length in steps; it is null "
+                         "(trainer.max_steps is null when only trainer.max_epochs is set). Set "
+                         "trainer.max_steps, or sched.total_steps.")
     if warmup_steps < 0 or total_steps <= 0 or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(
             f"warmup_cosine needs warmup_steps >= 0, total_steps > 0 and 0 <= min_lr_ratio <= 1; "
@@ -112,31 +116,53 @@ class Schedule:
 Hyperparameters = tuple[list[dict[str, Any]], Optional[dict[str, Any]]]
 
 
-def configured_hyperparameters(optimizer: torch.optim.Optimizer,
-                               scheduler: Optional[LRScheduler]) -> Hyperparameters:
+def configured_hyperparameters(optimizer: Any, scheduler: Any) -> Any:
     """The freshly built optimizer's param-group settings and scheduler state (copies), for a
-    forced resume that changes them (see `use_configured_hyperparameters`)."""
+    forced resume that changes them (see `use_configured_hyperparameters`). Several named
+    optimizers (a mapping, loop/optimizers.py): {name: the same, for that optimizer}."""
+    if isinstance(optimizer, Mapping):
+        return {name: _configured(opt, (scheduler or {}).get(name), f" (optimizer {name!r})")
+                for name, opt in optimizer.items()}
+    return _configured(optimizer, scheduler)
+
+
+def _configured(optimizer: torch.optim.Optimizer, scheduler: Optional[LRScheduler],
+                which: str = "") -> Hyperparameters:
     if isinstance(scheduler, ReduceLROnPlateau):
         raise ConfigError(
-            "force_resume with a changed optim or sched cannot apply them to a ReduceLROnPlateau "
-            "schedule: its rate depends on the validation history, which a new config cannot "
-            "replay. Keep the checkpoint's optim and sched values, or start a new run.")
+            f"force_resume with a changed optim or sched cannot apply them to a ReduceLROnPlateau "
+            f"schedule{which}: its rate depends on the validation history, which a new config "
+            f"cannot replay. Keep the checkpoint's optim and sched values, or start a new run.")
     groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
               for g in optimizer.param_groups]
     return groups, copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
 
 
-def use_configured_hyperparameters(optimizer: torch.optim.Optimizer,
-                                   scheduler: Optional[LRScheduler],
-                                   configured: Hyperparameters, steps: int) -> None:
+def use_configured_hyperparameters(optimizer: Any, scheduler: Any, configured: Any,
+                                   saved: Optional[Mapping[str, Any]], steps: int) -> None:
     """After loading a checkpoint: the configured settings with the checkpoint's moments.
 
     Loading an optimizer's state also restores its learning rate and other settings, and a
     scheduler's state its base learning rates. For a forced resume with a new optim or sched
-    config, put back the configured ones, and advance the configured schedule by `steps`
-    (replaying it, so that any schedule works): the learning rate is then the one a run
-    configured this way from the start would have at this step.
+    config, put back the configured ones, and advance the configured schedule as many times
+    as the checkpoint's scheduler (`saved`, its state) was stepped (replaying it, so that any
+    schedule works; `steps`, the loop's, where the checkpoint had no scheduler): the learning
+    rate is then the one a run configured this way from the start would have at this step.
+    Each schedule counts its own steps: an optimizer whose update was dropped (a skip policy,
+    GradScaler) did not step its scheduler. Several named optimizers: each by name.
     """
+    if isinstance(optimizer, Mapping):
+        named = (saved or {}).get("named", {})  # loop/optimizers.py NAMED
+        for name, opt in optimizer.items():
+            _use_configured(opt, (scheduler or {}).get(name), configured[name], named.get(name),
+                            steps)
+        return
+    _use_configured(optimizer, scheduler, configured, saved, steps)
+
+
+def _use_configured(optimizer: torch.optim.Optimizer, scheduler: Optional[LRScheduler],
+                    configured: Hyperparameters, saved: Optional[Mapping[str, Any]],
+                    steps: int) -> None:
     groups, schedule = configured
     for group, fresh in zip(optimizer.param_groups, groups):
         params = group["params"]
@@ -147,5 +173,5 @@ def use_configured_hyperparameters(optimizer: torch.optim.Optimizer,
     scheduler.load_state_dict(copy.deepcopy(schedule))
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended
         warnings.simplefilter("ignore")
-        for _ in range(steps):
+        for _ in range((saved or {}).get("last_epoch", steps)):
             scheduler.step()

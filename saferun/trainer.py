@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,7 +24,8 @@ from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView,
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.rundir import default_run_dir
 from .config import Config, load_config
-from .data import check_datasets, check_training_loader, make_loaders, set_loader_epoch
+from .data import (check_datasets, check_evaluation_limit, check_training_loader, make_loaders,
+                   set_loader_epoch)
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
@@ -36,6 +38,7 @@ from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
 from .loop.logbook import EvalLog, Folded, Logbook
+from .loop.habits import StepHabits, check_step_signatures
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.manual import optimize, setup_optimizers
@@ -81,6 +84,7 @@ class Trainer:
         self._checkpointer = Checkpointer(self)
         self._owed: Optional[dict[str, Any]] = None  # a step's end that a stop interrupted
         self._validated_at = -1  # the step of the last completed validation
+        self._fitted: Optional[tuple[Optional[int], Optional[int]]] = None  # limits of the last fit
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
 
@@ -188,17 +192,22 @@ class Trainer:
         check_datasets(train_set, val_set, self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
+        check_evaluation_limit(self.val_loader, t, self.ranks.world_size)  # same samples on any
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
-        self._manual = setup_optimizers(self, model, self._logbook)  # + schedules; several: the step driving them
+        check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
+        self._habits = StepHabits()  # no backward or optimizer step inside training_step
+        self._manual = setup_optimizers(self, model, self._logbook, self._habits)  # several: their step
+        self._habits.watch(self.optimizer.values() if self._manual else [self.optimizer])
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
         self._non_blocking = self.device.type == "cuda"
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
-                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self)
+                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self,
+                                    self.cfg.guards.declared_modes)
         self.state.run_dir = t.run_dir or default_run_dir()
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
             self.cfg, self.ranks.is_main, self.device.type))
@@ -227,9 +236,12 @@ class Trainer:
             self._check_first_batch = self.train_loader is not None and self.train_loader.num_workers > 0
 
     def fit(self) -> dict[str, float]:
-        """Train for `trainer.max_steps` steps; return the final metrics."""
+        """Train until `trainer.max_steps` or `trainer.max_epochs`, whichever comes first;
+        return the final metrics. Called again after raising a limit, it continues from where
+        the last fit() ended, as one longer run would; with nothing left to train it refuses."""
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
+        limit = self._check_limits()
         self._checkpointer.begin_run()
         try:
             self._start_training()
@@ -239,34 +251,43 @@ class Trainer:
                 # (no local name for the generator: a stop must close it, and its workers, at once)
                 for micro_batches, epoch_end, where in (
                         () if control and control.stop else self._batches.groups()):
-                    output = self.train_step(micro_batches)
-                    self._running.add(output, where, self._logbook.take())
-                    control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
-                    if state.step % t.log_every_n_steps == 0:
-                        control = _merge(control, self._log())
+                    control = None
+                    if micro_batches:  # (none: a stream ran out, ending the epoch after its last step)
+                        output = self.train_step(micro_batches)
+                        self._running.add(output, where, self._logbook.take())
+                        control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
+                        if state.step % t.log_every_n_steps == 0:
+                            control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
-                    control = self._end_step(control, validated)
-                    if (control and control.stop) or state.step >= t.max_steps:
+                    control = self._end_step(control, validated, bool(micro_batches))
+                    if (control and control.stop) or state.step >= limit:
                         break
                 if self._running.steps:
                     self._log()
                 if not validated:
                     self._validate_and_report(Control(stop=True))  # the loop has ended
                 self._checkpointer.save_final()
+            self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
                 self.after_fit(dict(state.metrics))
         except BaseException as exc:
-            with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
-                error = (self._preempted(exc) or explained(exc, state.step + 1)
-                         or explain_failure(exc, self) or exc)
-                cbs.on_exception(self.view, error)
+            error = self._failure(exc)
             if error is exc:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
         finally:
             self._checkpointer.end_run()
         return dict(state.metrics)
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """What fit() raises for `exc`: the preemption exit (after the save), an explained
+        error, or `exc` itself; the callbacks are told."""
+        with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
+            error = (self._preempted(exc) or explained(exc, self.state.step + 1)
+                     or explain_failure(exc, self) or exc)
+            self._callbacks.on_exception(self.view, error)
+        return error
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
@@ -309,11 +330,19 @@ class Trainer:
             if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
                 samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
+        habits, step = self._habits, self.state.step + 1
+        had_grads = habits.first_pending and habits.grads_before(self._params)
         with self._strategy.micro_batch(last):
             with self._autocast():
-                self._logbook.begin("train", self.state.step + 1)
-                loss, logs = loss_and_logs(self._logbook.joined(self.training_step(batch),
-                                                                "training_step"), self.state.step + 1)
+                habits.step = step  # an optimizer.step() in training_step is refused
+                self._logbook.begin("train", step)
+                try:
+                    out = self._logbook.joined(self.training_step(batch), "training_step")
+                finally:
+                    habits.step = 0
+                if habits.first_pending:  # a backward in training_step (checked once)
+                    habits.check_first_backward(self._params, had_grads, step)
+                loss, logs = loss_and_logs(out, step)
             if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
                 loss, logs = loss * share, {k: v * share for k, v in logs.items()}
             self._scaler.scale(loss).backward()
@@ -417,6 +446,34 @@ class Trainer:
         first_steps.restores = before  # type: ignore[attr-defined]
         self.training_step = first_steps  # type: ignore[method-assign]
 
+    def _check_limits(self) -> float:
+        """The step limit of this fit(). A second fit() must have something left to train (else
+        it would return the same metrics, silently); the run's planned length for the progress
+        bar; and a warning when max_steps ends the run before max_epochs (a recipe's max_steps
+        under a max_epochs given on the command line)."""
+        t, state = self.cfg.trainer, self.state
+        done = (t.max_steps is not None and state.step >= t.max_steps) or (
+            t.max_epochs is not None and state.epoch >= t.max_epochs)
+        if self._fitted is not None and (done or self._fitted == (t.max_steps, t.max_epochs)):
+            raise SaferunError(
+                f"fit() already ran on this Trainer and ended at step {state.step}, epoch "
+                f"{state.epoch} (trainer.max_steps={t.max_steps}, trainer.max_epochs="
+                f"{t.max_epochs}): called again it would train nothing and return the same "
+                f"metrics. To train further, raise a limit first (e.g. "
+                f"trainer.cfg.trainer.max_steps = {2 * state.step}), then call fit(): it "
+                f"continues from step {state.step} as one longer run would. For a new run, build "
+                f"a new Trainer.")
+        per_epoch = self._batches.steps_per_epoch()
+        by_epochs = None if t.max_epochs is None or per_epoch is None else t.max_epochs * per_epoch
+        state.max_steps = t.max_steps if t.max_steps is not None else by_epochs
+        if (by_epochs is not None and t.max_steps is not None and t.max_steps < by_epochs
+                and self._fitted is None and self.ranks.is_main):
+            log.warning("trainer.max_steps=%d ends this run after %.3g of the trainer.max_epochs=%d "
+                        "epochs (%d steps each). To train every epoch, set trainer.max_steps=null "
+                        "(max_epochs alone then ends the run) or at least %d.", t.max_steps,
+                        t.max_steps / per_epoch, t.max_epochs, per_epoch, by_epochs)
+        return math.inf if t.max_steps is None else t.max_steps
+
     def _check_compile(self) -> None:
         """Compiled against eager on the first training batch (see `check_compiled_step`)."""
         assert self.train_loader is not None
@@ -449,12 +506,14 @@ class Trainer:
         self._checkpointer.save_if_best(metrics)
         return control
 
-    def _end_step(self, control: Optional[Control], validate: bool) -> Optional[Control]:
+    def _end_step(self, control: Optional[Control], validate: bool, stepped: bool = True
+                  ) -> Optional[Control]:
         """The rest of a step after its log point: validation (if due or asked), a save (if
-        due or asked), and a stop on a signal, raised here, at the step boundary."""
+        due or asked), and a stop on a signal, raised here, at the step boundary. `stepped`:
+        False at a stream's end, after its last step, whose due save is made."""
         if validate:
             control = _merge(control, self._validate_and_report(control))
-        if (control and control.save) or self._checkpointer.save_due():
+        if (control and control.save) or (stepped and self._checkpointer.save_due()):
             self._checkpointer.save()
         if self._strategy.stop_agreed(self._stop_signals):
             raise StopRequested

@@ -170,17 +170,17 @@ mutation("fp16 refused on the CPU", "saferun/precision.py",
          '    if precision == "fp16" and device.type != "cuda":', "    if False:",
          f"{STEP}::test_fp16_on_cpu_is_refused_with_the_alternative")
 mutation("max_steps (one step too many)", T,
-         "                    if (control and control.stop) or state.step >= t.max_steps:",
-         "                    if (control and control.stop) or state.step > t.max_steps:",
+         "                    if (control and control.stop) or state.step >= limit:",
+         "                    if (control and control.stop) or state.step > limit:",
          "tests/test_event_order.py::test_two_epochs_with_logging_validation_and_checkpoints",
-         also=(("while state.step < t.max_steps and (t.max_epochs",
-                "while state.step <= t.max_steps and (t.max_epochs"),
-               ("while state.step < t.max_steps and (group", "while state.step <= t.max_steps and (group"),
-               ("            if state.step >= t.max_steps:\n                return",
-                "            if state.step > t.max_steps:\n                return")))
+         also=(("while state.step < limit and (t.max_epochs",
+                "while state.step <= limit and (t.max_epochs"),
+               ("while state.step < limit and (group", "while state.step <= limit and (group"),
+               ("            if state.step >= limit:\n                return",
+                "            if state.step > limit:\n                return")))
 mutation("max_epochs", T,
-         "while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):",
-         "while state.step < t.max_steps:",
+         "while state.step < limit and (t.max_epochs is None or state.epoch < t.max_epochs):",
+         "while state.step < limit:",
          f"{STEP}::test_max_epochs_stops_after_that_many_passes", DIFF)
 mutation("val_every_n_steps", T,
          "return epoch_end if every is None else self.state.step % every == 0",
@@ -192,7 +192,8 @@ mutation("validation at each epoch's end", T,
          "tests/test_event_order.py::test_two_epochs_with_logging_validation_and_checkpoints")
 mutation("limit_val_batches", T,
          "                if limit is not None and i >= limit:", "                if False:",
-         "tests/unit/test_validation.py::test_limit_val_batches_uses_only_the_first_batches")
+         "tests/unit/test_validation.py::test_limit_val_batches_uses_only_the_first_batches",
+         "tests/unit/test_validation.py::test_limit_val_batches_limits_a_loader_the_user_built")
 mutation("validation means weighted by batch size", "saferun/metrics.py",
          "            weighted = v.detach().float() * n", "            weighted = v.detach().float()",
          "tests/unit/test_validation.py::test_means_are_weighted_by_batch_size")
@@ -293,7 +294,7 @@ mutation("DistributedSampler's epoch is set", "saferun/data.py",
          "    if callable(set_epoch):  # DistributedSampler\n        pass",
          "tests/unit/test_data.py::test_training_shards_are_disjoint_and_reshuffled_every_epoch")
 mutation("validation shards without padding", "saferun/data.py",
-         "        sampler = ShardSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]",
+         "        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)",
          "        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)",
          "tests/unit/test_data.py::test_validation_shards_hold_every_sample_exactly_once")
 mutation("each rank seeds its own randomness", T,
@@ -575,7 +576,8 @@ mutation("declared modes checked every step", T,
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
 mutation("declared modes: each module's mode read", "saferun/modes.py",
-         "        actual = list(map(_TRAINING, self.modules))", "        actual = list(self.expected)",
+         "        return list(map(_TRAINING, self.modules))  # C calls only: ~30 ns per module",
+         "        return list(self.expected)",
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
 mutation("a flat tuple batch stays a tuple on the device", "saferun/loop/transfer.py",
@@ -625,7 +627,7 @@ mutation("an inference tensor used in training is explained", T,
          "if False:",
          "tests/unit/test_bad_input.py::test_inference_tensor_kept_from_validation_is_explained")
 mutation("config: positive values", "saferun/config.py",
-         '        _positive(self, "max_steps", "batch_size", "accumulate", "log_every_n_steps", "keep_last",\n'
+         '        _positive(self, "batch_size", "accumulate", "log_every_n_steps", "keep_last",\n'
          '                  "collective_timeout")\n',
          "", "tests/unit/test_config.py")
 mutation("config: choices", "saferun/config.py",
@@ -649,16 +651,16 @@ mutation("the Controls of several callbacks are combined", "saferun/callbacks.py
          "    return a | b", "    return a",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(save=True) saves", T,
-         "        if (control and control.save) or self._checkpointer.save_due():",
-         "        if self._checkpointer.save_due():",
+         "        if (control and control.save) or (stepped and self._checkpointer.save_due()):",
+         "        if stepped and self._checkpointer.save_due():",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(evaluate=True) validates", T,
          "validated = bool(control and control.evaluate) or self._validation_due(epoch_end)",
          "validated = self._validation_due(epoch_end)",
          "tests/test_event_order.py::test_evaluate_request_runs_validation_after_that_step")
 mutation("Control(stop=True) stops", T,
-         "                    if (control and control.stop) or state.step >= t.max_steps:",
-         "                    if state.step >= t.max_steps:",
+         "                    if (control and control.stop) or state.step >= limit:",
+         "                    if state.step >= limit:",
          "tests/test_event_order.py::test_stop_mid_epoch_still_logs_validates_and_ends")
 mutation("TensorBoard gets validation metrics", "saferun/loggers.py",
          "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
@@ -1113,6 +1115,68 @@ mutation("a save broken by a dead rank says so, not the disk", "saferun/checkpoi
 mutation("a rank stopped by another's failure raises its explanation", "saferun/guards/explain.py",
          "            if said is None:\n                return None", "            if True:\n                return None",
          "tests/parallel/test_explain_ranks.py::test_a_mistake_on_rank_1_under_ddp_is_explained_there_and_named_by_rank_0")
+# ---------------------------------------------------------------- branch loop-edges
+mutation("a second fit() with nothing left to train is refused", "saferun/trainer.py",
+         "        if self._fitted is not None and (done or self._fitted == (t.max_steps, t.max_epochs)):",
+         "        if False:",
+         "tests/loop/test_loop_edges.py::test_a_second_fit_with_nothing_left_is_refused_saying_how_to_continue")
+mutation("a second fit() continues mid-epoch as a resume would", "saferun/loop/batches.py",
+         "            self.resume(get_rng_state(), self.epoch_start)", "            pass",
+         "tests/loop/test_loop_edges.py::test_a_second_fit_continues_to_a_raised_limit_exactly_as_one_longer_run")
+mutation("max_epochs alone is not capped by the default max_steps", "saferun/config.py",
+         "        if self.max_steps is None and self.max_epochs is None:",
+         "        if self.max_steps is None:",
+         "tests/loop/test_loop_edges.py::test_max_epochs_alone_is_not_capped_by_the_default_max_steps",
+         "tests/loop/test_loop_edges.py::test_the_step_default_applies_only_without_max_epochs_and_both_set_are_kept")
+mutation("max_steps ending the run before max_epochs is said at the start", "saferun/trainer.py",
+         "                and self._fitted is None and self.ranks.is_main):",
+         "                and False):",
+         "tests/loop/test_loop_edges.py::test_both_set_the_first_limit_ends_the_run_and_setup_says_which")
+mutation("a module left in train mode by validation_step is refused", "saferun/loop/evaluation.py",
+         "            self._modes.check(step, \"validation_step\", modes_seen)", "            pass",
+         "tests/loop/test_loop_edges.py::test_a_mode_changed_in_validation_step_is_refused_naming_module_and_hook")
+mutation("a module left in train mode by predict_step is refused", "saferun/loop/evaluation.py",
+         "            self._modes.check(step, \"predict_step\", modes_seen)", "            pass",
+         "tests/loop/test_loop_edges.py::test_a_mode_changed_in_predict_step_is_refused_naming_module_and_hook")
+mutation("a step hook taking more than the batch is refused at setup", "saferun/loop/habits.py",
+         "        if len(required) <= 1 and takes_one:\n            continue",
+         "        continue",
+         "tests/loop/test_loop_edges.py::test_a_step_hook_taking_a_batch_index_is_refused_at_setup")
+mutation("an optimizer.step() inside training_step is refused before the update",
+         "saferun/loop/habits.py", "        if self.step and not self.saferun_steps:", "        if False:",
+         "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
+mutation("self.optimize()'s own optimizer steps are not refused", "saferun/loop/manual.py",
+         "                self._habits.saferun_steps = True\n", "",
+         "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
+mutation("a backward inside training_step is refused at the first step", "saferun/loop/habits.py",
+         "        if had_grads or not any(p.grad is not None for p in params):",
+         "        if True:",
+         "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
+mutation("autograd's second-backward error is explained", "saferun/loop/steps.py",
+         "    if type(exc) is RuntimeError and \"backward through the graph a second time\" in str(exc):",
+         "    if False:",
+         "tests/loop/test_loop_edges.py::test_a_later_backward_inside_training_step_gets_autograd_error_explained")
+mutation("a stream's end ends the epoch (validation)", "saferun/loop/batches.py",
+         "                yield [], True, None  # (the loop validates, saves or stops as at an epoch's end)\n",
+         "                pass\n",
+         "tests/loop/test_loop_edges.py::test_a_stream_ends_each_epoch_like_map_style_data",
+         "tests/loop/test_loop_edges.py::test_a_stream_resumes_at_and_across_an_epoch_end_exactly")
+mutation("force_resume replays each schedule by its own step count", "saferun/schedules.py",
+         "        for _ in range((saved or {}).get(\"last_epoch\", steps)):",
+         "        for _ in range(steps):",
+         "tests/loop/test_optimizers.py::test_force_resume_replays_each_schedule_by_its_own_steps")
+mutation("force_resume refuses a ReduceLROnPlateau among several optimizers", "saferun/schedules.py",
+         "        return {name: _configured(opt, (scheduler or {}).get(name), f\" (optimizer {name!r})\")",
+         "        return {name: _configured(opt, None, f\" (optimizer {name!r})\")",
+         "tests/loop/test_optimizers.py::test_force_resume_with_a_plateau_among_several_is_refused_naming_it")
+mutation("limit_val_batches means the same samples on any number of processes", "saferun/data.py",
+         "        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)",
+         "        sampler = ShardSampler(n, rank, world_size)",
+         "tests/parallel/test_ddp_paths.py::test_limit_val_batches_means_the_same_samples_on_two_processes_as_on_one")
+mutation("limit_val_batches over a loader saferun cannot cut is refused under torchrun", "saferun/data.py",
+         "    if isinstance(sampler, ShardSampler) and sampler.indices.stop <= samples:",
+         "    if True:",
+         "tests/parallel/test_ddp_paths.py::test_limit_val_batches_over_a_loader_saferun_cannot_cut_is_refused")
 
 # ---------------------------------------------------------------- the runner
 

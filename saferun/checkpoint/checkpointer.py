@@ -246,8 +246,8 @@ class Checkpointer:
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
-            steps = (state["scheduler"] or {}).get("last_epoch", o.state.step)
-            use_configured_hyperparameters(o.optimizer, o.scheduler, configured, steps)
+            use_configured_hyperparameters(o.optimizer, o.scheduler, configured,
+                                           state["scheduler"], o.state.step)
             log.warning("force_resume: %s changed; the optimizer now uses the configured values "
                         "(learning rate %s at step %d), its moments are the checkpoint's.",
                         ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)

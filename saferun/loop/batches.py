@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from ..data import (IndexRecorder, ShardedStream, epoch_state, restore_epoch_state,
                     set_loader_epoch)
@@ -14,7 +15,7 @@ from ..errors import SaferunError
 from ..guards.preflight import check_batch_on_cpu
 from ..parallel import distributed
 from ..preemption import shielded_iter
-from .seeding import set_rng_state
+from .seeding import get_rng_state, set_rng_state
 from .state import LoopState
 from .transfer import move_to_device
 
@@ -43,6 +44,8 @@ class BatchStream:
 
     def groups(self) -> Iterator[tuple[list[Any], bool, Any]]:
         """Yield (micro-batches of one step, is it the epoch's last step, where) across epochs.
+        A stream (an IterableDataset) has no length: when it runs out, ([], True, None) ends
+        its epoch after the last step, as a map-style epoch's last step does.
 
         `where` is (epoch, [sample indices of each micro-batch]), or None when the
         loader does not record indices (a user-built DataLoader).
@@ -54,9 +57,13 @@ class BatchStream:
         stopped, with saferun's loaders and with loaders built by the user.
         """
         t, state, loader = self._t, self._state, self._loader
-        per_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        per_epoch = None if self.steps_per_epoch() is None else len(loader)  # None: a stream
         recorder = loader.batch_sampler if isinstance(loader.batch_sampler, IndexRecorder) else None
-        while state.step < t.max_steps and (t.max_epochs is None or state.epoch < t.max_epochs):
+        limit = math.inf if t.max_steps is None else t.max_steps
+        if state.batches_in_epoch and self.resume_rng is None and self.epoch_start is not None:
+            # a second fit() after one that ended mid-epoch: continue as a resume would
+            self.resume(get_rng_state(), self.epoch_start)
+        while state.step < limit and (t.max_epochs is None or state.epoch < t.max_epochs):
             set_loader_epoch(loader, self._seed, state.epoch, state.rank)
             if self.resume_epoch_start is not None:  # a user-built loader draws from these
                 restore_epoch_state(loader, self.resume_epoch_start)
@@ -69,7 +76,7 @@ class BatchStream:
             if self.resume_rng is not None:
                 set_rng_state(self.resume_rng)
                 self.resume_rng = None
-            while state.step < t.max_steps and (group := self._next_group(batches)):
+            while state.step < limit and (group := self._next_group(batches)):
                 if self._check_first_batch:
                     check_batch_on_cpu(group[0])  # what the first worker batch holds
                     self._check_first_batch = False
@@ -78,14 +85,22 @@ class BatchStream:
                 self.mid_step = True  # until the loop asks for the next step (see _preempted)
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
                 self.mid_step = False
-            if state.step >= t.max_steps:
+            if state.step >= limit:
                 return
             if state.batches_in_epoch == 0:
                 raise SaferunError(
                     f"the training DataLoader yielded no batches in epoch {state.epoch}. With "
                     f"drop_last=True it needs at least batch_size={t.batch_size} samples.")
+            if per_epoch is None:  # a stream's epoch ends when it runs out: known only now
+                yield [], True, None  # (the loop validates, saves or stops as at an epoch's end)
             state.epoch += 1
             state.batches_in_epoch = 0
+
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps in one epoch; None for a stream (an IterableDataset: no length)."""
+        if isinstance(self._loader.dataset, IterableDataset):
+            return None
+        return -(-len(self._loader) // self._t.accumulate)
 
     def _next_group(self, batches: Iterator[Any]) -> list[Any]:
         """The next step's micro-batches; [] at the epoch's end. Shards of a stream that

@@ -27,8 +27,11 @@ class Evaluator:
 
     def __init__(self, model: nn.Module, device: torch.device, non_blocking: bool,
                  autocast: Callable[[], ContextManager[Any]], eval_grad_mode: str,
-                 purity: bool, metrics: Mapping[str, Any] = {}, owner: Any = None) -> None:
+                 purity: bool, metrics: Mapping[str, Any] = {}, owner: Any = None,
+                 declared_modes: bool = True) -> None:
         self._model, self._device, self._non_blocking = model, device, non_blocking
+        # guards.declared_modes: every module stays in eval mode through each evaluation step
+        self._modes = modes.DeclaredModes(model, (), evaluation=True) if declared_modes else None
         self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
         self._metrics = metrics  # stateful (torchmetrics): reset before a pass, computed after
         self._owner = owner  # the Trainer: an error in its step is explained (guards/explain.py)
@@ -36,7 +39,7 @@ class Evaluator:
     def for_model(self, model: nn.Module) -> "Evaluator":
         """The same evaluation of another model (the averaged weights, trainer.ema)."""
         return Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
-                         self._purity, self._metrics, self._owner)
+                         self._purity, self._metrics, self._owner, self._modes is not None)
 
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -76,11 +79,14 @@ class Evaluator:
                           samples_in(batch, batch_size, f"validation batch {i + 1}"))
             finished = finish() if finish is not None else ({}, {})
             means.add(finished[0], 1)
+            modes_seen = self._modes.now() if self._modes is not None else None  # before restored
         probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
         computed = {**compute_all(self._metrics), **finished[1]}  # torchrun: every rank's state
         # one read: the means, the metrics and the purity flag
         values, flags = means.read(probe, self._device, computed)
         check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)
+        if modes_seen is not None:  # after purity, whose message names the changed buffers
+            self._modes.check(step, "validation_step", modes_seen)
         return values
 
     def predict(self, loader: DataLoader, step_fn: Callable[[Any], Any], step: int) -> Any:
@@ -94,9 +100,12 @@ class Evaluator:
                 except Exception as exc:
                     self._raise_explained(exc)
                     raise
+            modes_seen = self._modes.now() if self._modes is not None else None  # before restored
         if before is not None:
             check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),
                          self._grad_mode, step)
+        if modes_seen is not None:
+            self._modes.check(step, "predict_step", modes_seen)
         # Outside inference mode, cat/clone turn inference tensors into normal ones,
         # which the caller may later use in autograd.
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):

@@ -32,6 +32,7 @@ from .logbook import Logbook
 from ..callbacks import StepOutput
 from ..errors import SaferunError
 from ..parallel import distributed
+from .habits import StepHabits
 from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
 from .optimizers import build_named
@@ -65,8 +66,8 @@ class ManualOwner(Protocol):
 class ManualSteps:
     """Runs one step of training_step with several optimizers and checks how it used them."""
 
-    def __init__(self, trainer: ManualOwner, logbook: Logbook) -> None:
-        self._tr = trainer
+    def __init__(self, trainer: ManualOwner, logbook: Logbook, habits: StepHabits) -> None:
+        self._tr, self._habits = trainer, habits
         self._logbook = logbook  # what training_step self.log()s joins its returned dict
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         self.names = list(trainer.optimizer)
@@ -93,10 +94,11 @@ class ManualSteps:
             with tr._strategy.micro_batch(True):  # DDP: buffers broadcast after training_step
                 with tr._autocast():
                     self._logbook.begin("train", tr.state.step + 1)
+                    self._habits.step = tr.state.step + 1  # its own optimizer.step() is refused
                     out = self._logbook.joined(tr.training_step(batch), "training_step")
             done = self._done
         finally:
-            self._done = None
+            self._done, self._habits.step = None, 0
         step = tr.state.step + 1
         missing = [n for n in self.names if n not in done]
         if missing:
@@ -160,7 +162,11 @@ class ManualSteps:
             if tr._guard.skip_nonfinite and _bad(loss, norm, tr._guard.grads_checked):
                 self._skipped.append(name)  # this update is dropped; the others stand
             else:
-                scaler.step(opt)
+                self._habits.saferun_steps = True
+                try:
+                    scaler.step(opt)
+                finally:
+                    self._habits.saferun_steps = False
             opt.zero_grad(set_to_none=True)
         # A fused optimizer (or an update through .data) changes the weights without telling
         # autograd: mark them changed, so that a graph saved before this update (the ordering
@@ -210,15 +216,16 @@ class ManualSteps:
         return StepOutput(loss=zero, grad_norm=zero, num_samples=samples, skipped=True)
 
 
-def setup_optimizers(trainer: Any, model: torch.nn.Module, logbook: Logbook) -> Optional[ManualSteps]:
+def setup_optimizers(trainer: Any, model: torch.nn.Module, logbook: Logbook,
+                     habits: StepHabits) -> Optional[ManualSteps]:
     """After `build_optimizer` (Trainer.setup): set the Trainer's `scheduler` and `_schedule`.
     One optimizer: None (the loop's own step drives it). {name: optimizer}: check them, put
     the containers in `optimizer`, `scheduler`, `_schedule` (loop/optimizers.py) and return
-    the step that drives them."""
+    the step that drives them (`habits`: told when it steps an optimizer itself)."""
     if isinstance(trainer.optimizer, Mapping):
         trainer.optimizer, trainer.scheduler, trainer._schedule = build_named(
             trainer, trainer.optimizer, model)
-        return ManualSteps(trainer, logbook)
+        return ManualSteps(trainer, logbook, habits)
     check_optimizer_params(trainer.optimizer, model)
     trainer.scheduler = trainer.build_scheduler(trainer.optimizer)
     trainer._schedule = Schedule(trainer.optimizer, trainer.scheduler,

@@ -4,7 +4,7 @@ the trainer: no import cycle)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -15,7 +15,7 @@ class LoopState:
     epoch: int = 0
     batches_in_epoch: int = 0
     samples_seen: int = 0
-    max_steps: int = 0
+    max_steps: Optional[int] = 0  # the run's length in steps; None: not known (a stream's epochs)
     run_dir: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)

@@ -92,6 +92,15 @@ def explained(exc: BaseException, step: int) -> Optional[SaferunError]:
             f"forward or validation_step). Store a .clone() made outside inference mode, or set "
             f"trainer.eval_grad_mode=no_grad."
         )
+    if type(exc) is RuntimeError and "backward through the graph a second time" in str(exc):
+        return SaferunError(
+            f"step {step}: autograd refused saferun's backward: part of this loss's graph was "
+            f"already backpropagated through and freed. If training_step (or code it calls) "
+            f"ran loss.backward() itself, remove it, with any optimizer.step() and zero_grad(), "
+            f"and return the loss: saferun runs the backward and the step (with several "
+            f"optimizers, call self.optimize(name, loss) for each). Otherwise a tensor kept from "
+            f"an earlier step (a cache, a recurrent hidden state) links this loss to that step's "
+            f"freed graph: store it .detach()ed.")
     if "Cannot re-initialize CUDA in forked subprocess" in str(exc):
         return SaferunError(
             f"step {step}: a DataLoader worker used CUDA (a .cuda() or device='cuda' in the "

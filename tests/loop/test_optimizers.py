@@ -291,3 +291,57 @@ def test_resume_restores_every_optimizer_by_name_and_refuses_renamed_ones(tmp_pa
         Renamed({**config(tmp_path / "b", max_steps=20), "resume": "auto"}).fit()
     with pytest.raises(CheckpointError, match="holds optimizers head, enc, but this Trainer"):
         Single({**config(tmp_path / "b", max_steps=20), "resume": "auto"}).fit()
+
+
+def named_hyperparameters(t):
+    """Each optimizer's parameter-group settings (all but the parameters), by name."""
+    return {name: [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            for name, opt in t.optimizer.items()}
+
+
+def test_force_resume_replays_each_schedule_by_its_own_steps(tmp_path):
+    # enc's update at step 5 is dropped, so its scheduler stepped 7 times in 8 steps
+    new_sched = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 4, "gamma": 0.1}
+
+    def run(path, sched, **more):
+        cfg = {**config(path, max_steps=8), "guards": {"nonfinite": "skip"}, **more}
+        cfg["sched"] = sched or cfg["sched"]
+        t = TwoOptimizers(cfg)
+        t.nan_in, t.nan_at = "enc", 5
+        t.fit()
+        return t
+
+    reference = run(tmp_path / "a", new_sched)  # the new schedule from the start
+    run(tmp_path / "b", None)
+    resumed = run(tmp_path / "b", new_sched, resume="auto", force_resume=True)
+    assert resumed.scheduler.state_dict() == reference.scheduler.state_dict()
+    assert named_hyperparameters(resumed) == named_hyperparameters(reference)
+    assert resumed.optimizer["enc"].param_groups[0]["lr"] == pytest.approx(1e-3)  # not 1e-4
+
+
+class WithPlateau(TwoOptimizers):
+    """The head's schedule follows validation (ReduceLROnPlateau), the encoder's the steps."""
+
+    def build_datasets(self):
+        x, y = make_classification(256)
+        return TensorDataset(x, y), TensorDataset(x[:64], y[:64])
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"loss": F.cross_entropy(self.model.head(self.model.enc(x)), y)}
+
+    def build_scheduler(self, optimizer):
+        if optimizer is self.optimizer["head"]:
+            return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return super().build_scheduler(optimizer)
+
+
+def test_force_resume_with_a_plateau_among_several_is_refused_naming_it(tmp_path):
+    cfg = config(tmp_path, max_steps=4, sched_metric="val/loss")
+    WithPlateau(cfg).fit()
+    changed = {**config(tmp_path, max_steps=8, sched_metric="val/loss"), "resume": "auto",
+               "force_resume": True}
+    changed["sched"] = {**changed["sched"], "gamma": 0.1}
+    with pytest.raises(ConfigError, match=r"cannot apply them to a ReduceLROnPlateau schedule "
+                       r"\(optimizer 'head'\): its rate depends on the validation history"):
+        WithPlateau(changed).fit()

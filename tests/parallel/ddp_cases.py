@@ -143,6 +143,7 @@ class Decide(saferun.Callback):
     def __init__(self, rank: int, event: str, at: int, **asks: bool) -> None:
         self.rank, self.event, self.at, self.asks = rank, event, at, asks
         self.validated: list[int] = []
+        self.val_metrics: list[dict[str, float]] = []
         self.saved: list[int] = []
 
     def _ask(self, view: saferun.TrainerView, event: str) -> Optional[saferun.Control]:
@@ -158,6 +159,7 @@ class Decide(saferun.Callback):
 
     def on_validation_end(self, view, metrics):
         self.validated.append(view.step)
+        self.val_metrics.append(dict(metrics))
         return self._ask(view, "validation")
 
     def on_checkpoint(self, view, path):
@@ -190,7 +192,8 @@ def run(case: Mapping[str, Any]) -> None:
     decide = trainer._user_callbacks[0]  # every Decide sees the same events
     result = {"state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
               "step": trainer.state.step, "error": error, "ids": trainer.ids,
-              "validated": decide.validated, "saved": decide.saved}
+              "validated": decide.validated, "val_metrics": decide.val_metrics,
+              "saved": decide.saved}
     os.makedirs(cfg["trainer"]["run_dir"], exist_ok=True)
     torch.save(result, os.path.join(cfg["trainer"]["run_dir"],
                                     f"result_rank{trainer.ranks.rank}.pt"))

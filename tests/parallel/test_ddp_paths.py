@@ -93,6 +93,9 @@ CASES = {
     "stream_raw": dict(stream="raw"),
     "stream_sharded": dict(stream="sharded", num_workers=2, max_steps=100, max_epochs=1),
     "stream_presplit": dict(stream="presplit", max_steps=100, max_epochs=2),
+    # trainer.limit_val_batches: the first limit x val_batch_size samples, on any world size
+    "limit_val": dict(max_steps=4, val_every_n_steps=4, limit_val_batches=1, val_batch_size=16),
+    "limit_val_user_loader": dict(loader="distributed", limit_val_batches=1),
     # DataLoaders built by the user
     "loader_random": dict(loader="random"),
     "loader_distributed": dict(loader="distributed"),
@@ -222,6 +225,29 @@ def test_a_presplit_stream_with_uneven_shards_ends_each_epoch_together(launched)
     # rank 0 has 128 items (8 batches), rank 1 96 (6): each epoch ends after 6 steps
     assert r0["step"] == 12
     assert r0["ids"] == list(range(0, 192, 2)) * 2 and r1["ids"] == list(range(1, 192, 2)) * 2
+
+
+def test_a_stream_ends_each_epoch_on_every_rank_at_once(launched):
+    r0, r1 = finished(launched / "stream_presplit")
+    assert r0["validated"] == r1["validated"] == [6, 12]  # after each epoch, as map-style data
+
+
+def test_limit_val_batches_means_the_same_samples_on_two_processes_as_on_one(launched):
+    r0, r1 = finished(launched / "limit_val")
+    model = Tower()
+    model.load_state_dict(reference(steps=4))
+    model.eval()
+    x, y = make_classification(64, seed=1)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x[:16]), y[:16]).item()
+    assert r0["val_metrics"] == r1["val_metrics"]
+    assert r0["val_metrics"][-1]["val/loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_limit_val_batches_over_a_loader_saferun_cannot_cut_is_refused(launched):
+    errors = [r["error"] for r in results(launched / "limit_val_user_loader")]
+    assert all("trainer.limit_val_batches=1 under torchrun with 2 processes" in e
+               and "a loader built by build_dataloaders" in e for e in errors), errors
 
 
 def test_the_collective_timeout_reaches_the_process_group(launched):

@@ -39,3 +39,20 @@ def test_means_are_weighted_by_batch_size(tmp_path):
     assert t.sizes == [24, 24, 16]
     for k, v in expected_means(t, 64).items():
         assert abs(metrics[k] - v) < 1e-6, k
+
+
+class OwnLoaders(CountsBatches):
+    def build_dataloaders(self, train, val):
+        return (torch.utils.data.DataLoader(train, batch_size=32),
+                torch.utils.data.DataLoader(val, batch_size=24))
+
+
+def test_limit_val_batches_limits_a_loader_the_user_built(tmp_path):
+    # saferun's own validation loader holds only the first limit x val_batch_size samples;
+    # a user's loader is cut by the evaluation loop, at the same samples
+    t = OwnLoaders(toy_config(tmp_path, max_steps=2, limit_val_batches=2))
+    t.sizes = []
+    metrics = t.validate()
+    assert t.sizes == [24, 24]
+    for k, v in expected_means(t, 48).items():
+        assert abs(metrics[k] - v) < 1e-6, k
