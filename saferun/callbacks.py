@@ -236,8 +236,8 @@ class CallbackList(Callback):
     def on_evaluate(self, view: TrainerView, model: torch.nn.Module, log: Any,
                     is_main: bool = True, sharded: bool = False) -> None:
         for cb in self.callbacks:
-            if getattr(cb, "on_evaluate", None) is None:
-                continue
+            if getattr(type(cb), "on_evaluate", None) in (None, Callback.on_evaluate):
+                continue  # not overridden: nothing to run (a sharded run must not refuse it)
             ranks = getattr(cb, "evaluate_ranks", "main")
             if ranks not in ("main", "all"):
                 raise SaferunError(f"{type(cb).__name__}.evaluate_ranks is {ranks!r}: "

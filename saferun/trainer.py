@@ -284,7 +284,7 @@ class Trainer:
         """What fit() raises for `exc`: the preemption exit (after the save), an explained
         error, or `exc` itself; the callbacks are told."""
         with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
-            error = (self._preempted(exc) or explained(exc, self.state.step + 1)
+            error = (self._preempted(exc) or explained(exc, self.state.step + 1, self.model)
                      or explain_failure(exc, self) or exc)
             self._callbacks.on_exception(self.view, error)
         return error

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, SaferunError
+from ..guards.model_audit import carried_graph_advice, graph_carriers
 from .metrics import scalar_dict
 from .transfer import samples_in
 
@@ -83,7 +84,7 @@ def _not_a_loss(out: Any) -> tuple[str, str]:
     return type(out).__name__, "Return the loss tensor, or a dict with 'loss'."
 
 
-def explained(exc: BaseException, step: int) -> Optional[SaferunError]:
+def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[SaferunError]:
     """A bare torch error that saferun can explain, rewritten with the fix; else None."""
     if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved" in str(exc):
         return SaferunError(
@@ -93,6 +94,10 @@ def explained(exc: BaseException, step: int) -> Optional[SaferunError]:
             f"trainer.eval_grad_mode=no_grad."
         )
     if type(exc) is RuntimeError and "backward through the graph a second time" in str(exc):
+        carriers = graph_carriers(model)  # the model names the tensor that carries the graph
+        if carriers:
+            return SaferunError(f"step {step}: autograd refused saferun's backward: "
+                                f"{carried_graph_advice(carriers)}")
         return SaferunError(
             f"step {step}: autograd refused saferun's backward: part of this loss's graph was "
             f"already backpropagated through and freed. If training_step (or code it calls) "

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import saferun
+from saferun.callbacks import CallbackList
 from saferun.errors import SaferunError
 from toys import ToyTrainer, toy_config
 
@@ -68,6 +69,28 @@ def test_on_evaluate_logging_a_name_validation_step_reports_is_refused(tmp_path)
 
     with pytest.raises(SaferunError, match="on_evaluate logs 'acc', which validation_step reports"):
         ToyTrainer(cfg(tmp_path), callbacks=[Clash()]).fit()
+
+
+def test_under_fsdp_only_callbacks_that_run_code_on_the_model_must_run_on_every_rank():
+    """A sharded forward needs every rank, so an on_evaluate on rank 0 alone is refused; a
+    callback that does not override on_evaluate (the default loggers) runs nothing there."""
+    class Plain(saferun.Callback):
+        pass
+
+    seen = []
+
+    class OnEveryRank(saferun.Callback):
+        evaluate_ranks = "all"
+
+        def on_evaluate(self, view, model, log):
+            seen.append(model)
+
+    model = torch.nn.Linear(2, 2)
+    CallbackList([Plain(), OnEveryRank()]).on_evaluate(None, model, None, is_main=False,
+                                                       sharded=True)
+    assert seen == [model]
+    with pytest.raises(SaferunError, match="needs every rank"):
+        CallbackList([Samples()]).on_evaluate(None, model, None, is_main=True, sharded=True)
 
 
 def test_evaluate_ranks_must_be_main_or_all(tmp_path):
