@@ -30,6 +30,7 @@ from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
 from .guards.explain import explain_failure
+from .guards.failure_site import record
 from .guards.loss_audit import LossCallAudit
 from .guards.model_audit import ModelAudit
 from .guards.preflight import preflight
@@ -330,22 +331,26 @@ class Trainer:
             if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
                 samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
-        habits, step = self._habits, self.state.step + 1
-        had_grads = habits.first_pending and habits.grads_before(self._params)
-        with self._strategy.micro_batch(last):
-            with self._autocast():
-                habits.step = step  # an optimizer.step() in training_step is refused
-                self._logbook.begin("train", step)
-                try:
-                    out = self._logbook.joined(self.training_step(batch), "training_step")
-                finally:
-                    habits.step = 0
-                if habits.first_pending:  # a backward in training_step (checked once)
-                    habits.check_first_backward(self._params, had_grads, step)
-                loss, logs = loss_and_logs(out, step)
-            if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
-                loss, logs = loss * share, {k: v * share for k, v in logs.items()}
-            self._scaler.scale(loss).backward()
+        try:  # the explanation of a failure learns the phase and the batch from here
+            habits, step = self._habits, self.state.step + 1
+            had_grads = habits.first_pending and habits.grads_before(self._params)
+            with self._strategy.micro_batch(last):
+                with self._autocast():
+                    habits.step = step  # an optimizer.step() in training_step is refused
+                    self._logbook.begin("train", step)
+                    try:
+                        out = self._logbook.joined(self.training_step(batch), "training_step")
+                    finally:
+                        habits.step = 0
+                    if habits.first_pending:  # a backward in training_step (checked once)
+                        habits.check_first_backward(self._params, had_grads, step)
+                    loss, logs = loss_and_logs(out, step)
+                if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
+                    loss, logs = loss * share, {k: v * share for k, v in logs.items()}
+                self._scaler.scale(loss).backward()
+        except BaseException as exc:
+            record(exc, phase="training", batch=batch)
+            raise
         return loss.detach(), logs, samples
 
     def validate(self) -> dict[str, float]:

@@ -221,20 +221,19 @@ mutation("several optimizers: every optimizer (and scheduler) restored from a ch
 mutation("several optimizers: a step must update each one", MANUAL,
          "        if missing:\n", "        if False:\n", f"{OPTS}::test_wrong_use_is_refused_with_what_to_do")
 ERRS, CHECKS = "tests/loop/test_optimize_errors.py", "saferun/loop/manual_checks.py"
-mutation("several optimizers: an error in training_step is explained", "saferun/guards/explain.py",
-         '            return "training", f.f_locals["batch"]  # several optimizers',
-         '            return None  # several optimizers',
+mutation("several optimizers: an error in training_step is explained", MANUAL,
+         '            record(exc, phase="training", batch=batch)', '            pass',
          f"{ERRS}::test_an_error_in_training_step_is_explained_and_the_replay_changes_nothing")
 mutation("several optimizers: the explanation's replay steps no optimizer", MANUAL,
          "        if self._replay is not None:\n            return self._replayed(name, loss)\n", "",
          f"{ERRS}::test_an_error_in_training_step_is_explained_and_the_replay_changes_nothing")
 mutation("several optimizers: the explanation names the optimize() call that raised",
          "saferun/guards/explain_optimize.py",
-         '    return f", in self.optimize({name!r}, loss){part}" if name is not None else ""',
+         '    return f", in self.optimize({site.optimizer!r}, loss){part}"',
          '    return ""',
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
 mutation("several optimizers: the ordering slip and a shared graph are named", MANUAL,
-         "                if slip is None:\n                    raise\n", "                raise\n",
+         "                if slip is None:\n", "                if True:\n",
          f"{ERRS}::test_the_ordering_slip_is_named_with_what_to_do_also_for_a_fused_optimizer",
          f"{ERRS}::test_a_shared_graph_is_named_with_the_options")
 mutation("several optimizers: an ordering slip is told from an in-place op in the user's code",
@@ -813,8 +812,8 @@ mutation("validate()/predict() with resume unset over checkpoints say what they 
 mutation("resume=fresh moves the earlier run's .hydra/ aside", "saferun/checkpoint/superseded.py",
          "if rundir.writes_hydra_dir(str(path))", "if False",
          "tests/cli/test_cli.py::test_resume_fresh_sets_the_earlier_run_and_its_text_log_aside_and_logger_jsonl_null_drops_one")
-mutation("an explanation under accumulation names the micro-batch", "saferun/guards/explain_optimize.py",
-         "        if tb.tb_frame.f_code is accumulate.__code__:", "        if False:",
+mutation("an explanation under accumulation names the micro-batch", "saferun/loop/steps.py",
+         "            record(exc, micro_batch=(i, len(sizes)))", "            pass",
          "tests/guards/test_explain_paths.py::test_an_error_under_accumulation_names_the_micro_batch")
 mutation("a value some micro-batches log is the mean over theirs", "saferun/loop/steps.py",
          "        if reported != all_shares:", "        if False:",
@@ -1174,6 +1173,26 @@ mutation("limit_val_batches over a loader saferun cannot cut is refused under to
          "    if isinstance(sampler, ShardSampler) and sampler.indices.stop <= samples:",
          "    if True:",
          "tests/parallel/test_ddp_paths.py::test_limit_val_batches_over_a_loader_saferun_cannot_cut_is_refused")
+
+# The failure site: the loop's call sites tell the explanation the phase, the batch, the
+# micro-batch and the optimize() call (no traceback walking).
+mutation("failure site: a training step's error is explained (one optimizer)", "saferun/trainer.py",
+         '            record(exc, phase="training", batch=batch)', '            pass',
+         "tests/guards/test_mistakes.py::test_any_exception_keeps_its_type_and_a_users_own_class_is_left_as_raised")
+mutation("failure site: validation and predict errors are explained", "saferun/loop/evaluation.py",
+         "        record(exc, phase=phase, batch=batch)", "        pass",
+         "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
+mutation("failure site: an optimizer's failing step is named", MANUAL,
+         '                    record(exc, optimize_part="step")\n                    raise\n                finally:',
+         '                    raise\n                finally:',
+         f"{ERRS}::test_an_error_in_an_optimizers_step_names_the_call_and_the_step")
+mutation("failure site: a failing backward in optimize() is named", MANUAL,
+         '                if slip is None:\n                    record(exc, optimize_part="backward")\n',
+         '                if slip is None:\n',
+         f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
+mutation("failure site: an inner site's fields are kept", "saferun/guards/failure_site.py",
+         "        if getattr(site, name) is None:", "        if True:",
+         f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
 
 # ---------------------------------------------------------------- the runner
 

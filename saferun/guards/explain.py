@@ -1,9 +1,9 @@
 """Errors raised in the user's code (training_step, validation_step, the model's forward),
 explained in the user's terms: the step, the batch's fields, the module and the fix.
 
-Nothing here runs until a step has already failed. The failing batch is read from the
-traceback's frames (the loop's own locals, so no per-step bookkeeping), and the module is
-found by replaying that batch's forward once with forward hooks installed only then. The
+Nothing here runs until a step has already failed. The phase and the failing batch are what
+the loop's call sites recorded on the exception as it passed them (guards/failure_site.py: a
+`try` around each step, free until something raises), and the module is found by replaying that batch's forward once with forward hooks installed only then. The
 replay runs in the step's modes under `torch.no_grad()` (forward only: no gradient and no
 optimizer touched) with every RNG and every buffer (BatchNorm statistics) restored after it,
 so the training state is as the failure left it. An in-place autograd error is replayed with
@@ -25,8 +25,8 @@ from torch import nn
 from ..errors import SaferunError
 from ..loop.seeding import preserved_rng
 from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
-from .explain_optimize import (in_step as _in_step, manual as _manual,
-                               replaying as _replaying)
+from .explain_optimize import in_step as _in_step, replaying as _replaying
+from .failure_site import site_of
 from .explain_ranks import (collective_failed, collective_failure, locate_in_traceback,
                             several_ranks)
 from .model_audit import carried_graph_advice, graph_carriers
@@ -86,6 +86,7 @@ class FailureOwner(Protocol):
     """The part of the Trainer an explanation reads (no import of the trainer: no cycle)."""
 
     model: nn.Module
+    device: torch.device
     state: Any
     train_loader: Any
     cfg: Any
@@ -119,28 +120,18 @@ def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCod
         return None
 
 
-_EVALUATING = {"validate": "validation", "predict": "predict"}
 _HOOKS = {"training": "training_step", "validation": "validation_step", "predict": "predict_step"}
 
 
 def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:
-    """('training', 'validation' or 'predict', the batch on the device) from the traceback."""
-    tb = exc.__traceback__
-    while tb is not None:
-        f = tb.tb_frame
-        me = f.f_locals.get("self")
-        if f.f_code.co_name == "_forward_backward" and me is owner and "batch" in f.f_locals:
-            return "training", f.f_locals["batch"]
-        if f.f_code.co_name == "step" and me is _manual(owner) and "batch" in f.f_locals:
-            return "training", f.f_locals["batch"]  # several optimizers (loop/manual.py)
-        if f.f_code.co_name in _EVALUATING and type(me).__name__ == "Evaluator" \
-                and "batch" in f.f_locals:  # the trainer's, or trainer.ema's
-            from ..loop.transfer import move_to_device
+    """('training', 'validation' or 'predict', the batch on the device), as the loop's call
+    site recorded them on `exc` (guards/failure_site.py); None if no step raised it."""
+    from ..loop.transfer import move_to_device
 
-            return _EVALUATING[f.f_code.co_name], move_to_device(f.f_locals["batch"], me._device,
-                                                                 False)
-        tb = tb.tb_next
-    return None
+    site = site_of(exc)
+    if site is None or site.phase is None:
+        return None
+    return site.phase, move_to_device(site.batch, owner.device, False)
 
 
 def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) -> UserCodeError:
@@ -156,7 +147,7 @@ def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) ->
                   "backward had already freed.", carried_graph_advice(carriers)) if carriers else
                  _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs))
     on_rank = f" on rank {owner.state.rank}" if several_ranks() else ""
-    lines = [f"{hook} failed at step {step}{_in_step(exc, owner)}{on_rank}: {what}"]
+    lines = [f"{hook} failed at step {step}{_in_step(exc)}{on_rank}: {what}"]
     if fix:
         lines.append(f"  what to do: {fix}")
     if module is not None:

@@ -1,23 +1,14 @@
-"""The several-optimizer step's part of an explanation (guards/explain.py): which
-`self.optimize(name, loss)` call raised (or, with trainer.accumulate, which micro-batch), and a replay of training_step in which optimize()
-updates nothing (loop/manual.py `ManualSteps.replaying`)."""
+"""Where in the step an explanation says a failure happened (guards/explain.py): which
+`self.optimize(name, loss)` call raised (or, with trainer.accumulate, which micro-batch), read
+from what the loop's call sites recorded; and, with several optimizers, a replay of
+training_step in which optimize() updates nothing (loop/manual.py `ManualSteps.replaying`)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
-import torch
-
-from ..loop.steps import accumulate
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def manual(owner: Any) -> Any:
-    """The step of several optimizers (ManualSteps), or a sentinel that is no frame's self."""
-    return getattr(owner, "_manual", None) or _NONE
+from .failure_site import site_of
 
 
 def replaying(owner: Any, backward: bool) -> Any:
@@ -27,35 +18,25 @@ def replaying(owner: Any, backward: bool) -> Any:
     return steps.replaying(backward) if steps is not None else contextlib.nullcontext()
 
 
-def in_step(exc: BaseException, owner: Any) -> str:
-    """Where in the step `exc` was raised: ", in self.optimize(...)" (see `in_optimize`), or
-    " (micro-batch 3 of 3)" under trainer.accumulate (its frame's own locals), else ""."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is accumulate.__code__:
-            values = tb.tb_frame.f_locals
-            if "i" in values and "sizes" in values:
-                return f" (micro-batch {values['i'] + 1} of {len(values['sizes'])})"
-        tb = tb.tb_next
-    return in_optimize(exc, owner)
+def in_step(exc: BaseException) -> str:
+    """Where in the step `exc` was raised, as the loop's call sites recorded it: ", in
+    self.optimize(...)" (see `in_optimize`), or " (micro-batch 3 of 3)" under
+    trainer.accumulate, else ""."""
+    site = site_of(exc)
+    if site is not None and site.micro_batch is not None:
+        index, count = site.micro_batch
+        return f" (micro-batch {index + 1} of {count})"
+    return in_optimize(exc)
 
 
-def in_optimize(exc: BaseException, owner: Any) -> str:
+def in_optimize(exc: BaseException) -> str:
     """", in self.optimize('gen', loss) (the backward of its loss)" when an optimize() call
     raised `exc`, else ""."""
-    tb, name, part = exc.__traceback__, None, ""
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if name is None and code.co_name == "optimize" and \
-                tb.tb_frame.f_locals.get("self") is manual(owner):
-            name = tb.tb_frame.f_locals.get("name")
-        elif name is not None and not part and code.co_filename.startswith(_TORCH_DIR):
-            where = code.co_filename[len(_TORCH_DIR):]
-            part = (" (the backward of its loss)" if where.startswith("autograd")
-                    or code.co_name == "backward" else " (its optimizer's step)"
-                    if where.startswith(("optim", "amp")) else "")
-        tb = tb.tb_next
-    return f", in self.optimize({name!r}, loss){part}" if name is not None else ""
+    site = site_of(exc)
+    if site is None or site.optimizer is None:
+        return ""
+    part = _PARTS.get(site.optimize_part or "", "")
+    return f", in self.optimize({site.optimizer!r}, loss){part}"
 
 
-_NONE = object()
+_PARTS = {"backward": " (the backward of its loss)", "step": " (its optimizer's step)"}

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import modes
+from ..guards.failure_site import record
 from ..guards.purity import changed as purity_changed
 from ..guards.purity import check_purity, fingerprint
 from ..parallel.fsdp import reshard
@@ -73,7 +74,7 @@ class Evaluator:
                 try:
                     out = step_fn(move_to_device(batch, self._device, self._non_blocking))
                 except Exception as exc:  # here, not in fit: validate() is also called alone
-                    self._raise_explained(exc)
+                    self._raise_explained(exc, "validation", batch)
                     raise
                 means.add(scalar_dict(out, "validation_step"),
                           samples_in(batch, batch_size, f"validation batch {i + 1}"))
@@ -98,7 +99,7 @@ class Evaluator:
                 try:
                     outputs.append(step_fn(move_to_device(batch, self._device, self._non_blocking)))
                 except Exception as exc:
-                    self._raise_explained(exc)
+                    self._raise_explained(exc, "predict", batch)
                     raise
             modes_seen = self._modes.now() if self._modes is not None else None  # before restored
         if before is not None:
@@ -112,11 +113,13 @@ class Evaluator:
             return torch.cat(outputs).cpu()
         return [to_host(o) for o in outputs]
 
-    def _raise_explained(self, exc: BaseException) -> None:
-        """Raise `exc` explained in the user's terms (the step, the batch, the module), if it
-        can be; else return (the caller re-raises it as it was)."""
+    def _raise_explained(self, exc: BaseException, phase: str, batch: Any) -> None:
+        """Raise `exc`, raised by the `phase` step on `batch` (as the loader gave it), explained
+        in the user's terms (the step, the batch, the module), if it can be; else return (the
+        caller re-raises it as it was)."""
         from ..guards.explain import explain_failure  # after a failure only
 
+        record(exc, phase=phase, batch=batch)
         error = explain_failure(exc, self._owner) if self._owner is not None else None
         if error is not None:
             raise error from exc

@@ -31,6 +31,7 @@ from torch.autograd.graph import increment_version
 from .logbook import Logbook
 from ..callbacks import StepOutput
 from ..errors import SaferunError
+from ..guards.failure_site import record
 from ..parallel import distributed
 from .habits import StepHabits
 from .manual_checks import checked_loss, graph_slip
@@ -97,6 +98,9 @@ class ManualSteps:
                     self._habits.step = tr.state.step + 1  # its own optimizer.step() is refused
                     out = self._logbook.joined(tr.training_step(batch), "training_step")
             done = self._done
+        except BaseException as exc:  # the explanation learns the phase and the batch here
+            record(exc, phase="training", batch=batch)
+            raise
         finally:
             self._done, self._habits.step = None, 0
         step = tr.state.step + 1
@@ -126,10 +130,17 @@ class ManualSteps:
 
     def optimize(self, name: str, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """`Trainer.optimize`: the single-optimizer discipline for optimizer `name` alone."""
-        tr = self._tr
-        step = tr.state.step + 1
         if self._replay is not None:
             return self._replayed(name, loss)
+        try:
+            self._optimize(name, loss, retain_graph)
+        except BaseException as exc:  # the explanation names this call
+            record(exc, optimizer=name, optimize_part="")
+            raise
+
+    def _optimize(self, name: str, loss: torch.Tensor, retain_graph: bool) -> None:
+        tr = self._tr
+        step = tr.state.step + 1
         if self._done is None:
             raise SaferunError("self.optimize(name, loss) is called from training_step, while "
                                "the loop runs a step (not from validation or after fit).")
@@ -152,11 +163,19 @@ class ManualSteps:
             except RuntimeError as exc:  # the ordering slip or a shared graph, in the user's terms
                 slip = graph_slip(exc, name, step, {n: self.params[n] for n in self._done})
                 if slip is None:
+                    record(exc, optimize_part="backward")
                     raise
                 raise slip from exc
+            except BaseException as exc:
+                record(exc, optimize_part="backward")
+                raise
             self._check_unused(name)
             tr._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
-            scaler.unscale_(opt)  # clip and measure the true gradients, not fp16-scaled ones
+            try:
+                scaler.unscale_(opt)  # clip and measure the true gradients, not fp16-scaled ones
+            except BaseException as exc:
+                record(exc, optimize_part="step")
+                raise
             norm = clip_or_measure(params, tr.cfg.trainer.max_grad_norm)
             loss = loss.detach()
             if tr._guard.skip_nonfinite and _bad(loss, norm, tr._guard.grads_checked):
@@ -165,6 +184,9 @@ class ManualSteps:
                 self._habits.saferun_steps = True
                 try:
                     scaler.step(opt)
+                except BaseException as exc:
+                    record(exc, optimize_part="step")
+                    raise
                 finally:
                     self._habits.saferun_steps = False
             opt.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, SaferunError
+from ..guards.failure_site import record
 from ..guards.model_audit import carried_graph_advice, graph_carriers
 from .metrics import scalar_dict
 from .transfer import samples_in
@@ -56,7 +57,11 @@ def accumulate(forward_backward: Callable[[Sequence[Any], float, bool, int], Ste
     all_shares = 0.0
     for i, (batch, size) in enumerate(zip(micro_batches, sizes)):
         share = size / total if size != total else 1.0
-        loss, logs, _ = forward_backward((batch,), share, i == len(sizes) - 1, size)
+        try:
+            loss, logs, _ = forward_backward((batch,), share, i == len(sizes) - 1, size)
+        except BaseException as exc:
+            record(exc, micro_batch=(i, len(sizes)))
+            raise
         loss_sum = loss if loss_sum is None else loss_sum + loss
         all_shares += share
         for k, v in logs.items():

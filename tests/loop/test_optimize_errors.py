@@ -293,3 +293,30 @@ def test_the_frozen_parameter_warning_names_the_optimizer(tmp_path, caplog):
     assert len(said) == 1 and said[0].startswith(
         "the optimizer 'head' (self.optimize('head', loss)) also holds 1 frozen parameters (["
         "head.bias]"), said
+
+
+class StepRaises(torch.optim.SGD):
+    """An optimizer whose step fails at the loop's second step (a user's optimizer bug)."""
+
+    def step(self, closure=None):
+        if self.state.get("calls", 0) == 1:
+            raise ValueError("momentum buffer has the wrong shape")
+        self.state["calls"] = self.state.get("calls", 0) + 1
+        return super().step(closure)
+
+
+class TwoOptimizersOneFailing(TwoOptimizers):
+    def build_optimizer(self, params):
+        optimizers = super().build_optimizer(params)
+        optimizers["head"] = StepRaises(self.model.head.parameters(), lr=0.1)
+        return optimizers
+
+
+def test_an_error_in_an_optimizers_step_names_the_call_and_the_step(tmp_path):
+    """The loop records where in optimize() a failure happened: here the optimizer's step."""
+    t = TwoOptimizersOneFailing(config(tmp_path, max_steps=3))
+    with pytest.raises(ValueError) as e:
+        t.fit()
+    assert str(e.value).startswith("training_step failed at step 2, in self.optimize('head', "
+                                   "loss) (its optimizer's step):"), str(e.value)
+    assert isinstance(e.value.__cause__, ValueError)
