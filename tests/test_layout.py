@@ -135,7 +135,7 @@ def test_no_import_cycle_among_saferun_modules():
 # that still reach into the Trainer instead of getting what they need passed in. The design
 # aims at none; until then the count may only fall (lower the number when you remove one).
 PRIVATE_REACH = {"saferun/checkpoint/checkpointer.py": 38, "saferun/guards/badstep.py": 10,
-                 "saferun/guards/check.py": 7, "saferun/guards/explain.py": 3,
+                 "saferun/guards/check.py": 4, "saferun/guards/explain.py": 3,
                  "saferun/loop/manual.py": 17}
 
 

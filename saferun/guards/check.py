@@ -24,7 +24,7 @@ from ..loop.batches import first_batch
 from ..loop.seeding import preserved_rng
 from ..loop.steps import loss_and_logs
 from . import datachecks
-from ..loop.optimizers import NO_SINGLE_LOSS, each_optimizer_moves
+from ..loop.optimizers import NO_SINGLE_LOSS, NamedOptimizers, each_optimizer_moves
 from .preflight import check_loader, find_rng_objects, find_unpicklable
 from .syncs import HostSyncCounter
 from ..trainer import Trainer
@@ -225,7 +225,7 @@ def _overfit_one_batch(make: Factory, cfg: Config) -> CheckResult:
     trainer.setup()
     batch = next(iter(trainer.train_loader))  # type: ignore[arg-type]
     trainer.model.train()
-    if trainer._manual is not None:  # several optimizers: losses may be adversarial
+    if isinstance(trainer.optimizer, NamedOptimizers):  # several optimizers: losses may be adversarial
         return CheckResult("one-batch overfit", *each_optimizer_moves(trainer, batch, 4 * STEPS))
     losses = [float(trainer.train_step([batch]).loss) for _ in range(4 * STEPS)]
     if losses[-1] < losses[0] and not losses[-1] < 0.9 * losses[0]:  # falling, slowly
@@ -276,7 +276,7 @@ def _first_batch(make: Factory, cfg: Config) -> tuple[Trainer, Any]:
 
 def _initial_loss(make: Factory, cfg: Config) -> CheckResult:
     trainer, batch = _first_batch(make, cfg)
-    if trainer._manual is not None:
+    if isinstance(trainer.optimizer, NamedOptimizers):
         return CheckResult("initial loss", "pass", NO_SINGLE_LOSS)
     outputs: list[Any] = []
     handle = trainer.model.register_forward_hook(lambda m, a, out: outputs.append(out))
@@ -304,7 +304,7 @@ def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
     steps, starts, losses, zeroed_calls = 2 * STEPS, [], [], [0]
     for zeroed in (False, True):
         trainer, batch = _first_batch(make, copy.deepcopy(cfg))
-        if trainer._manual is not None:
+        if isinstance(trainer.optimizer, NamedOptimizers):
             return CheckResult("input baseline", "pass", NO_SINGLE_LOSS)
         handle = datachecks.zeroing_inputs(trainer.model, zeroed_calls) if zeroed else None
         try:
