@@ -854,6 +854,10 @@ mutation("audit: the second-backward error names the carrier (audit off)", EXPLA
          "    carriers = graph_carriers(model) if _SECOND_BACKWARD in message else []  # before a replay",
          "    carriers = []",
          f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
+mutation("audit: the second-backward error is left to the explanation that names the carrier",
+         "saferun/loop/steps.py",
+         "        if graph_carriers(model):  # guards/explain.py names", "        if False:  #",
+         f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
 mutation("audit: plain tensor state that training changes is warned about", MA,
          "        if not changed:\n            return []", "        if True:\n            return []",
          f"{AUDITS}::test_state_in_a_plain_tensor_is_warned_about_with_register_buffer")

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError, SaferunError
 from ..guards.failure_site import record
-from ..guards.model_audit import carried_graph_advice, graph_carriers
+from ..guards.model_audit import graph_carriers
 from .metrics import scalar_dict
 from .transfer import samples_in
 
@@ -99,10 +99,8 @@ def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[Safer
             f"trainer.eval_grad_mode=no_grad."
         )
     if type(exc) is RuntimeError and "backward through the graph a second time" in str(exc):
-        carriers = graph_carriers(model)  # the model names the tensor that carries the graph
-        if carriers:
-            return SaferunError(f"step {step}: autograd refused saferun's backward: "
-                                f"{carried_graph_advice(carriers)}")
+        if graph_carriers(model):  # guards/explain.py names the attribute, the module, the line
+            return None
         return SaferunError(
             f"step {step}: autograd refused saferun's backward: part of this loss's graph was "
             f"already backpropagated through and freed. If training_step (or code it calls) "
