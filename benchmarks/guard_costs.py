@@ -103,7 +103,8 @@ def run(workload: str, rounds: int, warmup: int, n_batches: int) -> dict[str, An
                 counted = count(arms, groups, trainers["defaults"].cfg.trainer.log_every_n_steps)
                 gc.collect()
     base = times["defaults"]
-    result = {"workload": workload, "rounds": rounds, "warmup_rounds": warmup, "defaults_median_us": float(np.median(base)) / 1e3,
+    result = {"workload": workload, "rounds": rounds, "warmup_rounds": warmup,
+              "defaults_median_us": float(np.median(base)) / 1e3,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "arms": {}}
     rng = np.random.default_rng(0)

@@ -2,7 +2,8 @@
 
 Every ```python block is run, a page's blocks in order in one namespace (so a page may build
 on its earlier blocks), each page in a fresh namespace and a temporary working directory of its
-own (all pages in one interpreter, so that torch is imported once), unless the line right before its fence is `<!-- not run: <reason> -->`. Every ```bash block
+own (all pages in one interpreter, so that torch is imported once), unless the line right before
+its fence is `<!-- not run: <reason> -->`. Every ```bash block
 of the README says how its commands are checked: `<!-- not run: <reason> -->`, or
 `<!-- run by: <paths> -->` naming the files (tests, CI) that run them; the `saferun run`
 lines of the command-line block are composed here as the command line would.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path

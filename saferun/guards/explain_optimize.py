@@ -1,6 +1,6 @@
 """The several-optimizer step's part of an explanation (guards/explain.py): which
-`self.optimize(name, loss)` call raised (or, with trainer.accumulate, which micro-batch), and a replay of training_step in which optimize()
-updates nothing (loop/manual.py `ManualSteps.replaying`)."""
+`self.optimize(name, loss)` call raised (or, with trainer.accumulate, which micro-batch), and a replay
+of training_step in which optimize() updates nothing (loop/manual.py `ManualSteps.replaying`)."""
 
 from __future__ import annotations
 

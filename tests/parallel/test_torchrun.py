@@ -92,10 +92,10 @@ def test_metrics_and_weight_average_agree_across_ranks_and_with_one_process(two_
     for k, v in single._ema.state_dict().items():
         torch.testing.assert_close(ema[0][k], v, rtol=1e-5, atol=1e-6)
     x, y = single.val_loader.dataset.tensors
-    for prefix, weights in (("val", rank_weights(two_ranks, 0)),
-                            ("val_ema", {k[len("module."):]: v for k, v in ema[0].items()
-                                         if k.startswith("module.")})):
-        single.model.load_state_dict(weights)
+    for prefix, state in (("val", rank_weights(two_ranks, 0)),
+                          ("val_ema", {k[len("module."):]: v for k, v in ema[0].items()
+                                       if k.startswith("module.")})):
+        single.model.load_state_dict(state)
         with torch.no_grad():
             probs = single.model(x).softmax(dim=1)
         assert metrics[0][f"{prefix}/f1"] == pytest.approx(
