@@ -137,7 +137,7 @@ def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str
                 and "batch" in f.f_locals:  # the trainer's, or trainer.ema's
             from ..loop.transfer import move_to_device
 
-            return _EVALUATING[f.f_code.co_name], move_to_device(f.f_locals["batch"], me._device,
+            return _EVALUATING[f.f_code.co_name], move_to_device(f.f_locals["batch"], me._device,  # type: ignore[union-attr]  # the Evaluator
                                                                  False)
         tb = tb.tb_next
     return None
@@ -325,7 +325,7 @@ def _inplace_trace(owner: FailureOwner, model: nn.Module, batch: Any) -> Optiona
 
 def _in_saferun(frame: str) -> bool:
     m = re.match(r'\s*File "([^"]+)"', frame)
-    return bool(m) and os.path.abspath(m.group(1)).startswith(_SAFERUN_DIR)
+    return m is not None and os.path.abspath(m.group(1)).startswith(_SAFERUN_DIR)
 
 
 def user_line(exc: BaseException) -> Optional[str]:
