@@ -14,7 +14,8 @@ from saferun.errors import SaferunError
 from toys import ToyTrainer, toy_config
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "parallel"))
-from test_torchrun import TIMEOUT, free_port  # noqa: E402
+from helpers import free_port  # noqa: E402
+from test_torchrun import TIMEOUT  # noqa: E402
 
 
 class Samples(saferun.Callback):

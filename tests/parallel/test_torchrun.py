@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -14,14 +13,9 @@ import torch
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from toys import METRICS, TOYS_PATH, SelfSignalling, toy_config, weights
+from helpers import free_port
 
 TIMEOUT = 240  # a hang fails the test instead of the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(cfg, plant=None, nproc=2, extra=(), env=None):
