@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-CASES = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"},
+CASES: dict[str, dict[str, Any]] = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"},
          "fsdp+async": {"strategy": "fsdp", "fsdp": {"async_save": True}}}
 
 

@@ -80,7 +80,8 @@ def run(workload: str, rounds: int, warmup: int, n_batches: int) -> dict[str, An
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="saferun-guards-") as tmp, \
             contextlib.redirect_stdout(open(os.devnull, "w")):  # the log lines at log points
-        trainers, groups = {}, None
+        trainers: dict[str, Any] = {}
+        groups: Any = None
         for i, (name, guards) in enumerate(GUARD_ARMS.items()):
             trainer, _, _, _, batches = build(workload, os.path.join(tmp, str(i)), n_batches,
                                               guards=guards)
@@ -103,9 +104,10 @@ def run(workload: str, rounds: int, warmup: int, n_batches: int) -> dict[str, An
                 counted = count(arms, groups, trainers["defaults"].cfg.trainer.log_every_n_steps)
                 gc.collect()
     base = times["defaults"]
-    result = {"workload": workload, "rounds": rounds, "warmup_rounds": warmup, "defaults_median_us": float(np.median(base)) / 1e3,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "arms": {}}
+    result: dict[str, Any] = {"workload": workload, "rounds": rounds, "warmup_rounds": warmup,
+                              "defaults_median_us": float(np.median(base)) / 1e3,
+                              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                              "torch": torch.__version__, "threads": torch.get_num_threads(), "arms": {}}
     rng = np.random.default_rng(0)
     for name in names:
         ratio = times[name] / base

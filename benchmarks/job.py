@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import resource
-import sys
 from typing import Any
 
 import torch
@@ -101,4 +100,4 @@ def top_sites(sites: collections.Counter[str], n: int = 8) -> list[tuple[str, in
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

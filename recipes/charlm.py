@@ -173,6 +173,8 @@ class CharLMTrainer(saferun.Trainer):
     After training, `fit()` prints a sample of `sample_chars` characters (0: none).
     """
 
+    model: CharTransformer  # the `model` node's network, built by setup()
+
     def __init__(self, cfg: Any = None, callbacks: Sequence[saferun.Callback] = (),
                  sample_chars: int = 200, sample_prompt: str = "def ",
                  temperature: float = 0.8) -> None:

@@ -100,12 +100,15 @@ class DigitGrid(saferun.Callback):
 class GANTrainer(saferun.Trainer):
     """Non-saturating GAN losses; the discriminator's real label smoothed to `real_label`."""
 
+    model: DigitsGAN  # the `model` node's network, built by setup()
+
     def __init__(self, cfg, callbacks=(), real_label: float = 0.9, sample_digits: int = 8,
                  grid_side: int = 4) -> None:
         super().__init__(cfg, [*callbacks, *([DigitGrid(grid_side)] if grid_side > 0 else [])])
         self.real_label, self.sample_digits = real_label, sample_digits
 
-    def build_optimizer(self, params: list[nn.Parameter]) -> dict[str, torch.optim.Optimizer]:
+    # (a dict of named optimizers is the several-optimizer form of build_optimizer's result)
+    def build_optimizer(self, params: list[nn.Parameter]) -> dict[str, torch.optim.Optimizer]:  # type: ignore[override]
         """The `optim` node twice: one optimizer per network (frozen parameters excluded)."""
         def of(module: nn.Module) -> list[nn.Parameter]:
             mine = {id(p) for p in module.parameters()}

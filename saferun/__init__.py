@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from .callbacks import Callback, Control, StepOutput, TrainerView
-    from .config import Config, TrainerConfig, load_config
-    from .errors import ConfigError, SaferunError
-    from .trainer import Trainer
+if TYPE_CHECKING:  # for type checkers: the lazy exports below (F401: used through __getattr__)
+    from .callbacks import Callback, Control, StepOutput, TrainerView  # noqa: F401
+    from .config import Config, TrainerConfig, load_config  # noqa: F401
+    from .errors import ConfigError, SaferunError  # noqa: F401
+    from .trainer import Trainer  # noqa: F401
 
 from .version import __version__
 

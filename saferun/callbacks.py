@@ -129,7 +129,8 @@ class TrainerView:
         return self._state.epoch
 
     @property
-    def max_steps(self) -> int:
+    def max_steps(self) -> Optional[int]:
+        """The run's length in steps; None while it is not known (epochs of a stream)."""
         return self._state.max_steps
 
     @property
@@ -165,6 +166,7 @@ class Callback(Protocol):
 
     def on_fit_start(self, view: TrainerView) -> None:
         """Training is about to start; everything is built."""
+        return None
 
     def on_train_step_end(self, view: TrainerView, output: StepOutput) -> Optional[Control]:
         """An optimizer step finished. `output` holds device tensors: reading them syncs."""
@@ -183,19 +185,24 @@ class Callback(Protocol):
         autograd, checked by the purity guard). `log` has the Trainer's log, log_image,
         log_histogram and log_text; what it logs is val/<name> at this step. Runs on rank 0
         unless the callback sets `evaluate_ranks = "all"`."""
+        return None
 
     def on_media(self, view: TrainerView, media: Sequence[Any]) -> None:
         """Images, histograms and texts (`saferun.loop.logbook.Media`: kind, name, value on the
         CPU, step) logged since the last log point or in this validation; rank 0 only."""
+        return None
 
     def on_checkpoint(self, view: TrainerView, path: str) -> None:
         """A complete checkpoint was written to the directory `path`."""
+        return None
 
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         """Training finished normally; `metrics` are the final metrics."""
+        return None
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         """Training stopped with `exc`, which propagates after all callbacks ran."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """State to save in a checkpoint."""
@@ -203,6 +210,7 @@ class Callback(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+        return None
 
 
 class CallbackList(Callback):

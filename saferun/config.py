@@ -362,7 +362,7 @@ def _check_type(key: str, value: Any, param: Optional[inspect.Parameter], target
     """A string where the target's default is a number or a bool (optim.lr="3e-3"): refused
     naming the key, before torch compares it with a number deep inside the target."""
     default = None if param is None else param.default
-    if not isinstance(value, str) or not isinstance(default, (bool, int, float)):
+    if param is None or not isinstance(value, str) or not isinstance(default, (bool, int, float)):
         return
     if any(word in str(param.annotation) for word in ("str", "Literal")):  # "auto", "all": valid
         return

@@ -75,13 +75,14 @@ def make_loader(
     means the same samples whatever the number of processes.
     """
     generator = torch.Generator()
-    workers = dict(num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
+    workers: dict[str, Any] = dict(num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
                    worker_init_fn=WorkerSeeder(seed, rank) if num_workers > 0 else None,
                    multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
     if isinstance(dataset, IterableDataset):
         if evaluation and isinstance(dataset, ShardedStream):
-            dataset = copy.copy(dataset)
-            dataset.drop_uneven = False  # evaluation has no collective per batch: keep every item
+            stream = copy.copy(dataset)
+            stream.drop_uneven = False  # evaluation has no collective per batch: keep every item
+            dataset = stream
         return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
                           generator=generator, **workers)
     sampler: Sampler[int]
@@ -92,7 +93,8 @@ def make_loader(
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                      seed=seed, drop_last=drop_last)
     else:
-        sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        sized: Any = dataset  # map-style: it has a length
+        sampler = RandomSampler(sized, generator=generator) if shuffle else SequentialSampler(sized)
     batches = IndexRecorder(BatchSampler(sampler, batch_size, drop_last))
     return DataLoader(dataset, batch_sampler=batches, generator=generator, **workers)
 

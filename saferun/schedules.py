@@ -98,7 +98,7 @@ class Schedule:
             raise ConfigError(f"trainer.sched_metric={self.metric!r}, but validation reports "
                               f"only {', '.join(metrics)}.")
         assert self.scheduler is not None
-        self.scheduler.step(metrics[self.metric])
+        self.scheduler.step(metrics[self.metric])  # type: ignore[arg-type]  # ReduceLROnPlateau: the metric
 
     def rates(self) -> dict[str, float]:
         """The learning rate the latest step used, per parameter group: `train/lr` for the

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 def typed_nodes(schema: type) -> dict[str, type]:
     """The fields of `schema` (saferun.Config) that are dataclasses themselves: trainer, guards."""
-    found = {}
+    found: dict[str, type] = {}
     for f in dataclasses.fields(schema):
         factory = f.default_factory  # type: ignore[misc]
         if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):

@@ -67,6 +67,9 @@ class Trainer:
         callbacks: observers of the loop, called in list order.
     """
 
+    _schedule: Any  # Schedule or NamedSchedules: set with the optimizer (loop/manual.py)
+    _check_first_batch: bool
+
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
                  callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = load_config(cfg)
@@ -200,7 +203,7 @@ class Trainer:
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
         self._habits = StepHabits()  # no backward or optimizer step inside training_step
         self._manual = setup_optimizers(self, model, self._logbook, self._habits)  # several: their step
-        self._habits.watch(self.optimizer.values() if self._manual else [self.optimizer])
+        self._habits.watch(self.optimizer.values() if self._manual else [self.optimizer])  # type: ignore[attr-defined]  # several: a dict
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
@@ -383,7 +386,7 @@ class Trainer:
             folded.merge(self._logbook.take_folded())
             return means, folded.reduced(self.device)
 
-        return evaluator.validate(self.val_loader, step_fn, self.batch_size,
+        return evaluator.validate(self.val_loader, step_fn, self.batch_size,  # type: ignore[arg-type]  # validation needs a val_loader
                                   self.cfg.trainer.limit_val_batches, stopped, self.state.step,
                                   finish)
 
@@ -476,7 +479,7 @@ class Trainer:
             log.warning("trainer.max_steps=%d ends this run after %.3g of the trainer.max_epochs=%d "
                         "epochs (%d steps each). To train every epoch, set trainer.max_steps=null "
                         "(max_epochs alone then ends the run) or at least %d.", t.max_steps,
-                        t.max_steps / per_epoch, t.max_epochs, per_epoch, by_epochs)
+                        t.max_steps / per_epoch, t.max_epochs, per_epoch, by_epochs)  # type: ignore[operator]  # by_epochs: per_epoch set
         return math.inf if t.max_steps is None else t.max_steps
 
     def _check_compile(self) -> None:

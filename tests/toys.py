@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -176,8 +177,8 @@ class SelfSignalling(AugmentedTrainer):
 
 def hold(run_dir: str) -> None:
     """Mid-step: write <run_dir>/holding, wait for the test to create <run_dir>/release
-    (after it has sent its signals), then go on for another half second, so that whatever
-    those signals cause in other processes (a DataLoader worker's death) lands mid-step."""
+    (after it has sent its signals), then until those signals have had their effect on this
+    process's children (a DataLoader worker's death), so that it lands mid-step."""
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "holding"), "w"):
         pass
@@ -186,7 +187,40 @@ def hold(run_dir: str) -> None:
         if os.path.exists(release):
             break
         time.sleep(0.02)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while not stop_signals_landed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+_STOP_MASK = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+
+
+def stop_signals_landed() -> bool:
+    """Whether a SIGINT or SIGTERM sent to the process group is done with every child process
+    of this one: each child has exited, or holds no such signal pending that it does not block
+    (saferun's workers block them). Reads Linux's /proc; elsewhere, waits half a second."""
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.5)
+        return True
+    children: set[str] = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(f.read().split())
+        except OSError:  # the thread ended
+            continue
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        except OSError:  # exited and reaped
+            continue
+        if fields["State"].strip().startswith(("Z", "X")):  # exited: SIGCHLD is on its way here
+            continue
+        pending = (int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)) & _STOP_MASK
+        if pending & ~int(fields["SigBlk"], 16):
+            return False
+    return True
 
 
 def main() -> None:

@@ -52,14 +52,17 @@ SECTIONS = [("trainer", config.TrainerConfig), ("trainer.ema", EmaConfig),
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass, joined into one line."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(tree, ast.ClassDef)
+    body = tree.body
     docs: dict[str, str] = {}
     for stmt, after in zip(body, body[1:]):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr) \
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr) \
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
             docs[stmt.target.id] = " ".join(after.value.value.split())
     for stmt, after in zip(body, body[1:]):  # two fields in a row, one docstring for both
         if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.AnnAssign) \
+                and isinstance(stmt.target, ast.Name) and isinstance(after.target, ast.Name) \
                 and stmt.target.id not in docs and after.target.id in docs:
             docs[stmt.target.id] = docs[after.target.id]
     return docs
@@ -74,7 +77,7 @@ def checked_ranges(cls: type, prefix: str) -> dict[str, str]:
     for call in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(post_init)))):
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
             continue
-        args = [a.value for a in call.args[1:] if isinstance(a, ast.Constant)]
+        args = [str(a.value) for a in call.args[1:] if isinstance(a, ast.Constant)]  # field names
         if call.func.id == "_positive":
             ranges.update({f"{prefix}.{a}": "> 0" for a in args})
         elif call.func.id == "_positive_or_none":
@@ -90,7 +93,7 @@ def checked_ranges(cls: type, prefix: str) -> dict[str, str]:
 def default_of(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]
+    return f.default_factory()  # type: ignore[misc, operator]
 
 
 def shown(value: Any) -> str:

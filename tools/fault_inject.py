@@ -24,8 +24,8 @@ The course-kill kinds change course instead: `resume=<the oldest checkpoint of a
 run>` with a lower learning rate and force_resume, killed with SIGKILL at a point of the change
 drawn at random (SAFERUN_KILL_AT, see saferun/checkpoint/course.py: once its record is written,
 after the n-th rename, after the logs are copied), in that run's directory (course-kill) or in
-another one that holds an earlier run (course-kill-other). The resume=auto after it must finish the change: exact means it
-ends bitwise equal to the same change made uninterrupted, not to the old course.
+another one that holds an earlier run (course-kill-other). The resume=auto after it must finish the
+change: exact means it ends bitwise equal to the same change made uninterrupted, not to the old course.
 
 Slow and manual: not part of the test suite. Exit status 1 if any case was unclear or a
 silent loss. The lead keeps the latest table in docs/fault_injection.md.
@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 

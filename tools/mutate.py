@@ -51,7 +51,7 @@ MUTATIONS: list[Mutation] = []
 def mutation(name: str, file: str, old: str, new: str, *tests: str, known: Optional[str] = None,
              also: tuple[tuple[str, ...], ...] = ()) -> None:
     """`also`: more edits, (old, new) in `file` or (other file, old, new)."""
-    edits = [(file, old, new)] + [e if len(e) == 3 else (file, *e) for e in also]
+    edits = [(file, old, new)] + [(e[0], e[1], e[2]) if len(e) == 3 else (file, e[0], e[1]) for e in also]
     edits = [(_follow(f, o), o, n) for f, o, n in edits]
     tests = tuple(_follow_test(t) for t in tests)
     MUTATIONS.append(Mutation(name, edits[0][0], tuple(edits), tests, known))

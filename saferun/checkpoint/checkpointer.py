@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
-from ..errors import ConfigError, SaferunError
+from ..errors import ConfigError
 from ..loop.optimizers import check_state_kind
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device

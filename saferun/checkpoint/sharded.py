@@ -33,7 +33,7 @@ import secrets
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,7 @@ class ShardedWriter:
             if self.async_save:
                 written = dcp.async_save(shards, storage_writer=writer, process_group=self._group)
                 assert self._hasher is not None  # this rank's hashes, also off the training thread
-                hashed = self._hasher.submit(lambda: (written.result(), _own_files(tmp))[1])
+                hashed = self._hasher.submit(lambda: (written.result(), _own_files(tmp))[1])  # type: ignore[union-attr]  # a Future here
                 self._pending = (hashed, tmp, final, step, after)
                 return final
             dcp.save(shards, storage_writer=writer)
@@ -147,7 +147,7 @@ def _shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dic
     return {"model": model_sd, "optim": optim_sd}
 
 
-def load(path: Path, state: dict[str, Any], model: nn.Module,
+def load(path: Path, state: Mapping[str, Any], model: nn.Module,
          optimizer: Optional[torch.optim.Optimizer]) -> None:
     """Every rank: load the shards of checkpoint `path` (verified by `store.load_checkpoint`)
     into `model` (and `optimizer`), resharded if it was written by another number of ranks."""
@@ -164,7 +164,7 @@ def load(path: Path, state: dict[str, Any], model: nn.Module,
     except Exception as e:  # DCP reports a refused .metadata as an AssertionError
         raise CheckpointError(f"could not load the shards of {path}: {e}") from None
     if with_optim:
-        set_state_dict(model, optimizer, model_state_dict=shards["model"],
+        set_state_dict(model, optimizer, model_state_dict=shards["model"],  # type: ignore[arg-type]  # with_optim: it is set
                        optim_state_dict=shards["optim"])
         return
     set_state_dict(model, (), model_state_dict=shards["model"], optim_state_dict={})
@@ -175,7 +175,7 @@ def load(path: Path, state: dict[str, Any], model: nn.Module,
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every rank: the whole, unsharded state dict, on the CPU of rank 0 ({} elsewhere)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,  # type: ignore[return-value]  # tensors
                                                                 cpu_offload=True))
 
 

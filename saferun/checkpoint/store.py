@@ -237,9 +237,9 @@ def load_latest(root: Path, map_location: Any = "cpu") -> Optional[tuple[Path, d
     if damaged:
         raise CheckpointError(
             f"every checkpoint in {root} is damaged, so nothing was loaded:\n"
-            + "\n".join(damaged) + f"\nTo resume from a good copy elsewhere, set resume=PATH. To "
-            f"start over on purpose, set resume=fresh (they are moved aside, nothing deleted), "
-            f"or use another run directory.")
+            + "\n".join(damaged) + "\nTo resume from a good copy elsewhere, set resume=PATH. To "
+            "start over on purpose, set resume=fresh (they are moved aside, nothing deleted), "
+            "or use another run directory.")
     return None
 
 

@@ -34,7 +34,7 @@ def plain_config(cfg: Any) -> dict[str, Any]:
     removed NAME from it, so the None entries go (in Python, a None edits the defaults)."""
     from omegaconf import OmegaConf
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain: Any = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(plain, dict)
     plain["logger"] = {k: v for k, v in (plain.get("logger") or {}).items() if v is not None}
     return plain

@@ -50,13 +50,13 @@ def copy_recipe(recipe: str, dest: Path, name: Optional[str] = None) -> list[Pat
     if dest.exists() and any(dest.iterdir()):
         raise ValueError(f"{dest} exists and is not empty.")
     conf = resources.files("saferun.conf")
-    recipe_yaml = conf.joinpath("recipe", f"{recipe}.yaml").read_text()
+    recipe_yaml = conf.joinpath("recipe").joinpath(f"{recipe}.yaml").read_text()
     module = f"saferun.recipes.{recipe}."
     written = [dest / f"{name}.py"]
     dest.mkdir(parents=True, exist_ok=True)
     written[0].write_text(resources.files("saferun.recipes").joinpath(f"{recipe}.py").read_text())
     for group, option in re.findall(r"override /(\w+): (\w+)", recipe_yaml):
-        text = conf.joinpath(group, f"{option}.yaml").read_text()
+        text = conf.joinpath(group).joinpath(f"{option}.yaml").read_text()
         if module not in text:
             continue  # a generic option (optim: sgd, ...): the copy keeps selecting it
         path = dest / group / f"{name}.yaml"
@@ -90,14 +90,14 @@ def list_configs(args: list[str]) -> None:
     conf = resources.files("saferun.conf")
     print("Recipes (saferun run recipe=NAME; copy one with saferun new DIR --from NAME):")
     for name in recipe_names():
-        print(f"  {name:<16} {_description(conf.joinpath('recipe', name + '.yaml').read_text())}")
+        print(f"  {name:<16} {_description(conf.joinpath('recipe').joinpath(name + '.yaml').read_text())}")
     print("\nConfig groups (saferun run GROUP=OPTION):")
     for group in sorted(p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")):
         if group in ("recipe", "hydra"):  # hydra/: Hydra's own groups, listed below
             continue
         print(f"  {group}/")
         for option in sorted(p.name[:-5] for p in conf.joinpath(group).iterdir() if p.name.endswith(".yaml")):
-            print(f"    {option:<14} {_description(conf.joinpath(group, option + '.yaml').read_text())}")
+            print(f"    {option:<14} {_description(conf.joinpath(group).joinpath(option + '.yaml').read_text())}")
     print("\nSweeps (saferun run -m ...; docs/sweeps-and-clusters.md):\n"
           "  hydra/sweeper=optuna                          an Optuna study (pip install 'saferun[sweep]')\n"
           "  hydra/launcher=submitit_slurm|submitit_local  jobs on SLURM or local processes "

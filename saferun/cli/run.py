@@ -147,7 +147,7 @@ def _train(cfg: Any) -> Optional[float]:
         # Resolved once, on rank 0, for every rank (interpolations such as ${now:} could differ).
         plain = broadcast(compose.plain_config(cfg))
         rundirs.check_run_dir(plain["trainer"].get("run_dir"), plain.get("resume"), run_dir,
-                              _ARGS, hydra_cfg.mode.name == "MULTIRUN")
+                              _ARGS, hydra_cfg.mode.name == "MULTIRUN")  # type: ignore[union-attr]  # set by Hydra
         plain["trainer"]["run_dir"] = run_dir
         config = load_config(plain)
         if config.task is None:

@@ -55,5 +55,5 @@ class BufferSnapshot:
 
 
 def _slots(model: nn.Module) -> list[tuple[dict[str, torch.Tensor], str]]:
-    return [(m._buffers, name) for m in model.modules()
+    return [(m._buffers, name) for m in model.modules()  # type: ignore[misc]  # None skipped below
             for name, b in m._buffers.items() if b is not None]

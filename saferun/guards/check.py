@@ -294,7 +294,8 @@ def _batch_independence(make: Factory, cfg: Config) -> CheckResult:
     trainer, batch = _first_batch(make, cfg)
     rows = trainer.batch_size(batch)
     with modes.evaluating(trainer.model, "no_grad"), torch.enable_grad():
-        call = (lambda: trainer.predict_step(batch))
+        def call() -> Any:
+            return trainer.predict_step(batch)
         return CheckResult("batch independence", *datachecks.batch_dependence(trainer.model, call, rows))
 
 

@@ -50,7 +50,7 @@ def last_batch_of_one(model: nn.Module, frozen: Sequence[nn.Module], loader: Any
     sampler, size = getattr(batches, "sampler", None), getattr(batches, "batch_size", None)
     if not norms or getattr(batches, "drop_last", True) or not size or not hasattr(sampler, "__len__"):
         return None
-    n = len(sampler)  # a DistributedSampler's length is this rank's share
+    n = len(sampler)  # type: ignore[arg-type]  # has __len__ (checked above); a DistributedSampler's length is this rank's share
     if n % size != 1:
         return None
     per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""

@@ -3,10 +3,11 @@ explained in the user's terms: the step, the batch's fields, the module and the 
 
 Nothing here runs until a step has already failed. The phase and the failing batch are what
 the loop's call sites recorded on the exception as it passed them (guards/failure_site.py: a
-`try` around each step, free until something raises), and the module is found by replaying that batch's forward once with forward hooks installed only then. The
-replay runs in the step's modes under `torch.no_grad()` (forward only: no gradient and no
-optimizer touched) with every RNG and every buffer (BatchNorm statistics) restored after it,
-so the training state is as the failure left it. An in-place autograd error is replayed with
+`try` around each step, free until something raises), and the module is found by replaying
+that batch's forward once with forward hooks installed only then. The replay runs in the
+step's modes under `torch.no_grad()` (forward only: no gradient and no optimizer touched)
+with every RNG and every buffer (BatchNorm statistics) restored after it, so the training
+state is as the failure left it. An in-place autograd error is replayed with
 backward under anomaly mode instead (gradients restored after it) to name the forward line.
 With several optimizers, the replay's `self.optimize()` calls step nothing (explain_optimize.py).
 """
@@ -316,7 +317,7 @@ def _inplace_trace(owner: FailureOwner, model: nn.Module, batch: Any) -> Optiona
 
 def _in_saferun(frame: str) -> bool:
     m = re.match(r'\s*File "([^"]+)"', frame)
-    return bool(m) and os.path.abspath(m.group(1)).startswith(_SAFERUN_DIR)
+    return m is not None and os.path.abspath(m.group(1)).startswith(_SAFERUN_DIR)
 
 
 def user_line(exc: BaseException) -> Optional[str]:

@@ -23,7 +23,7 @@ after the first update). Nothing runs per step after that.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 from torch import nn

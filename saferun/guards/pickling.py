@@ -11,7 +11,7 @@ import sys
 import threading
 import types
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ def _skip_array(a: np.ndarray) -> Any:
     return (int, ()) if a.dtype != object else a.__reduce__()
 
 
-_SKIPPED = {np.ndarray: _skip_array, **{cls: _skip for cls in MP_SHARED}}
+_SKIPPED: dict[type, Callable[[Any], Any]] = {np.ndarray: _skip_array, **{cls: _skip for cls in MP_SHARED}}
 
 
 def _pickle_error(obj: Any) -> Optional[str]:

@@ -128,7 +128,7 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, str, nn.Module, tor
         prefix = f"{mod_name}." if mod_name else ""
         for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
             for name, t in table.items():
-                if t is not None and not isinstance(t, nn.parameter.UninitializedTensorMixin):
+                if t is not None and not isinstance(t, nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]  # not in the stubs
                     yield kind, prefix + name, mod, t
 
 

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import os
 import sys
+from types import FrameType
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -100,7 +101,7 @@ def pass_through(filename: str) -> None:
 
 def _user_site() -> Optional[str]:
     """file:line of the innermost frame outside torch, or None for host-side torch code."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename in _PASS_THROUGH:

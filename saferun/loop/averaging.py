@@ -37,8 +37,9 @@ class WeightAverage:
         self.module.requires_grad_(False)  # only ever evaluated
         self._model = model
         self._avg = get_ema_multi_avg_fn(decay)
-        averaged = list(zip(self.module.parameters(), model.parameters()))
-        copied = []
+        averaged: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(self.module.parameters(),
+                                                                     model.parameters()))
+        copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         for e, r in zip(self.module.buffers(), model.buffers()):
             (averaged if use_buffers and e.is_floating_point() else copied).append((e, r))
         # bound once: the per-step update builds no lists

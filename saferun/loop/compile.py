@@ -75,7 +75,7 @@ def check_compiled_training(step: Callable[[], torch.Tensor], model: nn.Module, 
             raise _mismatch("training", f"the gradient of '{name}' is None in "
                             f"{'eager' if e is None else 'compiled'} mode only")
         if e is not None:
-            _compare("training", f"the gradient of '{name}'", e.float(), c.float(), rtol, atol)
+            _compare("training", f"the gradient of '{name}'", e.float(), c.float(), rtol, atol)  # type: ignore[union-attr]  # None with e only
     for (name, _), e, c in zip(buffers, eager_buffers, bufs):
         _compare("training", f"buffer '{name}' after the forward", e.float(), c.float(), rtol, atol)
 

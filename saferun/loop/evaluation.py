@@ -87,7 +87,7 @@ class Evaluator:
         values, flags = means.read(probe, self._device, computed)
         check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)
         if modes_seen is not None:  # after purity, whose message names the changed buffers
-            self._modes.check(step, "validation_step", modes_seen)
+            self._modes.check(step, "validation_step", modes_seen)  # type: ignore[union-attr]  # seen: declared
         return values
 
     def predict(self, loader: DataLoader, step_fn: Callable[[Any], Any], step: int) -> Any:
@@ -106,7 +106,7 @@ class Evaluator:
             check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),
                          self._grad_mode, step)
         if modes_seen is not None:
-            self._modes.check(step, "predict_step", modes_seen)
+            self._modes.check(step, "predict_step", modes_seen)  # type: ignore[union-attr]  # seen: declared
         # Outside inference mode, cat/clone turn inference tensors into normal ones,
         # which the caller may later use in autograd.
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):

@@ -87,8 +87,8 @@ def graph_slip(exc: RuntimeError, name: str, step: int, earlier: Mapping[str, Na
                 f"place; the gradient would mix the weights before and after the update.")
         fix = (f"compute each loss after the previous optimize() call: here build the loss for "
                f"{name!r} (its forward through those parameters) after {_calls(owners)}, as the "
-               f"GAN in saferun's docs (Several optimizers) does. retain_graph=True does not change this: the update still "
-               f"changed values the graph saved.")
+               f"GAN in saferun's docs (Several optimizers) does. retain_graph=True does not change "
+               f"this: the update still changed values the graph saved.")
     first = message.splitlines()[0] if message else type(exc).__name__
     error = ExplainedRuntimeError(
         f"step {step}: {call} failed: {what}\n  what to do: {fix}\n"

@@ -55,7 +55,7 @@ def get_rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos),
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos),  # type: ignore[attr-defined]  # the legacy tuple
                   "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "torch": torch.get_rng_state(),
     }

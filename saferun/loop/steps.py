@@ -130,7 +130,7 @@ def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> to
     return norm if type(norm) is torch.Tensor else _global(norm)  # (no failed getattr per step)
 
 
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)."""
     return _global(torch.nn.utils.get_total_norm(tensors))
 

@@ -93,12 +93,12 @@ def _map_tensors(obj: Any, tensor: Callable[[torch.Tensor, str], Any],
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         # Not dataclasses.replace: it would run __init__ and __post_init__ again and reset
         # the init=False fields. A shallow copy with each field replaced keeps everything.
-        out = copy.copy(obj)
+        copied = copy.copy(obj)
         for f in dataclasses.fields(obj):
             if hasattr(obj, f.name):
-                object.__setattr__(out, f.name, _map_tensors(getattr(obj, f.name), tensor, other,
+                object.__setattr__(copied, f.name, _map_tensors(getattr(obj, f.name), tensor, other,
                                                              f"{path}.{f.name}"))
-        return out
+        return copied
     return other(obj, path)
 
 

@@ -223,8 +223,8 @@ def average_gradients(named: Sequence[tuple[str, nn.Parameter]], find_unused: bo
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
     used = None
     if find_unused:
-        used = torch.tensor([p.grad is not None for _, p in named], dtype=torch.float32)
-        used = all_reduce(used.to(grads[0].device)).tolist()
+        flags = torch.tensor([p.grad is not None for _, p in named], dtype=torch.float32)
+        used = all_reduce(flags.to(grads[0].device)).tolist()
     world = dist.get_world_size()
     for bucket in _buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)

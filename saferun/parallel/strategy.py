@@ -154,7 +154,7 @@ class FullyShardedDataParallel(DataParallel):
         fsdp.check_even_evaluation(getattr(trainer, "val_loader", None),
                                    trainer.cfg.trainer.limit_val_batches)  # type: ignore[attr-defined]
 
-    def micro_batch(self, last: bool) -> ContextManager[None]:
+    def micro_batch(self, last: bool) -> ContextManager[None]:  # type: ignore[override]  # any context manager
         return self._sync.micro_batch(last, self._trainer.state.step + 1)  # type: ignore[attr-defined]
 
     def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from its newest checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from ..errors import ConfigError, SaferunError
 from .objective import objective_of
@@ -21,12 +21,12 @@ def search_space(arguments: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     space: dict[str, Any] = {}
-    fixed = []
+    fixed: list[str] = []
     for override in OverridesParser.create().parse_overrides(list(arguments)):
         if override.is_sweep_override():
             space[override.get_key_element()] = override
         else:
-            fixed.append(override.input_line)
+            fixed.append(override.input_line)  # type: ignore[arg-type]  # set by the parser
     return space, fixed
 
 
@@ -34,14 +34,14 @@ def suggest(trial: Any, key: str, override: Any) -> str:
     """The trial's value for one key of the search space, as an override's value."""
     from hydra.core.override_parser.types import IntervalSweep, RangeSweep
 
-    sweep = override.value()
+    sweep = override.value()  # parsed from an override: its bounds are set (typed Optional)
     if isinstance(sweep, IntervalSweep):
         log = "log" in sweep.tags
         if "int" in sweep.tags:  # Hydra's interval is of floats: tag(int, interval(1,8))
-            return str(trial.suggest_int(key, int(sweep.start), int(sweep.end), log=log))
-        return repr(trial.suggest_float(key, float(sweep.start), float(sweep.end), log=log))
+            return str(trial.suggest_int(key, int(sweep.start), int(sweep.end), log=log))  # type: ignore[arg-type]  # bounds set
+        return repr(trial.suggest_float(key, float(sweep.start), float(sweep.end), log=log))  # type: ignore[arg-type]  # bounds set
     if isinstance(sweep, RangeSweep) and all(isinstance(v, int) for v in (sweep.start, sweep.stop, sweep.step)):
-        last = sweep.start + sweep.step * ((sweep.stop - sweep.start - 1) // sweep.step)
+        last = sweep.start + sweep.step * ((sweep.stop - sweep.start - 1) // sweep.step)  # type: ignore[operator]  # all ints (checked)
         return str(trial.suggest_int(key, sweep.start, last, step=sweep.step))
     return str(trial.suggest_categorical(key, list(override.sweep_string_iterator())))
 
@@ -60,7 +60,7 @@ def run_study(settings: dict[str, Any], config: Any, launcher: Any, arguments: S
                              config.trainer.save_best_mode)
     sweep_dir = Path(config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    direction = "minimize" if objective.mode == "min" else "maximize"
+    direction: Literal["minimize", "maximize"] = "minimize" if objective.mode == "min" else "maximize"
     sampler = settings["sampler"]
     study = optuna.create_study(
         study_name=settings["study_name"], storage=settings["storage"], direction=direction,

@@ -25,11 +25,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from .checks import assert_checks_pass, assert_deterministic, assert_no_host_syncs
-    from .golden import assert_golden_losses, first_losses
-    from .jobs import Job, recipe, trainer
-    from .resume import STOPS, assert_resumes_exactly, state_differences
+if TYPE_CHECKING:  # for type checkers: the lazy exports below (F401: used through __getattr__)
+    from .checks import assert_checks_pass, assert_deterministic, assert_no_host_syncs  # noqa: F401
+    from .golden import assert_golden_losses, first_losses  # noqa: F401
+    from .jobs import Job, recipe, trainer  # noqa: F401
+    from .resume import STOPS, assert_resumes_exactly, state_differences  # noqa: F401
 
 # Imported on first use: `saferun new` writes test files (saferun.testing.project) without
 # importing torch.

@@ -38,7 +38,7 @@ def corpus_text() -> str:
 
 def golden_file(recipe: str) -> Path:
     """The golden losses shipped with recipe `recipe` (recipes/golden/RECIPE.json)."""
-    return Path(str(resources.files("saferun.recipes").joinpath("golden", f"{recipe}.json")))
+    return Path(str(resources.files("saferun.recipes").joinpath("golden").joinpath(f"{recipe}.json")))
 
 
 TEMPLATE = '''"""Tests of {name}, written by `saferun new --from {recipe}`: run `pytest` in this directory.

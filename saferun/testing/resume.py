@@ -92,7 +92,7 @@ def assert_resumes_exactly(job: Job, stops: Optional[Sequence[StopSpec]] = None,
         if not total or any(s.step > total for s in planned):
             fail(f"exact resume: give max_steps (the straight run's length) covering the stops "
                  f"{[str(s) for s in planned]}.")
-        settings = dict(max_steps=total, max_epochs=None, log_every_n_steps=LOG_EVERY,
+        settings: dict[str, Any] = dict(max_steps=total, max_epochs=None, log_every_n_steps=LOG_EVERY,
                         val_every_n_steps=(per_epoch or total) + 1, limit_val_batches=2)
         straight_curves = Curves()
         straight = job.build(job.short(tmp / "straight", **settings), [straight_curves])

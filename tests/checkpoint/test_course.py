@@ -17,6 +17,7 @@ import saferun
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.checkpoint.course import RECORD
 from toys import TENSORBOARD, TOYS_PATH, ToyTrainer, toy_config
+from helpers import superseded
 
 
 def config(run_dir, steps, resume=None, lr=0.05):
@@ -33,10 +34,6 @@ def config(run_dir, steps, resume=None, lr=0.05):
 def files(path):
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*")
             if p.is_file() and p.name != ".saferun.lock" and "superseded-" not in p.relative_to(path).as_posix()}
-
-
-def superseded(run_dir):
-    return [p for p in run_dir.iterdir() if p.name.startswith("superseded-")]
 
 
 def jsonl(data):

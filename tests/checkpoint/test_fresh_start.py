@@ -16,6 +16,7 @@ import saferun
 from saferun.checkpoint import list_checkpoints
 from saferun.checkpoint.superseded import note_log_files
 from toys import ToyTrainer, toy_config
+from helpers import superseded
 
 JSONL = {"jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
 
@@ -37,10 +38,6 @@ def files(path):
 def train_steps(run_dir):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x["step"] for x in lines if x["kind"] == "train"]
-
-
-def superseded(run_dir):
-    return [p for p in run_dir.iterdir() if p.name.startswith("superseded-")]
 
 
 def whole_state(trainer):

@@ -438,7 +438,7 @@ trainer.fit()
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               timeout=120)
     except subprocess.TimeoutExpired:
-        raise AssertionError("the process did not exit: its DataLoader workers outlived it")
+        raise AssertionError("the process did not exit: its DataLoader workers outlived it") from None
     assert proc.returncode == 0, proc.stderr
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import saferun
 from saferun.guards.syncs import HostSyncCounter
 from toys import ToyTrainer, toy_config
+from helpers import InfGrad
 
 pytestmark = pytest.mark.cuda
 
@@ -111,18 +112,6 @@ def test_sync_audit_on_cuda_reports_a_per_step_item(tmp_path, caplog):
     assert any("self.seen = loss.item()" in r.getMessage() for r in caplog.records)
 
 
-class _InfGrad(torch.autograd.Function):
-    """Identity forward, infinite gradient backward: an overflow the GradScaler must skip."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
 class PlantedAt(ToyTrainer):
     spike_at, overflow_at, nan_input_at = -1, -1, -1
 
@@ -131,7 +120,7 @@ class PlantedAt(ToyTrainer):
         x, y = batch
         loss = F.cross_entropy(self.model(x * float("nan") if step == self.nan_input_at else x), y)
         if step == self.overflow_at:
-            loss = _InfGrad.apply(loss)
+            loss = InfGrad.apply(loss)
         return loss * 1000 if step == self.spike_at else loss
 
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
-import saferun
 from mistakes import (CORPUS, GraphCarried, LayerMadeInForward, ModulesInAList, OneBasedLabels,
                       catch, config_for)
 from saferun.guards.loss_audit import LossCallAudit, LossCallError

@@ -101,7 +101,7 @@ def test_the_runs_own_warnings_are_passed_on_and_anomaly_modes_are_not(recwarn):
     model = model_with(MaskedSqrt())
 
     def run() -> None:
-        warnings.warn("from the user's step", UserWarning)
+        warnings.warn("from the user's step", UserWarning, stacklevel=1)
         step_fn(model, torch.zeros(2, 3))()
 
     with torch.no_grad():

@@ -15,7 +15,8 @@ from saferun.errors import SaferunError
 from toys import ToyTrainer, toy_config
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "parallel"))
-from test_torchrun import TIMEOUT, free_port  # noqa: E402
+from helpers import free_port  # noqa: E402
+from test_torchrun import TIMEOUT  # noqa: E402
 
 
 class Samples(saferun.Callback):
@@ -130,7 +131,8 @@ class OnMain(saferun.Callback):
     def on_evaluate(self, view, model, log):
         log.log("probe_main", float(view.rank + 7))
 
-cfg = toy_config(__import__("pathlib").Path(sys.argv[1]), max_steps=4, log_every_n_steps=4, val_every_n_steps=4, val_batch_size=16)
+cfg = toy_config(__import__("pathlib").Path(sys.argv[1]), max_steps=4, log_every_n_steps=4, val_every_n_steps=4,
+                 val_batch_size=16)
 t = Ranked(cfg, callbacks=[OnAll(), OnMain()])
 final = t.fit()
 with open(os.path.join(sys.argv[1], f"rank{t.ranks.rank}.json"), "w") as f:

@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 

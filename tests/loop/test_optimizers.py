@@ -73,8 +73,9 @@ def hand_written(initial, scale=None):
     while step < STEPS:
         for xb, yb in DataLoader(TensorDataset(x, y), batch_size=32):
             h = model.enc(xb)
-            for opt, module, loss in ((head, model.head, lambda: F.cross_entropy(model.head(h.detach()), yb)),
-                                      (enc, model.enc, lambda: F.cross_entropy(model.head(h), yb))):
+            # (B023 is a false alarm: each lambda is called in this iteration, before h and yb change)
+            for opt, module, loss in ((head, model.head, lambda: F.cross_entropy(model.head(h.detach()), yb)),  # noqa: B023
+                                      (enc, model.enc, lambda: F.cross_entropy(model.head(h), yb))):  # noqa: B023
                 params = list(module.parameters())
                 (loss() * (scale or 1.0)).backward(inputs=params)
                 if scale:

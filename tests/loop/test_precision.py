@@ -10,6 +10,7 @@ import torch
 
 import saferun
 from toys import ToyTrainer, toy_config, weights
+from helpers import InfGrad
 
 
 def with_cpu_scaler(trainer, init_scale=2.0**10):
@@ -46,24 +47,12 @@ def test_the_step_after_a_skipped_step_works_under_a_grad_scaler(tmp_path):
     assert scaled._scaler.get_scale() == 2.0**10  # finite gradients: no back-off
 
 
-class _InfGrad(torch.autograd.Function):
-    """Identity forward; an infinite gradient backward: an fp16 overflow, with a finite loss."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
 class OverflowsAt(ToyTrainer):
     overflow = (3,)
 
     def training_step(self, batch):
         loss = super().training_step(batch)
-        return _InfGrad.apply(loss) if self.state.step + 1 in self.overflow else loss
+        return InfGrad.apply(loss) if self.state.step + 1 in self.overflow else loss
 
 
 class LoggedRates(saferun.Callback):

@@ -14,7 +14,8 @@ import torch
 from saferun.checkpoint import list_checkpoints
 from saferun.loop.seeding import seed_everything
 from toys import make_classification
-from test_torchrun import TIMEOUT, free_port
+from helpers import free_port
+from test_torchrun import TIMEOUT
 
 CASES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_cases.py")
 sys.path.insert(0, os.path.dirname(CASES_PATH))

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_torchrun import TIMEOUT, free_port
+from helpers import free_port
+from test_torchrun import TIMEOUT
 
 JOB = str(Path(__file__).with_name("explain_job.py"))
 sys.path.insert(0, os.path.dirname(JOB))

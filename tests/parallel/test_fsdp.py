@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,17 +25,12 @@ from saferun.checkpoint.sharded import SafeReader
 from saferun.checkpoint.store import CheckpointError, load_latest
 from saferun.errors import ConfigError
 from toys import ToyTrainer, toy_config
+from helpers import free_port
 
 JOB = str(Path(__file__).with_name("fsdp_job.py"))
 TIMEOUT = 300  # a hang fails the test instead of the suite
 STEPS, ACCUMULATE, UNITS = 10, 2, 4  # units: the 3 blocks of fsdp_job.Stack and the root
 FROZEN = "blocks.1.norm"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(cfg, plant=None, nproc=2):

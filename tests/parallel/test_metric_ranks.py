@@ -5,7 +5,8 @@ import json
 import subprocess
 import sys
 
-from test_torchrun import TIMEOUT, free_port
+from helpers import free_port
+from test_torchrun import TIMEOUT
 
 SCRIPT = """
 import json, os, sys

@@ -14,7 +14,8 @@ import pytest
 import saferun
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from rank_job import N_TRAIN, N_VAL, RankJob
-from test_torchrun import TIMEOUT, free_port
+from helpers import free_port
+from test_torchrun import TIMEOUT
 
 JOB = os.path.join(os.path.dirname(__file__), "rank_job.py")
 

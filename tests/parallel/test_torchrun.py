@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -14,14 +13,9 @@ import torch
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from toys import METRICS, TOYS_PATH, SelfSignalling, toy_config, weights
+from helpers import free_port
 
 TIMEOUT = 240  # a hang fails the test instead of the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(cfg, plant=None, nproc=2, extra=(), env=None):
@@ -92,10 +86,10 @@ def test_metrics_and_weight_average_agree_across_ranks_and_with_one_process(two_
     for k, v in single._ema.state_dict().items():
         torch.testing.assert_close(ema[0][k], v, rtol=1e-5, atol=1e-6)
     x, y = single.val_loader.dataset.tensors
-    for prefix, weights in (("val", rank_weights(two_ranks, 0)),
-                            ("val_ema", {k[len("module."):]: v for k, v in ema[0].items()
-                                         if k.startswith("module.")})):
-        single.model.load_state_dict(weights)
+    for prefix, state in (("val", rank_weights(two_ranks, 0)),
+                          ("val_ema", {k[len("module."):]: v for k, v in ema[0].items()
+                                       if k.startswith("module.")})):
+        single.model.load_state_dict(state)
         with torch.no_grad():
             probs = single.model(x).softmax(dim=1)
         assert metrics[0][f"{prefix}/f1"] == pytest.approx(

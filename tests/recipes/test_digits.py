@@ -6,7 +6,6 @@ Its smoke run through the CLI is tests/cli/test_cli.py (`saferun run debug=fast`
 import json
 
 import pytest
-import torch
 
 from recipe_tools import assert_golden_losses, build_recipe, saferun_run
 

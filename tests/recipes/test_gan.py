@@ -4,7 +4,6 @@ losses, SIGKILL mid-epoch then resume (bitwise), real torchrun, and (slow) its q
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 
 import saferun
 from recipe_tools import assert_golden_losses, build_recipe, saferun_run
+from helpers import free_port
 
 JOB = str(Path(__file__).with_name("gan_job.py"))
 
@@ -76,12 +76,6 @@ def job(run_dir, plant=None, *overrides, nproc=1):
     return subprocess.run([*launcher, JOB, str(run_dir), json.dumps(plant or {}), *JOB_OVERRIDES,
                            *overrides], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_process(tmp_path):

@@ -5,7 +5,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 import saferun
 from recipe_tools import assert_golden_losses, build_recipe, saferun_run

@@ -4,7 +4,6 @@ real signal that is requeued and ends bitwise equal to the uninterrupted one."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import torch
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from sweep_cli import FAST, saferun_cli
+from helpers import free_port
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 pytestmark = pytest.mark.slow  # each test trains several short jobs in subprocesses
@@ -75,12 +75,6 @@ def test_a_two_job_sweep_runs_each_job_in_its_directory_as_a_plain_run(tmp_path)
     assert "sweep summary" in proc.stdout and (sweep / "summary.txt").is_file()
     saferun_cli(*FAST, "optim.lr=1e-3", "hydra.run.dir=single", cwd=tmp_path)
     assert_same_run(sweep / "0", tmp_path / "single")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_job_of_two_processes_trains_as_torchrun_does_and_is_requeued_as_one(tmp_path):

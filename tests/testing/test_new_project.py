@@ -7,24 +7,18 @@ scikit-learn imports. The clean project runs as users run it, in a subprocess.
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
 from saferun.cli import copy_recipe
+import helpers
 
 Failed = pytest.fail.Exception
 
 
 def pytest_in(project):
     """`cd project && pytest`, as a user runs it."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # PYTHONPATH kept:
-    # tools/mutate.py puts its mutated copy of saferun first on it
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                          cwd=project, capture_output=True, text=True, timeout=900,
-                          env={**env, "OMP_NUM_THREADS": "1"})
+    return helpers.pytest_in(project, timeout=900, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_a_new_project_ships_tests_that_pass_as_generated(tmp_path):

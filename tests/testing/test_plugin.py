@@ -1,9 +1,7 @@
 """The pytest plugin: loaded by the pytest11 entry point, it imports nothing heavy until used."""
 
-import os
-import subprocess
-import sys
 import textwrap
+from helpers import pytest_in
 
 # A project that does not use saferun: the plugin must be loaded (its option exists) but have
 # imported neither torch nor any of saferun's training code.
@@ -19,13 +17,6 @@ NOT_USING_SAFERUN = textwrap.dedent("""
                        or (m.split(".")[0] == "saferun" and m not in light))
         assert heavy == [], heavy
 """)
-
-def pytest_in(path, *args):
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # PYTHONPATH kept:
-    # tools/mutate.py puts its mutated copy of saferun first on it
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=path, capture_output=True, text=True, timeout=300, env=env)
-
 
 def test_the_plugin_imports_nothing_heavy_in_a_project_that_does_not_use_it(tmp_path):
     (tmp_path / "test_plain.py").write_text(NOT_USING_SAFERUN)

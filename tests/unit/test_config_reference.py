@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from saferun import config
 
 ROOT = Path(__file__).resolve().parents[2]
 
