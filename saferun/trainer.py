@@ -449,7 +449,9 @@ class Trainer:
                     raise
             restore()
             audit.after_first_backward(self.state.step + 1)
-            return step_fn(batch)
+            out = step_fn(batch)
+            audit.carried_into(out, self.state.step + 1)
+            return out
 
         first_steps.restores = before  # type: ignore[attr-defined]
         self.training_step = first_steps  # type: ignore[method-assign]

@@ -556,7 +556,7 @@ mutation("eval purity: changed parameters and buffers", EVAL,
          "        probe = {}",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
 mutation("eval purity: inference tensors left on the model", "saferun/guards/purity.py",
-         "        problems += find_inference_tensors(model)  # metadata only: no sync",
+         "        problems += find_inference_tensors(model, before.outputs)  # metadata only: no sync",
          "        pass",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
 mutation("eval purity in predict", EVAL,
@@ -847,9 +847,6 @@ mutation("audit: a frozen module kept out of the model is left alone", MA,
 mutation("audit: parameters made after the optimizer are refused", MA,
          "        if self.check_new_params:", "        if False:",
          f"{AUDITS}::test_a_layer_created_in_forward_is_named")
-mutation("audit: a graph carried into the next step is refused", MA,
-         "        if carriers:\n            errors.append", "        if False:\n            errors.append",
-         f"{AUDITS}::test_a_graph_carried_into_the_next_step_is_named_before_torch_fails")
 mutation("audit: the second-backward error names the carrier (audit off)", EXPLAIN,
          "    carriers = graph_carriers(model) if _SECOND_BACKWARD in message else []  # before a replay",
          "    carriers = []",
@@ -1197,6 +1194,26 @@ mutation("failure site: a failing backward in optimize() is named", MANUAL,
 mutation("failure site: an inner site's fields are kept", "saferun/guards/failure_site.py",
          "        if getattr(site, name) is None:", "        if True:",
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
+
+# Correct code that keeps forward outputs on the module (a KL term, attention weights, a
+# re-made weight) is neither refused nor warned about; a cache evaluation made is named.
+mutation("audit: a kept graph is refused only if the next loss reaches it", MA,
+         "        reached = _reached(output, carried) if carried else []",
+         "        reached = list(carried)",
+         f"{AUDITS}::test_outputs_kept_on_the_module_are_not_carried_graphs_nor_state")
+mutation("audit: a carried graph the next loss reaches is refused", MA,
+         "        if reached:\n            raise ModelStateError", "        if False:\n            raise ModelStateError",
+         f"{AUDITS}::test_a_graph_carried_into_the_next_step_is_named_before_torch_fails")
+mutation("audit: a forward's output kept on the module is not warned about as state", MA,
+         "                   if name not in outputs and (", "                   if (",
+         f"{AUDITS}::test_outputs_kept_on_the_module_are_not_carried_graphs_nor_state")
+mutation("purity: a forward's output kept on the module is not refused", "saferun/guards/purity.py",
+         "_nested(f\"{prefix}{key}\", value, 2) if p not in outputs]", "_nested(f\"{prefix}{key}\", value, 2)]",
+         f"{AUDITS}::test_outputs_kept_on_the_module_are_not_carried_graphs_nor_state")
+mutation("an inference tensor saved by training names the model's attribute", "saferun/loop/steps.py",
+         '        named = f" The model holds: {\', \'.join(held[:3])}." if held else ""',
+         '        named = ""',
+         f"{AUDITS}::test_a_cache_made_in_evaluation_and_saved_by_training_is_explained_by_name")
 
 # ---------------------------------------------------------------- the runner
 

@@ -17,7 +17,8 @@ meant, or fail with torch's advice that is wrong for them:
 
 `ModelAudit.at_setup` runs once when training starts; `after_first_backward` once, when the
 second call of training_step begins (so after the first backward, and with one micro-batch
-after the first update). Nothing runs per step after that.
+after the first update), and `carried_into` when that call returns (does its loss reach back
+into a graph kept from the first call?). Nothing runs per step after that.
 """
 
 from __future__ import annotations
@@ -96,6 +97,42 @@ def graph_carriers(model: nn.Module) -> list[str]:
             if isinstance(value, torch.Tensor) and value.grad_fn is not None]
 
 
+def _graph_nodes(model: nn.Module) -> dict[str, Any]:
+    """'path.attr' -> grad_fn of the plain tensor attributes that hold an autograd graph."""
+    return {_where(path, name): value.grad_fn for path, module in model.named_modules()
+            for name, value in _plain_values(module)
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None}
+
+
+def _reached(output: Any, nodes: dict[str, Any], limit: int = 200_000) -> list[str]:
+    """The names in `nodes` whose graph node the autograd graph of `output`'s tensors reaches
+    (at most `limit` nodes are visited: a first step's graph is far smaller)."""
+    wanted = {id(node): name for name, node in nodes.items()}
+    stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+    seen: set[int] = set()
+    found = []
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in wanted:
+            found.append(wanted[id(node)])
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
+
+
 def carried_graph_advice(names: list[str]) -> str:
     """What to say about tensors that carry a step's graph into the next."""
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" ({len(names)} in all)" if len(names) > 3 else "")
@@ -119,6 +156,7 @@ class ModelAudit:
         self.known = {id(p) for p in model.parameters()}
         self.hidden = hidden_modules(model)
         self.tensors = plain_tensors(model)
+        self._carried: dict[str, Any] = {}
 
     def at_setup(self) -> list[str]:
         """Warn about trainable modules or parameters in plain containers (they may be a frozen
@@ -142,9 +180,11 @@ class ModelAudit:
         """Refuse what cannot train as meant; warn about state checkpoints lose. Returns the
         warnings."""
         errors = self._untrained(step)
-        carriers = graph_carriers(self.model)
-        if carriers:
-            errors.append(carried_graph_advice(carriers))
+        # A tensor attribute still holding the first call's graph is a mistake only if the
+        # second call's loss reaches back into it (an RNN state kept without detach); one that
+        # the next forward overwrites (a KL term, attention weights kept to look at, a
+        # re-parametrized weight) is not: `carried_into` decides after that call.
+        self._carried = _graph_nodes(self.model)
         if errors:
             raise ModelStateError(f"the model-state audit after the first backward (at step "
                                   f"{step}): " + "\n".join(errors))
@@ -152,6 +192,15 @@ class ModelAudit:
         for warning in warnings:
             log.warning("%s", warning)
         return warnings
+
+    def carried_into(self, output: Any, step: int) -> None:
+        """After the second training_step call: refuse if what it returned (its loss) reaches
+        the graph an attribute kept from the first call, naming the attribute."""
+        carried, self._carried = self._carried, {}
+        reached = _reached(output, carried) if carried else []
+        if reached:
+            raise ModelStateError(f"the model-state audit after the first backward (at step "
+                                  f"{step}): {carried_graph_advice(reached)}")
 
     def _untrained(self, step: int) -> list[str]:
         errors = []
@@ -179,9 +228,11 @@ class ModelAudit:
 
     def _changed_plain_tensors(self, step: int) -> list[str]:
         now = plain_tensors(self.model)
+        outputs = set(_graph_nodes(self.model))  # a forward's output kept (a KL term): not state
         changed = [name for name, (ident, version) in now.items()
-                   if name not in self.tensors or self.tensors[name][0] != ident
-                   or (version != -1 and self.tensors[name][1] != version)]
+                   if name not in outputs and (
+                       name not in self.tensors or self.tensors[name][0] != ident
+                       or (version != -1 and self.tensors[name][1] != version))]
         if not changed:
             return []
         shown = ", ".join(f"'{n}'" for n in changed[:3])

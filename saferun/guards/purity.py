@@ -42,6 +42,9 @@ class Fingerprint:
     owners: tuple[type, ...]
     layouts: tuple[str, ...]
     sums: Optional[torch.Tensor]  # (N, 2) int64, or None for a module without tensors
+    # plain attributes holding a forward's output with its graph (a KL term, attention weights
+    # kept to look at): each forward, training's too, writes them anew
+    outputs: frozenset[str] = frozenset()
 
 
 def fingerprint(module: nn.Module) -> Fingerprint:
@@ -57,7 +60,8 @@ def fingerprint(module: nn.Module) -> Fingerprint:
     if rows:
         device = rows[0].device
         sums = torch.stack([r.to(device, non_blocking=True) for r in rows])
-    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(layouts), sums)
+    outputs = frozenset(path for path, t in _attribute_tensors(module) if t.grad_fn is not None)
+    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(layouts), sums, outputs)
 
 
 def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
@@ -98,11 +102,12 @@ def changed(before: Fingerprint, after: Fingerprint) -> torch.Tensor:
     return (before.sums != after.sums.to(before.sums.device)).any()
 
 
-def find_inference_tensors(module: nn.Module) -> list[str]:
+def find_inference_tensors(module: nn.Module, outputs: frozenset[str] = frozenset()) -> list[str]:
     """Name every inference tensor held by `module`'s submodules, with the fix.
 
-    Looks at parameters, buffers and plain attributes, including tensors in
-    lists, tuples and dicts up to two levels deep. Reads only metadata.
+    Looks at parameters, buffers and plain attributes, including tensors in lists, tuples and
+    dicts up to two levels deep, but not the attributes in `outputs` (forward outputs, which
+    the next training forward writes anew). Reads only metadata.
     """
     found = []
     for mod_name, mod in module.named_modules():
@@ -116,11 +121,21 @@ def find_inference_tensors(module: nn.Module) -> list[str]:
                 items = [(f"{prefix}{k}", v) for k, v in value.items()]
             else:
                 kind = "attribute"
-                items = list(_nested(f"{prefix}{key}", value, 2))
-            for path, t in items:
-                if isinstance(t, torch.Tensor) and t.is_inference():
-                    found.append(_inference_message(path, owner, kind))
+                items = [(p, v) for p, v in _nested(f"{prefix}{key}", value, 2) if p not in outputs]
+            found += [_inference_message(path, owner, kind) for path, t in items
+                      if isinstance(t, torch.Tensor) and t.is_inference()]
     return found
+
+
+def _attribute_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) of the tensors `module`'s submodules hold as plain attributes (in lists,
+    tuples and dicts up to two levels deep)."""
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for key, value in vars(mod).items():
+            if key not in ("_modules", "_parameters", "_buffers"):
+                yield from ((p, t) for p, t in _nested(f"{prefix}{key}", value, 2)
+                            if isinstance(t, torch.Tensor))
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, str, nn.Module, torch.Tensor]]:
@@ -206,7 +221,8 @@ def check_purity(before: Optional[Fingerprint], model: nn.Module, changed: float
         problems = ["not on this rank, but on another rank (its error names what changed); "
                     "every rank stops, as their models now differ"]
     if eval_grad_mode == "inference_mode":
-        problems += find_inference_tensors(model)  # metadata only: no sync
+        # not the attributes that held a forward's output before (training writes them anew)
+        problems += find_inference_tensors(model, before.outputs)  # metadata only: no sync
     if problems:
         raise SaferunError(
             f"evaluation changed the model (guards.eval_purity), at step {step}:\n"

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import ConfigError, SaferunError
 from ..guards.failure_site import record
 from ..guards.model_audit import graph_carriers
+from ..guards.purity import find_inference_tensors
 from .metrics import scalar_dict
 from .transfer import samples_in
 
@@ -92,11 +93,13 @@ def _not_a_loss(out: Any) -> tuple[str, str]:
 def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[SaferunError]:
     """A bare torch error that saferun can explain, rewritten with the fix; else None."""
     if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved" in str(exc):
+        held = [f.split(" (")[0] for f in find_inference_tensors(model) if f.startswith("attribute")]
+        named = f" The model holds: {', '.join(held[:3])}." if held else ""
         return SaferunError(
             f"step {step}: a tensor created during evaluation, which runs under "
             f"torch.inference_mode(), was used in training (typically a cache or attribute set in "
-            f"forward or validation_step). Store a .clone() made outside inference mode, or set "
-            f"trainer.eval_grad_mode=no_grad."
+            f"forward or validation_step).{named} Store a .clone() made outside inference mode "
+            f"(or recompute it in training), or set trainer.eval_grad_mode=no_grad."
         )
     if type(exc) is RuntimeError and "backward through the graph a second time" in str(exc):
         if graph_carriers(model):  # guards/explain.py names the attribute, the module, the line

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 from mistakes import (CORPUS, GraphCarried, LayerMadeInForward, ModulesInAList, OneBasedLabels,
                       catch, config_for)
 from saferun.guards.loss_audit import LossCallAudit, LossCallError
+from saferun.errors import SaferunError
 from saferun.guards.model_audit import ModelStateError
 from toys import Net, ToyTrainer, make_classification, toy_config
 
@@ -80,6 +81,72 @@ def test_a_graph_carried_into_the_next_step_is_named_before_torch_fails(tmp_path
     message = str(info.value)
     assert "'state'" in message and "h.detach()" in message
     assert "Do not add retain_graph=True" in message
+
+
+class KeepsOutputs(nn.Module):
+    """Correct code that keeps forward outputs on the module: a KL term the loss reads, the
+    attention weights kept to look at, and a weight re-made by torch's (old-style)
+    spectral_norm pre-forward hook. Each is overwritten by the next forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu, self.logvar = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.attn = nn.utils.spectral_norm(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 3)
+        self.kl: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.mu(x), self.logvar(x)
+        self.kl = -0.5 * (1 + logvar - mu ** 2 - logvar.exp()).sum(1).mean()
+        self.last_attn = self.attn(mu).softmax(-1)
+        return self.head(self.last_attn * mu)
+
+
+class KeepsOutputsTrainer(ToyTrainer):
+    def build_model(self) -> nn.Module:
+        return KeepsOutputs()
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y) + 0.01 * self.model.kl
+
+
+def test_outputs_kept_on_the_module_are_not_carried_graphs_nor_state(tmp_path, caplog):
+    """No refusal and no warning: neither the model audit (the second loss does not reach the
+    first step's graph) nor the purity check after validation under inference_mode (the next
+    forward overwrites them)."""
+    cfg = toy_config(tmp_path, max_steps=6, val_every_n_steps=2)
+    assert warnings_of(lambda: KeepsOutputsTrainer(cfg).fit(), caplog) == []
+
+
+class CachesInEvaluation(nn.Module):
+    """A cache made on first use: by validation (under inference_mode), then used in training,
+    where autograd must save it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.scale: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            self.scale = torch.linspace(0.5, 1.5, 8)
+        return self.head(self.body(x) * self.scale)
+
+
+def test_a_cache_made_in_evaluation_and_saved_by_training_is_explained_by_name(tmp_path):
+    class T(ToyTrainer):
+        def build_model(self) -> nn.Module:
+            return CachesInEvaluation()
+
+    with pytest.raises(SaferunError, match=r"attribute scale \(CachesInEvaluation\) is an inference"):
+        T(toy_config(tmp_path / "a", max_steps=4)).validate()  # guards.eval_purity, at once
+    cfg = toy_config(tmp_path / "b", max_steps=4)
+    cfg["guards"] = {"eval_purity": False}
+    trainer = T(cfg)
+    trainer.validate()  # the cache is made here, under inference_mode
+    with pytest.raises(SaferunError, match=r"The model holds: attribute scale\. .*eval_grad_mode=no_grad"):
+        trainer.fit()
 
 
 def test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name(tmp_path):
