@@ -1214,6 +1214,16 @@ mutation("an inference tensor saved by training names the model's attribute", "s
          '        named = f" The model holds: {\', \'.join(held[:3])}." if held else ""',
          '        named = ""',
          f"{AUDITS}::test_a_cache_made_in_evaluation_and_saved_by_training_is_explained_by_name")
+mutation("audit: modules in nested containers and on plain objects are found", MA,
+         "        if isinstance(value, (dict, list, tuple, set, frozenset)):\n            stack.extend",
+         "        if False:\n            stack.extend",
+         f"{AUDITS}::test_modules_in_nested_containers_and_on_plain_objects_are_refused")
+mutation("audit: layers on a plain object are found", MA,
+         "        elif _plain_object(value):", "        elif False:",
+         f"{AUDITS}::test_modules_in_nested_containers_and_on_plain_objects_are_refused")
+mutation("a model with every layer hidden is told where they are", "saferun/loop/steps.py",
+         "        hidden = hidden_layers_advice(model)", "        hidden = \"\"",
+         f"{AUDITS}::test_a_model_whose_layers_are_all_hidden_is_told_where_they_are")
 
 # ---------------------------------------------------------------- the runner
 

@@ -48,12 +48,44 @@ def _plain_values(module: nn.Module) -> Iterator[tuple[str, Any]]:
         if name in _MODULE_INTERNALS:
             continue
         yield name, value
-        if isinstance(value, dict):
-            for k, v in value.items():
-                yield f"{name}[{k!r}]", v
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                yield f"{name}[{i}]", v
+        yield from _items(name, value)
+
+
+def _items(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield f"{name}[{k!r}]", v
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield f"{name}[{i}]", v
+    elif isinstance(value, (set, frozenset)):
+        for i, v in enumerate(value):
+            yield f"{name}{{item {i}}}", v
+
+
+def _held_deeper(module: nn.Module, depth: int = 4) -> Iterator[tuple[str, Any]]:
+    """Like `_plain_values`, also into containers inside containers (to `depth` levels) and
+    into the attributes of plain objects the module holds (an instance of the user's own
+    class that is not a Module): where a module or parameter is out of the model's sight."""
+    stack = [(name, value, depth) for name, value in vars(module).items()
+             if name not in _MODULE_INTERNALS]
+    budget = 100_000  # values looked at: a model holding a large plain structure stays quick
+    while stack and budget:
+        budget -= 1
+        name, value, left = stack.pop()
+        yield name, value
+        if left == 0 or isinstance(value, (nn.Module, torch.Tensor)):
+            continue
+        if isinstance(value, (dict, list, tuple, set, frozenset)):
+            stack.extend((n, v, left - 1) for n, v in _items(name, value))
+        elif _plain_object(value):
+            stack.extend((f"{name}.{k}", v, left - 1) for k, v in vars(value).items())
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a user's class with attributes (not a type, function or module)."""
+    return (hasattr(value, "__dict__") and not isinstance(value, type)
+            and not callable(value) and type(value).__module__ not in ("builtins", "types"))
 
 
 def _where(path: str, attr: str) -> str:
@@ -64,13 +96,27 @@ def hidden_modules(model: nn.Module) -> list[tuple[str, nn.Module | nn.Parameter
     """Submodules and parameters held in plain containers and not registered anywhere in the
     model: ('path.attr[i]', the module or parameter)."""
     registered = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
-    found = []
+    found: dict[int, tuple[str, nn.Module | nn.Parameter]] = {}
     for path, module in model.named_modules():
-        for name, value in _plain_values(module):
-            if "[" in name and isinstance(value, (nn.Module, nn.Parameter)) \
-                    and id(value) not in registered:
-                found.append((_where(path, name), value))
-    return found
+        for name, value in _held_deeper(module):
+            if isinstance(value, (nn.Module, nn.Parameter)) and id(value) not in registered:
+                found.setdefault(id(value), (_where(path, name), value))
+    # a hidden module's own submodules are not named again
+    inside = {id(m) for _, v in found.values() if isinstance(v, nn.Module)
+              for m in list(v.modules())[1:]} | {id(p) for _, v in found.values()
+                                                 if isinstance(v, nn.Module) for p in v.parameters()}
+    return sorted((item for key, item in found.items() if key not in inside), key=lambda i: i[0])
+
+
+def hidden_layers_advice(model: nn.Module) -> str:
+    """For a model without parameters that model.parameters() sees: where its layers are held
+    instead, and the fix ("" if none are found)."""
+    hidden = hidden_modules(model)
+    if not hidden:
+        return ""
+    names = ", ".join(repr(n) for n, _ in hidden[:3]) + (f" ({len(hidden)} in all)" if len(hidden) > 3 else "")
+    return (f" Its layers are held where model.parameters() does not look: {names}. Use "
+            f"{_fix(hidden[0][0])}.")
 
 
 def plain_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -245,9 +291,15 @@ class ModelAudit:
 
 
 def _container_kind(name: str) -> str:
-    return "dict" if "['" in name else "list or tuple"
+    last = name.rsplit(".", 1)[-1]
+    if "[" not in last and "{" not in last:
+        return "object (not an nn.Module)"
+    return "set" if "{" in name else "dict" if "['" in name else "list or tuple"
 
 
 def _fix(name: str) -> str:
+    last = name.rsplit(".", 1)[-1]
+    if "[" not in last and "{" not in last:  # held by a plain object's attribute
+        return "an nn.Module for the object that holds it (then it is registered)"
     return "nn.ModuleDict (nn.ParameterDict)" if "['" in name else "nn.ModuleList (nn.ParameterList)"
 

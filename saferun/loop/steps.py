@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError, SaferunError
 from ..guards.failure_site import record
-from ..guards.model_audit import graph_carriers
+from ..guards.model_audit import graph_carriers, hidden_layers_advice
 from ..guards.purity import find_inference_tensors
 from .metrics import scalar_dict
 from .transfer import samples_in
@@ -150,8 +150,10 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the optimizer gets; an error if there are none."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise SaferunError("the model has no trainable parameters (all are frozen or have "
-                           "requires_grad=False). Check trainer.frozen_modules.")
+        hidden = hidden_layers_advice(model)  # layers in a plain list: none are seen at all
+        raise SaferunError("the model has no trainable parameters" + (
+            f".{hidden}" if hidden else " (all are frozen or have requires_grad=False). Check "
+            "trainer.frozen_modules."))
     return params
 
 

@@ -38,6 +38,63 @@ def test_modules_in_a_plain_list_are_refused_before_a_second_update(tmp_path):
     assert t.state.step == 1  # refused when step 2 began: one update, not five
 
 
+class Holder:
+    """A plain object (not an nn.Module) that holds a layer."""
+
+    def __init__(self) -> None:
+        self.proj = nn.Linear(16, 16)
+
+
+class DeeplyHidden(nn.Module):
+    """Layers in a list of lists and on a plain object: model.parameters() sees neither."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.stages = [[nn.Linear(16, 16), nn.ReLU()], [nn.Linear(16, 16)]]
+        self.extra = Holder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        for stage in self.stages:
+            for layer in stage:
+                h = layer(h)
+        return self.head(self.extra.proj(h))
+
+
+def test_modules_in_nested_containers_and_on_plain_objects_are_refused(tmp_path, caplog):
+    class T(ToyTrainer):
+        def build_model(self) -> nn.Module:
+            return DeeplyHidden()
+
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        with pytest.raises(ModelStateError) as info:
+            T(toy_config(tmp_path, max_steps=4)).fit()
+    message = str(info.value)
+    assert "'extra.proj'" in message and "'stages[0][0]'" in message and "'stages[1][0]'" in message
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "plain Python object (not an nn.Module)" in warned and "nn.ModuleList" in warned
+
+
+def test_a_model_whose_layers_are_all_hidden_is_told_where_they_are(tmp_path):
+    class AllInAList(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [nn.Linear(8, 16), nn.Linear(16, 3)]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](torch.relu(self.layers[0](x)))
+
+    class T(ToyTrainer):
+        def build_model(self) -> nn.Module:
+            return AllInAList()
+
+    with pytest.raises(SaferunError, match=r"no trainable parameters\. Its layers are held where "
+                                           r"model\.parameters\(\) does not look: 'layers\[0\]', "
+                                           r"'layers\[1\]'\. Use nn\.ModuleList"):
+        T(toy_config(tmp_path)).fit()
+
+
 class DictHeads(nn.Module):
     def __init__(self, frozen: bool) -> None:
         super().__init__()
