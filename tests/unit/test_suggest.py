@@ -42,3 +42,17 @@ def test_a_suggestion_matches_the_keys_last_part_or_there_is_none(override, hint
         assert "Did you mean" not in problem, problem
     else:
         assert hint in problem, problem
+
+
+@pytest.mark.parametrize("option", ["debug=fastt", "optim=adamm"])
+def test_a_misspelt_group_option_is_refused_with_the_options(option):
+    """debug was an optional group, where Hydra drops an option it cannot find: debug=fastt
+    then trained the whole recipe without a word."""
+    from hydra.errors import MissingConfigException
+
+    from saferun.cli import compose_config
+
+    group = option.split("=")[0]
+    with pytest.raises(MissingConfigException, match=f"Could not find '{group}/"):
+        compose_config([option])
+    assert compose_config(["debug=fast"]).trainer.max_steps < compose_config([]).trainer.max_steps
