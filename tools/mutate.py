@@ -1229,6 +1229,9 @@ mutation("a misspelt debug option is refused (debug is not an optional group)", 
          "tests/unit/test_suggest.py::test_a_misspelt_group_option_is_refused_with_the_options",
          known="saferun.conf resolves to the checkout's conf/ through the editable install's package "
                "map, not to the copy's; killed by hand when written")
+mutation("loss audit: the tolerance follows the dtype (bf16)", LA,
+         "    return max(1e-3, 4 * eps * x.shape[dim] ** 0.5) if x.dim() else 1e-3", "    return 1e-3",
+         f"{AUDITS}::test_bf16_log_probabilities_and_probabilities_are_told_apart_at_bf16_precision")
 
 # ---------------------------------------------------------------- the runner
 

@@ -444,3 +444,20 @@ def test_the_loss_audit_reads_twice_once_per_fit_and_the_loop_stays_sync_free(tm
     # cross_entropy: one read for the class-index range, one for "already probabilities?"
     assert (on.once, off.once) == (2, 0)
     assert on.count == off.count and on.sites == off.sites  # the loop's own syncs: unchanged
+
+
+def test_bf16_log_probabilities_and_probabilities_are_told_apart_at_bf16_precision(caplog):
+    """bf16 keeps 8 bits: a correct log_softmax over 50 classes misses logsumexp 0 by more than
+    float32's tolerance; the tolerance follows the dtype, so it is not warned about, while raw
+    bf16 scores and bf16 probabilities still are."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50).bfloat16()
+    y = torch.randint(0, 50, (64,))
+    assert logits.float().log_softmax(1).bfloat16().float().logsumexp(1).abs().max() > 1e-3
+    with caplog.at_level(logging.WARNING, logger="saferun"), LossCallAudit(1) as audit:
+        F.nll_loss(logits.log_softmax(1), y)
+        assert audit.warnings == []
+        F.nll_loss(logits, y)
+        assert len(audit.warnings) == 1 and "not log-probabilities" in audit.warnings[0]
+        with pytest.raises(LossCallError, match="probabilities"):
+            F.cross_entropy(logits.softmax(1), y)
