@@ -1044,7 +1044,7 @@ mutation("a logged 'loss' other than the returned loss is refused", "saferun/loo
          "        if both:\n            loss =", "        if False:\n            loss =",
          "tests/logging/test_log_reductions.py::test_mistakes_are_refused_with_what_to_do")
 mutation("a name keeps one reduction", "saferun/loop/logbook.py",
-         "        if self.reduces.setdefault(name, reduce) != reduce:", "        if False:",
+         "        if self.reduces.setdefault(key, reduce) != reduce:", "        if False:",
          "tests/logging/test_log_reductions.py::test_mistakes_are_refused_with_what_to_do")
 mutation("Lightning's self.log arguments are refused with what saferun does instead",
          "saferun/loop/logbook.py", "        if extra:\n            said", "        if False:\n            said",
@@ -1232,6 +1232,9 @@ mutation("a misspelt debug option is refused (debug is not an optional group)", 
 mutation("loss audit: the tolerance follows the dtype (bf16)", LA,
          "    return max(1e-3, 4 * eps * x.shape[dim] ** 0.5) if x.dim() else 1e-3", "    return 1e-3",
          f"{AUDITS}::test_bf16_log_probabilities_and_probabilities_are_told_apart_at_bf16_precision")
+mutation("self.log: a reduction per phase (train/acc and val/acc)", "saferun/loop/logbook.py",
+         '        key = f"{self.phase}/{name}"', "        key = name",
+         "tests/logging/test_log_reductions.py::test_one_name_in_training_and_validation_may_keep_a_reduction_each")
 
 # ---------------------------------------------------------------- the runner
 

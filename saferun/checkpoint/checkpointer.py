@@ -400,7 +400,7 @@ def no_checkpoint_at(resume: str) -> str:
         if runs:
             what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
                      f"name one, e.g. the latest, resume={runs[-1]}")
-    return f"resume={resume}: {what}. {ACCEPTS}."
+    return f"resume={resume}: {what}{'' if what.endswith('?') else '.'} {ACCEPTS}."
 
 
 def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:

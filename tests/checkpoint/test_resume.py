@@ -561,6 +561,7 @@ def test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_ac
     for word in ("latest", True, "last"):
         said = refusal(word)
         assert "does not exist" in said and accepts in said and "did you mean resume=auto" in said
+        assert "?." not in said  # one sentence end
     file = tmp_path / "weights.pt"
     file.write_bytes(b"x")
     assert "is a file" in refusal(str(file))

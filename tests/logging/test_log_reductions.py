@@ -125,6 +125,24 @@ def test_no_host_read_between_log_points(tmp_path):
     assert counter.count == 3 + 3, counter.sites  # 3 log points, 3 validations: one read each
 
 
+def test_one_name_in_training_and_validation_may_keep_a_reduction_each(tmp_path):
+    """train/acc and val/acc are two metrics, so each has its own reduction."""
+    class Both(ToyTrainer):
+        def training_step(self, batch):
+            x, y = batch
+            logits = self.model(x)
+            self.log("acc", (logits.argmax(1) == y).float().mean())
+            return F.cross_entropy(logits, y)
+
+        def validation_step(self, batch):
+            x, y = batch
+            self.log("acc", (self.model(x).argmax(1) == y).float().mean(), reduce="min")
+            return {}
+
+    metrics = Both(cfg(tmp_path, max_steps=4, val_every_n_steps=2)).fit()
+    assert "val/acc" in metrics and "train/acc" in metrics
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t, v: t.log("x", v, on_step=True), "on_step: training values are reduced"),
     (lambda t, v: t.log("x", v, sync_dist=True), "sync_dist: saferun always reduces"),
