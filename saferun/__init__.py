@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from .config import Config, TrainerConfig, load_config
     from .errors import ConfigError, SaferunError
     from .trainer import Trainer
+    from .checkpoint.weights import load_model
 
 from .version import __version__
 
@@ -19,7 +20,7 @@ _EXPORTS = {
     "Callback": "callbacks", "Control": "callbacks", "StepOutput": "callbacks",
     "TrainerView": "callbacks", "Config": "config", "TrainerConfig": "config",
     "load_config": "config", "ConfigError": "errors", "SaferunError": "errors",
-    "Trainer": "trainer",
+    "Trainer": "trainer", "load_model": "checkpoint.weights",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
