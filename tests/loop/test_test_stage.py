@@ -35,7 +35,8 @@ def by_hand(model, data, batch_size):
 
 @pytest.mark.parametrize("as_loader", [False, True])
 def test_test_equals_a_hand_written_eval_loop(tmp_path, as_loader):
-    t = ToyTrainer(toy_config(tmp_path, max_steps=6, val_batch_size=16))
+    # limit_val_batches limits validation, never the test set
+    t = ToyTrainer(toy_config(tmp_path, max_steps=6, val_batch_size=16, limit_val_batches=2))
     t.fit()
     data = held_out()
     metrics = t.test(DataLoader(data, batch_size=10) if as_loader else data)
