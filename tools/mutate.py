@@ -1235,7 +1235,8 @@ mutation("test stage: the test set is split over the ranks", "saferun/data.py",
                        evaluation=True, limit=limit, **common)""",
          """    return make_loader(dataset, batch_size=size, shuffle=False, drop_last=False,
                        evaluation=False, limit=limit, **common)""",
-         "tests/parallel/test_test_ranks.py::test_test_under_torchrun_equals_one_process")
+         "tests/parallel/test_test_ranks.py::test_test_under_torchrun_equals_one_process",
+         known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
 
 # ---------------------------------------------------------------- the runner
 
