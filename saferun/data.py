@@ -101,15 +101,21 @@ def make_loaders(train: Dataset, val: Optional[Dataset], t: Any, seed: int, rank
                  world_size: int, pin_memory: bool, collate_fn: Optional[Callable[[list[Any]], Any]]
                  ) -> tuple[DataLoader, Optional[DataLoader]]:
     """The default training and validation loaders for the `trainer` config node `t`."""
-    common = dict(num_workers=t.num_workers, seed=seed, rank=rank, world_size=world_size,
-                  pin_memory=pin_memory, multiprocessing_context=t.multiprocessing_context,
-                  collate_fn=collate_fn)
+    common = loader_options(t, seed, rank, world_size, pin_memory, collate_fn)
     train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
                                drop_last=t.drop_last, **common)
     val_loader = None
     if val is not None:
         val_loader = evaluation_loader(val, t, t.limit_val_batches, **common)
     return train_loader, val_loader
+
+
+def loader_options(t: Any, seed: int, rank: int, world_size: int, pin_memory: bool,
+                   collate_fn: Optional[Callable[[list[Any]], Any]]) -> dict[str, Any]:
+    """What every loader saferun builds takes from the `trainer` node `t` and the run."""
+    return dict(num_workers=t.num_workers, seed=seed, rank=rank, world_size=world_size,
+                pin_memory=pin_memory, multiprocessing_context=t.multiprocessing_context,
+                collate_fn=collate_fn)
 
 
 def evaluation_loader(dataset: Dataset, t: Any, limit_batches: Optional[int], **common: Any

@@ -27,7 +27,8 @@ from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
 from .checkpoint.weights import Best, Weights, find_weights, load_weights, saved_config
 from .data import (check_datasets, check_evaluation_limit, check_training_loader,
-                   evaluation_loader, make_loaders, set_loader_epoch, split_datasets)
+                   evaluation_loader, loader_options, make_loaders, set_loader_epoch,
+                   split_datasets)
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
@@ -109,10 +110,12 @@ class Trainer:
     def build_dataloaders(self, train: Dataset, val: Optional[Dataset]
                           ) -> tuple[DataLoader, Optional[DataLoader]]:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
-        t = self.cfg.trainer
-        pin = self.device.type == "cuda" if t.pin_memory is None else t.pin_memory
-        return make_loaders(train, val, t, self.cfg.seed, self.state.rank, self.state.world_size,
-                            pin, self.build_collate_fn())
+        return make_loaders(train, val, self.cfg.trainer, self.cfg.seed, self.state.rank,
+                            self.state.world_size, self._pin_memory(), self.build_collate_fn())
+
+    def _pin_memory(self) -> bool:
+        pin = self.cfg.trainer.pin_memory
+        return self.device.type == "cuda" if pin is None else pin
 
     def build_collate_fn(self) -> Optional[Callable[[list[Any]], Any]]:
         """Return the function that turns a list of samples into a batch, used by the training,
@@ -408,7 +411,7 @@ class Trainer:
         self._callbacks.on_test_end(self.view, metrics)
         self._write_media(self._logbook.take()[1])
         if self.ranks.is_main:
-            update_summary(self.state.run_dir, {"test": metrics, "test_step": self.state.step})
+            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})
         return metrics
 
     def _test_loader(self, data: Dataset | DataLoader | None) -> DataLoader:
@@ -421,11 +424,9 @@ class Trainer:
                 f"(train, val, test) from build_datasets (on the command line: a data node "
                 f"whose datasets include a test split).")
         t = self.cfg.trainer
-        return evaluation_loader(
-            self._test_set if data is None else data, t, None, num_workers=t.num_workers,
-            seed=self.cfg.seed, rank=self.ranks.rank, world_size=self.ranks.world_size,
-            pin_memory=self.device.type == "cuda" if t.pin_memory is None else t.pin_memory,
-            multiprocessing_context=t.multiprocessing_context, collate_fn=self.build_collate_fn())
+        return evaluation_loader(self._test_set if data is None else data, t, None, **loader_options(
+            t, self.cfg.seed, self.ranks.rank, self.ranks.world_size, self._pin_memory(),
+            self.build_collate_fn()))
 
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.

@@ -1224,7 +1224,7 @@ mutation("test stage: test metrics in metrics.jsonl", "saferun/loggers.py",
          """            f.write(self._line("test", view, metrics))""", """            pass""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
 mutation("test stage: test metrics in summary.json", "saferun/trainer.py",
-         """            update_summary(self.state.run_dir, {"test": metrics, "test_step": self.state.step})""",
+         """            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})""",
          """            pass""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
 mutation("test stage: build_datasets' third set is the test set", "saferun/data.py",

@@ -13,24 +13,17 @@ from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.checkpoint.weights import Best
 from saferun.errors import ConfigError, SaferunError
 from saferun.stopping import EarlyStopping
+from test_checkpoint import ScoreAt
 from toys import ToyTrainer, toy_config
 
-SCORES = {4: 5.0, 8: 3.0, 12: 4.0, 16: 6.0}  # lower is better: the best at step 8
 
 
-class Scored(ToyTrainer):
-    """Trains as ToyTrainer does; validation's score is scripted per step."""
-
-    crash_at = -1
-
-    def training_step(self, batch):
-        if self.state.step + 1 == self.crash_at:
-            raise RuntimeError("simulated crash")
-        return super().training_step(batch)
+class Scored(ScoreAt):
+    """ScoreAt's scripted score (lower is better: 5, 3, 4, 6 at steps 4, 8, 12, 16; the best at
+    step 8) beside ToyTrainer's loss and accuracy."""
 
     def validation_step(self, batch):
-        out = super().validation_step(batch)
-        return {**out, "score": torch.tensor(SCORES[self.state.step])}
+        return {**ToyTrainer.validation_step(self, batch), **super().validation_step(batch)}
 
 
 def config(tmp_path, **trainer):

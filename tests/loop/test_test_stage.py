@@ -101,7 +101,8 @@ def test_what_test_step_only_logs_is_reported_everywhere(tmp_path):
     line = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["kind"] == "test" and line["step"] == 4
     assert {k: line[k] for k in metrics} == metrics
-    assert json.loads((run / "summary.json").read_text())["test"] == metrics
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["test"] == metrics and summary["test_at_step"] == 4
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     assert acc.Scalars("test/err")[-1].value == pytest.approx(metrics["test/err"])
