@@ -46,9 +46,11 @@ class TabularDataset(Dataset):
         return self.features[i], self.targets[i]
 
 
-def datasets(val_fraction: float = 0.2, split_seed: int = 0
-             ) -> tuple[TabularDataset, TabularDataset]:
-    """scikit-learn's diabetes data, split once with a fixed seed, standardised by training rows."""
+def datasets(val_fraction: float = 0.2, split_seed: int = 0, test_fraction: float = 0.0
+             ) -> tuple[TabularDataset, ...]:
+    """scikit-learn's diabetes data, split once with a fixed seed, standardised by training rows.
+    With test_fraction > 0 also a test split (for `saferun test`), taken from the training rows,
+    so the validation rows stay the same."""
     from sklearn.datasets import load_diabetes
 
     # scaled=False: the raw measurements; we standardise them ourselves, from training rows only.
@@ -56,13 +58,13 @@ def datasets(val_fraction: float = 0.2, split_seed: int = 0
     x = torch.tensor(x_all, dtype=torch.float32)  # (442, 10)
     y = torch.tensor(y_all, dtype=torch.float32)  # (442,)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(split_seed))
-    n_val = int(len(y) * val_fraction)
-    val, train = order[:n_val], order[n_val:]
+    n_val, n_test = int(len(y) * val_fraction), int(len(y) * test_fraction)
+    val, test, train = order[:n_val], order[n_val:n_val + n_test], order[n_val + n_test:]
     x_mean, x_std = x[train].mean(dim=0), x[train].std(dim=0)
     y_mean, y_std = y[train].mean(), y[train].std()
     x, y = (x - x_mean) / x_std, (y - y_mean) / y_std
-    return (TabularDataset(x[train], y[train], float(y_std)),
-            TabularDataset(x[val], y[val], float(y_std)))
+    splits = (train, val, test) if n_test else (train, val)
+    return tuple(TabularDataset(x[rows], y[rows], float(y_std)) for rows in splits)
 
 
 class MLP(nn.Module):
@@ -99,12 +101,20 @@ class TabularTrainer(saferun.Trainer):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]
                         ) -> Mapping[str, torch.Tensor]:
-        features, targets = batch
         assert self.val_loader is not None  # validation runs only with a validation loader
-        val_set: TabularDataset = self.val_loader.dataset  # type: ignore[assignment]
+        return self.errors(batch, self.val_loader.dataset)  # type: ignore[arg-type]
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        assert self.test_loader is not None  # set while test() runs
+        # R^2 needs the test split's own target variance, not the validation split's
+        return self.errors(batch, self.test_loader.dataset)  # type: ignore[arg-type]
+
+    def errors(self, batch: tuple[torch.Tensor, torch.Tensor], split: TabularDataset
+               ) -> Mapping[str, torch.Tensor]:
+        features, targets = batch
         loss = F.mse_loss(self.model(features), targets)  # standardised units
-        mse = loss * val_set.target_std**2  # original units
-        return {"loss": loss, "mse": mse, "r2": 1 - loss / val_set.target_var}
+        mse = loss * split.target_std**2  # original units
+        return {"loss": loss, "mse": mse, "r2": 1 - loss / split.target_var}
 
     def finish_validation(self, metrics: dict[str, float]) -> dict[str, float]:
         return {**metrics, "rmse": math.sqrt(metrics["mse"])}

@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # for type checkers: the lazy exports below (F401: used throu
     from .config import Config, TrainerConfig, load_config  # noqa: F401
     from .errors import ConfigError, SaferunError  # noqa: F401
     from .trainer import Trainer  # noqa: F401
+    from .checkpoint.weights import load_model  # noqa: F401
 
 from .version import __version__
 
@@ -19,7 +20,7 @@ _EXPORTS = {
     "Callback": "callbacks", "Control": "callbacks", "StepOutput": "callbacks",
     "TrainerView": "callbacks", "Config": "config", "TrainerConfig": "config",
     "load_config": "config", "ConfigError": "errors", "SaferunError": "errors",
-    "Trainer": "trainer",
+    "Trainer": "trainer", "load_model": "checkpoint.weights",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

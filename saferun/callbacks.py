@@ -34,6 +34,10 @@ pins this order)::
     on_fit_end(view, metrics)
     on_exception(view, exc)  instead, if anything above raised; the exception propagates
 
+    test(data)               outside fit: test_step over the test set as validate() runs
+                             validation_step (eval mode, inference_mode, purity checked)
+    on_test_end(view, metrics)   its test/... metrics
+
 A callback sees a read-only `TrainerView`, never the model or the optimizer,
 and its only lever is the `Control` it returns. Callbacks run in list order.
 The one exception is `on_evaluate`, for callbacks that need the model (sample images from a
@@ -200,6 +204,11 @@ class Callback(Protocol):
         """Training finished normally; `metrics` are the final metrics."""
         return None
 
+    def on_test_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        """`Trainer.test()` finished; `metrics` are its test/... averages (on every rank; the
+        loggers, on rank 0, write them at the trainer's step)."""
+        return None
+
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         """Training stopped with `exc`, which propagates after all callbacks ran."""
         return None
@@ -265,6 +274,11 @@ class CallbackList(Callback):
     def on_checkpoint(self, view: TrainerView, path: str) -> None:
         for cb in self.callbacks:
             cb.on_checkpoint(view, path)
+
+    def on_test_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        for cb in self.callbacks:
+            if getattr(cb, "on_test_end", None) is not None:  # (a callback not subclassing Callback)
+                cb.on_test_end(view, metrics)
 
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         for cb in self.callbacks:

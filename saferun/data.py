@@ -103,18 +103,42 @@ def make_loaders(train: Dataset, val: Optional[Dataset], t: Any, seed: int, rank
                  world_size: int, pin_memory: bool, collate_fn: Optional[Callable[[list[Any]], Any]]
                  ) -> tuple[DataLoader, Optional[DataLoader]]:
     """The default training and validation loaders for the `trainer` config node `t`."""
-    common = dict(num_workers=t.num_workers, seed=seed, rank=rank, world_size=world_size,
-                  pin_memory=pin_memory, multiprocessing_context=t.multiprocessing_context,
-                  collate_fn=collate_fn)
+    common = loader_options(t, seed, rank, world_size, pin_memory, collate_fn)
     train_loader = make_loader(train, batch_size=t.batch_size, shuffle=t.shuffle,
                                drop_last=t.drop_last, **common)
     val_loader = None
     if val is not None:
-        size = t.val_batch_size or t.batch_size
-        limit = None if t.limit_val_batches is None else t.limit_val_batches * size
-        val_loader = make_loader(val, batch_size=size, shuffle=False, drop_last=False,
-                                 evaluation=True, limit=limit, **common)
+        val_loader = evaluation_loader(val, t, t.limit_val_batches, **common)
     return train_loader, val_loader
+
+
+def loader_options(t: Any, seed: int, rank: int, world_size: int, pin_memory: bool,
+                   collate_fn: Optional[Callable[[list[Any]], Any]]) -> dict[str, Any]:
+    """What every loader saferun builds takes from the `trainer` node `t` and the run."""
+    return dict(num_workers=t.num_workers, seed=seed, rank=rank, world_size=world_size,
+                pin_memory=pin_memory, multiprocessing_context=t.multiprocessing_context,
+                collate_fn=collate_fn)
+
+
+def evaluation_loader(dataset: Dataset, t: Any, limit_batches: Optional[int], **common: Any
+                      ) -> DataLoader:
+    """The loader of a validation or test set: in order, val_batch_size, split over the ranks
+    without padding; `limit_batches`: only the first that many batches' samples."""
+    size = t.val_batch_size or t.batch_size
+    limit = None if limit_batches is None else limit_batches * size
+    return make_loader(dataset, batch_size=size, shuffle=False, drop_last=False,
+                       evaluation=True, limit=limit, **common)
+
+
+def split_datasets(sets: Any, task: str) -> tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
+    """build_datasets()'s result: (train, val) or (train, val, test); a lone Dataset is train."""
+    if isinstance(sets, Dataset):
+        return sets, None, None
+    if isinstance(sets, (tuple, list)) and len(sets) in (2, 3):
+        return sets[0], sets[1], sets[2] if len(sets) == 3 else None
+    raise SaferunError(f"{task}.build_datasets() returned {type(sets).__name__}"
+                       f"{f' of {len(sets)}' if isinstance(sets, (tuple, list)) else ''}: return "
+                       f"(train, val) or (train, val, test), val and test may be None.")
 
 
 def check_evaluation_limit(loader: Optional[DataLoader], t: Any, world_size: int) -> None:

@@ -114,6 +114,20 @@ class TensorBoardLogger(Callback):
         if self._writer is not None:
             self._writer.flush()  # a resume from this checkpoint finds every earlier event
 
+    def on_test_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        """test()'s metrics at the trainer's step: through the open writer (test() inside fit,
+        e.g. in after_fit), else a writer of their own that hides nothing written before."""
+        if self._writer is not None:
+            self._write(view.step, metrics)
+            self._writer.flush()
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(self.log_dir or os.path.join(view.run_dir, "tensorboard"))
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, view.step)
+        writer.close()
+
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         if self._writer is not None:
             self._write_hparams(view, metrics)
@@ -253,11 +267,25 @@ class MetricsJsonl(Callback):
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._write("val", view, metrics)
 
+    def on_test_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        """A "test" line, appended (test() outside fit: to the file as fit left it)."""
+        if self._file is not None:
+            self._write("test", view, metrics)
+            return
+        path = self.path or os.path.join(view.run_dir, "metrics.jsonl")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(self._line("test", view, metrics))
+
     def _write(self, kind: str, view: TrainerView, metrics: Mapping[str, float]) -> None:
         if self._file is not None:
-            record = {"kind": kind, "step": view.step, "epoch": view.epoch, "time": time.time()}
-            self._file.write(json.dumps({**record, **metrics}) + "\n")
+            self._file.write(self._line(kind, view, metrics))
             self._file.flush()
+
+    @staticmethod
+    def _line(kind: str, view: TrainerView, metrics: Mapping[str, float]) -> str:
+        record = {"kind": kind, "step": view.step, "epoch": view.epoch, "time": time.time()}
+        return json.dumps({**record, **metrics}) + "\n"
 
     def state_dict(self) -> dict[str, Any]:
         return {"length": self._file.tell() if self._file is not None else self._length}
@@ -323,6 +351,9 @@ class LogLines(Callback):
         log.info(format_metrics(view, metrics))
 
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        log.info(format_metrics(view, metrics))
+
+    def on_test_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         log.info(format_metrics(view, metrics))
 
 

@@ -3,7 +3,8 @@
 Users subclass `Trainer` and override the task hooks (`build_model`,
 `build_datasets`, `training_step`, `validation_step`, and optionally
 `build_collate_fn`, `build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
-`after_fit`, `predict_step`, `batch_size`, `build_metrics`). The loop itself (`fit`, `train_step`, `validate`) is not an
+`after_fit`, `predict_step`, `test_step`, `batch_size`, `build_metrics`). The loop itself (`fit`,
+`train_step`, `validate`, `test`) is not an
 override point; callbacks observe it (see `saferun.callbacks`).
 """
 
@@ -22,10 +23,12 @@ from torch.utils.data import DataLoader, Dataset
 from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.rundir import default_run_dir
+from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
-from .data import (check_datasets, check_evaluation_limit, check_training_loader, make_loaders,
-                   set_loader_epoch)
+from .checkpoint.weights import Best, Weights, find_weights, load_weights, saved_config
+from .data import (check_datasets, check_evaluation_limit, check_training_loader,
+                   evaluation_loader, loader_options, make_loaders, set_loader_epoch,
+                   split_datasets)
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
@@ -80,6 +83,7 @@ class Trainer:
         self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
         self.train_loader: Optional[DataLoader] = None
         self.val_loader: Optional[DataLoader] = None
+        self.test_loader: Optional[DataLoader] = None  # while test() runs: the test data's loader
         self.state = LoopState(max_steps=self.cfg.trainer.max_steps,
                                config=dataclasses.asdict(self.cfg), rank=self.ranks.rank,
                                world_size=self.ranks.world_size)
@@ -99,22 +103,23 @@ class Trainer:
         return instantiate_node("model", required_node(self.cfg, "model", type(self).__name__,
                                                        "build_model"))
 
-    def build_datasets(self) -> tuple[Dataset, Optional[Dataset]]:
-        """Return (train dataset, validation dataset or None). Default: the `data` node."""
+    def build_datasets(self) -> tuple[Dataset, Optional[Dataset]] | tuple[
+            Dataset, Optional[Dataset], Optional[Dataset]]:
+        """Return (train dataset, validation dataset or None), or (train, val, test): test()
+        without data then uses the third. Default: the `data` node (a Dataset, or such a tuple)."""
         datasets = instantiate_node("data", required_node(self.cfg, "data", type(self).__name__,
                                                            "build_datasets"))
-        if isinstance(datasets, Dataset):
-            return datasets, None
-        train, val = datasets
-        return train, val
+        return (datasets, None) if isinstance(datasets, Dataset) else tuple(datasets)
 
     def build_dataloaders(self, train: Dataset, val: Optional[Dataset]
                           ) -> tuple[DataLoader, Optional[DataLoader]]:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
-        t = self.cfg.trainer
-        pin = self.device.type == "cuda" if t.pin_memory is None else t.pin_memory
-        return make_loaders(train, val, t, self.cfg.seed, self.state.rank, self.state.world_size,
-                            pin, self.build_collate_fn())
+        return make_loaders(train, val, self.cfg.trainer, self.cfg.seed, self.state.rank,
+                            self.state.world_size, self._pin_memory(), self.build_collate_fn())
+
+    def _pin_memory(self) -> bool:
+        pin = self.cfg.trainer.pin_memory
+        return self.device.type == "cuda" if pin is None else pin
 
     def build_collate_fn(self) -> Optional[Callable[[list[Any]], Any]]:
         """Return the function that turns a list of samples into a batch, used by the training,
@@ -162,6 +167,11 @@ class Trainer:
         (on rank 0 under torchrun; on every rank with trainer.strategy=fsdp, whose forward
         needs them all): e.g. print a sample. Default: nothing."""
 
+    def test_step(self, batch: Any) -> Mapping[str, torch.Tensor]:
+        """Return a dict of scalar metrics for a test batch, as validation_step does (test/...).
+        Default: validation_step."""
+        return self.validation_step(batch)
+
     def predict_step(self, batch: Any) -> Any:
         """Return the model's output for `batch`. Default: model(batch), or model(batch[0])."""
         if isinstance(batch, (tuple, list)):
@@ -192,7 +202,7 @@ class Trainer:
         shard_model(self.model, t, self.ranks, self.device)  # fsdp: in place, before the optimizer
         if self.ranks.world_size > 1:
             seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank
-        train_set, val_set = self.build_datasets()
+        train_set, val_set, self._test_set = split_datasets(self.build_datasets(), type(self).__name__)
         check_datasets(train_set, val_set, self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
@@ -270,7 +280,8 @@ class Trainer:
                     self._log()
                 if not validated:
                     self._validate_and_report(Control(stop=True))  # the loop has ended
-                self._checkpointer.save_final()
+                self._checkpointer.save_final(restore_best=any(
+                    getattr(cb, "restore_best", False) for cb in self._callbacks.callbacks))
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
@@ -370,25 +381,63 @@ class Trainer:
         self.state.metrics.update(metrics)
         return metrics
 
-    def _validation_pass(self, evaluator: Evaluator, stopped: Callable[[], bool]) -> dict[str, float]:
-        """One pass of validate(): validation_step over the loader with what it self.log()s,
-        then (the raw weights' pass) the callbacks' on_evaluate, reduced with it."""
-        folded, raw = Folded(), evaluator is self._evaluator
-        step_fn = self._logbook.validation_step(self.validation_step, "val" if raw else "val_ema",
-                                                folded)
+    def _validation_pass(self, evaluator: Evaluator, stopped: Callable[[], bool],
+                         phase: str = "val", loader: Optional[DataLoader] = None) -> dict[str, float]:
+        """One pass of validate() (`phase` "val") or test() ("test", over `loader`): the step
+        over the loader with what it self.log()s, then (validation of the raw weights) the
+        callbacks' on_evaluate, reduced with it."""
+        folded, raw, val = Folded(), evaluator is self._evaluator, phase == "val"
+        step_fn = self._logbook.validation_step(self.validation_step if val else self.test_step,
+                                                phase if raw else f"{phase}_ema", folded)
 
         def finish() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            self._logbook.begin("val", 0)
-            if raw:
+            self._logbook.begin(phase, 0)
+            if raw and val:
                 self._callbacks.on_evaluate(self.view, self.model, EvalLog(self._logbook),
                                             self.ranks.is_main, self._strategy.sharded)
             means = self._logbook.joined({}, "on_evaluate")
             folded.merge(self._logbook.take_folded())
             return means, folded.reduced(self.device)
 
-        return evaluator.validate(self.val_loader, step_fn, self.batch_size,  # type: ignore[arg-type]  # validation needs a val_loader
-                                  self.cfg.trainer.limit_val_batches, stopped, self.state.step,
-                                  finish)
+        return evaluator.validate(self.val_loader if val else loader, step_fn,  # type: ignore[arg-type]  # validation needs a val_loader
+                                  self.batch_size,
+                                  self.cfg.trainer.limit_val_batches if val else None, stopped,
+                                  self.state.step, finish, "validation_step" if val else "test_step")
+
+    def test(self, data: Dataset | DataLoader | None = None) -> dict[str, float]:
+        """Average `test_step` over `data` (a Dataset or DataLoader; None: the third set
+        build_datasets returned) as validate() does: eval mode, inference_mode, the purity
+        guard, synced over the ranks. Returns test/... metrics and reports them (on_test_end:
+        metrics.jsonl, TensorBoard, the log; summary.json in the run directory)."""
+        self.setup()
+        self._checkpointer.check_evaluated_weights("test")
+        self.test_loader = loader = self._test_loader(data)
+        self._logbook.take()  # (what an earlier pass left: not this one's)
+        try:
+            metrics = {f"test/{k}": v for k, v in self.finish_validation(self._validation_pass(
+                self._evaluator, lambda: False, "test", loader)).items()}
+        finally:
+            self.test_loader = None
+        self._callbacks.on_test_end(self.view, metrics)
+        self._write_media(self._logbook.take()[1])
+        if self.ranks.is_main:
+            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})
+        return metrics
+
+    def _test_loader(self, data: Dataset | DataLoader | None) -> DataLoader:
+        if isinstance(data, DataLoader):
+            return data
+        if data is None and self._test_set is None:
+            raise SaferunError(
+                f"test() was given no data and {type(self).__name__}.build_datasets() returned "
+                f"no test set. Pass the test set, trainer.test(dataset_or_loader), or return "
+                f"(train, val, test) from build_datasets (on the command line: a data node "
+                f"whose datasets include a test split).")
+        t, dataset = self.cfg.trainer, self._test_set if data is None else data
+        assert dataset is not None  # (refused above)
+        return evaluation_loader(dataset, t, None, **loader_options(
+            t, self.cfg.seed, self.ranks.rank, self.ranks.world_size, self._pin_memory(),
+            self.build_collate_fn()))
 
     def predict(self, data: Dataset | DataLoader) -> Any:
         """Run `predict_step` over `data` in eval mode without autograd; outputs on the CPU.
@@ -462,6 +511,13 @@ class Trainer:
         bar; and a warning when max_steps ends the run before max_epochs (a recipe's max_steps
         under a max_epochs given on the command line)."""
         t, state = self.cfg.trainer, self.state
+        if self._checkpointer.restored_best:
+            raise SaferunError(
+                f"fit() already ran on this Trainer and EarlyStopping(restore_best=True) put the "
+                f"best weights (step {self.best.step if self.best else '?'}) back into the model, "
+                f"while the optimizer and schedule are those of step {state.step}: training on "
+                f"would mix the two. To continue the run, build a new Trainer with resume= the "
+                f"checkpoint to continue from (the best: {self.best.checkpoint if self.best else '?'}).")
         done = (t.max_steps is not None and state.step >= t.max_steps) or (
             t.max_epochs is not None and state.epoch >= t.max_epochs)
         if self._fitted is not None and (done or self._fitted == (t.max_steps, t.max_epochs)):
@@ -589,6 +645,51 @@ class Trainer:
         to the loggers (rank 0), at this step."""
         if media:
             self._callbacks.on_media(self.view, [m.at(self.state.step) for m in media])
+
+    @property
+    def best(self) -> Optional[Best]:
+        """trainer.save_best's best validation so far (metric, value, step, path of
+        model_best.pt, its checkpoint), kept across a resume; None without save_best or
+        before a finite value."""
+        return self._checkpointer.best_record()
+
+    @classmethod
+    def from_run(cls, run_dir: str, checkpoint: str = "best", *, out_dir: Optional[str] = None,
+                 callbacks: Sequence[Callback] = (), **kwargs: Any) -> "Trainer":
+        """A set-up Trainer of this class, built from the config `run_dir` saved (config.yaml),
+        with the weights `checkpoint` names: "best" (model_best.pt; with trainer.ema also
+        model_ema_best.pt), "last" (model.pt), a checkpoint directory or a .pt file. Ready for
+        validate(), predict() and test(). It never writes into `run_dir`: its own run
+        directory is `out_dir`, or a new one under runs/, written only by test()."""
+        config = saved_config(run_dir)
+        weights = find_weights(run_dir, checkpoint, config)
+        config["trainer"] = {**config["trainer"], "run_dir": out_dir}
+        config["resume"] = None  # the weights are loaded below; nothing of the run resumed
+        if config["trainer"].get("strategy") == "fsdp":
+            if distributed.ranks_from_env().world_size > 1:
+                raise SaferunError(
+                    f"from_run({run_dir!r}) under torchrun with trainer.strategy=fsdp: the "
+                    f"exported weights are whole; evaluate them in one process (it builds the "
+                    f"model unsharded).")
+            config["trainer"]["strategy"] = "auto"  # whole weights, one process: no sharding
+        trainer = cls(config, callbacks, **kwargs)
+        trainer.setup()
+        trainer._load_exported(weights)
+        return trainer
+
+    def _load_exported(self, weights: Weights) -> None:
+        """from_run: `weights` into the model (and trainer.ema's average); the step they are
+        from, so what test() reports is at that step."""
+        if weights.state is not None:  # a checkpoint directory: its model and average
+            self._checkpointer.load_weights(weights.source, weights.state)
+        else:
+            load_weights(self.model, weights.model, weights.source)
+            if self._ema is not None and weights.ema is not None:
+                load_weights(self._ema.module, weights.ema, weights.source.with_name(
+                    weights.source.name.replace("model", "model_ema", 1)))
+            elif self._ema is not None:  # no average kept: val_ema/ would be the raw weights
+                self._ema.load_state_dict(None)
+        self.state.step = weights.step or 0
 
     # ------------------------------------------------------------------ logging API
 

@@ -28,8 +28,9 @@ from ..version import __version__
 from . import course, rundir
 from .compat import check_resume_config
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_checkpoint, save_weights)
+                    load_latest, rotate, save_checkpoint, save_weights, step_of)
 from .superseded import FRESH, evaluated_weights, start_fresh
+from .weights import Best, load_weights
 
 log = logging.getLogger("saferun")
 
@@ -67,10 +68,11 @@ class Checkpointer:
 
     def __init__(self, owner: Owner) -> None:
         self._owner = owner
-        self.best: Optional[tuple[float, str]] = None  # (value, checkpoint path) of save_best
+        self.best: Optional[tuple[float, str, int]] = None  # save_best: (value, checkpoint, step)
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self.shards: Any = None  # trainer.strategy=fsdp's ShardedWriter
+        self.restored_best = False  # EarlyStopping(restore_best=True) put the best weights back
 
     # ------------------------------------------------------------------ state
 
@@ -128,7 +130,7 @@ class Checkpointer:
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, loop[key])
         o.state.metrics.update(loop["metrics"])
-        self.best = tuple(loop["best"]) if loop["best"] else None  # type: ignore[assignment]
+        self.best = _best_record(loop["best"])
         o._owed = loop.get("owed")  # absent from older checkpoints
         o._validated_at = loop.get("validated_at", -1)
         if len(state["per_rank"]) != o.ranks.world_size and o._strategy.sharded:
@@ -191,14 +193,7 @@ class Checkpointer:
         # Evaluation needs only the same model; continuing training needs the whole config.
         check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
                             keys=("model", "task"), purpose="use the checkpoint's weights")
-        if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
-            from . import sharded
-
-            sharded.load(found[0], state, o.model, None)
-        else:
-            self.load_model(whole_weights(found[0], state))
-        if o._ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
-            o._ema.load_state_dict(state.get("ema"))
+        self.load_weights(*found)
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, state["loop"][key])
         self.pending_resume = found
@@ -253,6 +248,11 @@ class Checkpointer:
                         ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
         if changed is not None:
             self._best_of_this_directory(path)
+        if self.best is not None and self.best[2] == o.state.step:
+            # resumed at the best's step (a crash may have come between its checkpoint and
+            # model_best.pt): the weights now are the best's, so model_best.pt is written again
+            self.write_weights("_best")
+        if changed is not None:
             # PATH elsewhere: this run directory's own first checkpoint, as this run goes on
             # (after force_resume's values: a resume from it must not go back to PATH's)
             self.ensure_one()
@@ -271,12 +271,12 @@ class Checkpointer:
         another run directory. Its value stays: a new best must beat the course's best so far."""
         if self.best is None:
             return
-        value, named = self.best
+        value, named, step = self.best
         root = checkpoint_root(self._owner.state.run_dir)
         if Path(named).resolve() == resumed.resolve():
-            self.best = (value, str(root / resumed.name))
+            self.best = (value, str(root / resumed.name), step)
         elif Path(named).parent.resolve() != root.resolve() or not Path(named).is_dir():
-            self.best = (value, "")
+            self.best = (value, "", step)
             if self._owner.ranks.is_main:
                 log.warning("save_best: the best checkpoint of this course so far (%s %s, %s) is "
                             "not in this run directory (deleted by the superseded course's "
@@ -293,11 +293,21 @@ class Checkpointer:
         evaluated_weights(entry, o.state.run_dir, o.cfg.resume, self.untrained_auto,
                           self.pending_resume is None and o.state.step == 0 and o.ranks.is_main)
 
-    def load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
-        try:
-            self._owner.model.load_state_dict(weights)
-        except RuntimeError as e:
-            raise CheckpointError(f"the checkpoint's weights do not fit this model: {e}") from None
+    def load_model(self, weights: Mapping[str, torch.Tensor], source: Any = "the checkpoint") -> None:
+        load_weights(self._owner.model, weights, source)
+
+    def load_weights(self, path: Path, state: Mapping[str, Any]) -> None:
+        """The model's weights (and trainer.ema's average) from checkpoint `path` (`state`):
+        what evaluation needs of a resume, and what EarlyStopping(restore_best=True) restores."""
+        o = self._owner
+        if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
+            from . import sharded
+
+            sharded.load(path, dict(state), o.model, None)
+        else:
+            self.load_model(whole_weights(path, state), path)
+        if o._ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
+            o._ema.load_state_dict(state.get("ema"))
 
     # ------------------------------------------------------------------ save
 
@@ -312,7 +322,7 @@ class Checkpointer:
             return list_checkpoints(root)[-1]  # rolled back to it
         path = root / f"step-{o.state.step:08d}"
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
-            self.best = (best, str(path))
+            self.best = (best, str(path), o.state.step)
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
                                        keep=[Path(self.best[1])] if self.best else (), current=done)
@@ -330,12 +340,23 @@ class Checkpointer:
         o._callbacks.on_checkpoint(o.view, str(path))
         return path
 
-    def save_final(self) -> None:
+    def save_final(self, restore_best: bool = False) -> None:
+        """The run's last checkpoint and model.pt; with `restore_best` (an
+        EarlyStopping(restore_best=True) among the callbacks), then the best weights back."""
         # Always: the final validation may have changed callback state since the last save.
         self.save()
-        o = self._owner
         if self.shards is not None:
             self.shards.finish()  # the run's last checkpoint is complete before it ends
+        self.write_weights("")
+        if restore_best:
+            self.restore_best()  # after model.pt: the files keep the final weights
+            self.restored_best = True
+
+    def write_weights(self, suffix: str) -> None:
+        """<run_dir>/model{suffix}.pt (and model_ema{suffix}.pt with trainer.ema), atomically:
+        the model's whole weights, loadable without saferun; model.pt at the end, model_best.pt
+        at each new best. Every rank calls it (fsdp gathers the shards); rank 0 writes."""
+        o = self._owner
         if o._strategy.sharded:  # gathered from every rank
             from .sharded import full_weights
 
@@ -343,9 +364,38 @@ class Checkpointer:
         else:
             weights = o.model.state_dict()
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
-            save_weights(Path(o.state.run_dir) / "model.pt", weights)
+            save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)
             if o._ema is not None:  # loads into the same model class as model.pt
-                save_weights(Path(o.state.run_dir) / "model_ema.pt", o._ema.module.state_dict())
+                save_weights(Path(o.state.run_dir) / f"model_ema{suffix}.pt",
+                             o._ema.module.state_dict())
+            best = self.best_record()
+            if suffix == "_best" and best is not None:  # summary.json names them: metric, value, step
+                rundir.update_summary(o.state.run_dir, {"best": dataclasses.asdict(best)})
+
+    def best_record(self) -> Optional[Best]:
+        """save_best's best so far as a `Best`, or None (no save_best, or no finite value yet)."""
+        if self.best is None:
+            return None
+        o = self._owner
+        return Best(o.cfg.trainer.save_best, self.best[0], self.best[2],
+                    str(Path(o.state.run_dir) / "model_best.pt"), self.best[1])
+
+    def restore_best(self) -> None:
+        """EarlyStopping(restore_best=True), at the end of fit: the model (and trainer.ema's
+        average) get the best checkpoint's weights; the optimizer, schedule and step stay the
+        final ones, and the files (checkpoints, model.pt, model_best.pt) stay as they are."""
+        o = self._owner
+        if self.best is None or not self.best[1]:
+            if o.ranks.is_main:
+                log.warning("EarlyStopping(restore_best=True): no best checkpoint %s, so the "
+                            "model keeps its final weights.", "in this run directory"
+                            if self.best else "(no validation reported a finite value)")
+            return
+        path = Path(self.best[1])
+        self.load_weights(path, load_checkpoint(path))
+        if o.ranks.is_main:
+            log.info("EarlyStopping(restore_best=True): the model holds the best weights (%s %s "
+                     "at step %d) again.", o.cfg.trainer.save_best, self.best[0], self.best[2])
 
     def save_due(self) -> bool:
         every = self._owner.cfg.trainer.save_every_n_steps
@@ -362,7 +412,9 @@ class Checkpointer:
         """trainer.save_best: save when validation improved the watched metric."""
         key = self._owner.cfg.trainer.save_best
         if key is not None and self._improves(metrics, key):
-            self.save(best=metrics[key])
+            path = self.save(best=metrics[key])
+            if self.best is not None and self.best[1] == str(path):  # (not when rolled back)
+                self.write_weights("_best")
 
     def _improves(self, metrics: Mapping[str, float], key: str) -> bool:
         if key not in metrics:
@@ -411,3 +463,14 @@ def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:
             f"{state['sharded']['world_size']} processes) and this run does not shard the model. "
             f"Resume with trainer.strategy=fsdp, or use the run's model.pt (whole weights).")
     return state["model"]
+
+
+def _best_record(saved: Any) -> Optional[tuple[float, str, int]]:
+    """A checkpoint's save_best record: [value, path, step]; [value, path] from saferun before
+    model_best.pt (the step is then the checkpoint's own)."""
+    if not saved:
+        return None
+    if len(saved) == 2:
+        named = Path(saved[1])
+        return (saved[0], saved[1], step_of(named) if named.name.startswith("step-") else -1)
+    return (saved[0], saved[1], int(saved[2]))

@@ -162,6 +162,21 @@ def write_config(run_dir: str, config: Mapping[str, Any]) -> None:
 _with_config: Optional[tuple[str, Callable[[], None]]] = None
 
 
+def update_summary(run_dir: str, entries: Mapping[str, Any]) -> None:
+    """Set `entries` in <run_dir>/summary.json (created if absent), atomically; other keys stay."""
+    import json
+
+    path = Path(run_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    tmp = path.with_name(f".tmp-summary-{secrets.token_hex(4)}.json")
+    try:
+        tmp.write_text(json.dumps({**summary, **entries}, indent=2))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def writes_hydra_dir(run_dir: str) -> bool:
     """Whether this run writes `run_dir`'s .hydra/ once accepted (`when_accepted`): one there
     now is an earlier run's."""

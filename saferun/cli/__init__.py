@@ -11,12 +11,13 @@ import sys
 from typing import Optional, Sequence
 
 from .check import check
+from .evaluate import test
 from .compose import SweepSummary, _register_with_hydra, compose_config, run_id
 from .recipes import copy_recipe, list_configs, new, recipe_names
 from .run import run
 
 __all__ = ["SweepSummary", "check", "compose_config", "copy_recipe", "list_configs", "main", "new",
-           "recipe_names", "run", "run_id", "_register_with_hydra"]
+           "recipe_names", "run", "run_id", "test", "_register_with_hydra"]
 
 USAGE = """usage: saferun COMMAND [ARGS]
 
@@ -27,6 +28,8 @@ commands:
   list                       the recipes and the options of every config group
   check [OVERRIDES]          a short diagnostic session with every guard on: one line per
                              check, exit status 1 if any fails (use it in your CI)
+  test RUN_DIR [checkpoint=best|last|PATH]
+                             evaluate a run's model on the test split of its datasets
 """
 
 
@@ -37,7 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(USAGE, end="")
         return
     command, rest = args[0], args[1:]
-    commands = {"run": run, "new": new, "list": list_configs, "check": check}
+    commands = {"run": run, "new": new, "list": list_configs, "check": check, "test": test}
     if command not in commands:
         print(f"saferun: unknown command {command!r}.\n\n{USAGE}", end="", file=sys.stderr)
         raise SystemExit(2)

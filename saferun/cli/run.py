@@ -3,8 +3,8 @@ of a torchrun job)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
@@ -130,7 +130,7 @@ def _train(cfg: Any) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
 
-    from ..checkpoint.rundir import when_accepted
+    from ..checkpoint.rundir import update_summary, when_accepted
     from ..checkpoint.superseded import note_log_files
     from ..config import load_config
     from ..errors import SaferunError
@@ -178,9 +178,9 @@ def _train(cfg: Any) -> Optional[float]:
         "seconds": round(time.time() - started, 2),
         "metrics": metrics,
         "objective": objective.result(run_dir, metrics, trainer.state.step),
+        "best": dataclasses.asdict(trainer.best) if trainer.best is not None else None,
     }
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    update_summary(run_dir, summary)  # (what test() wrote there, e.g. from after_fit, stays)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "train/loss")))
     print(f"saferun: done at step {trainer.state.step}: {shown}", flush=True)
     print(f"saferun: run directory {run_dir}", flush=True)

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ..config import Config
+from ..data import split_datasets
 from ..errors import SaferunError
 from .. import modes
 from ..loop.batches import first_batch
@@ -260,7 +261,7 @@ def _determinism(make: Factory, cfg: Config) -> CheckResult:
 
 def _data_overlap(make: Factory, cfg: Config) -> CheckResult:
     trainer = make(cfg)
-    train, val = trainer.build_datasets()
+    train, val, _ = split_datasets(trainer.build_datasets(), type(trainer).__name__)  # (test set: not checked)
     if val is None or not all(hasattr(d, "__len__") for d in (train, val)):
         return CheckResult("data overlap", "pass", "no map-style validation set: not checked")
     with preserved_rng():

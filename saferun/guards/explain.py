@@ -121,7 +121,8 @@ def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCod
         return None
 
 
-_HOOKS = {"training": "training_step", "validation": "validation_step", "predict": "predict_step"}
+_HOOKS = {"training": "training_step", "validation": "validation_step", "test": "test_step",
+          "predict": "predict_step"}
 
 
 def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:

@@ -1,4 +1,4 @@
-"""Evaluation passes (validation, predict): eval mode with every submodule's flag restored after,
+"""Evaluation passes (validation, test, predict): eval mode with every submodule's flag restored after,
 no autograd, autocast, training's random streams untouched; with guards.eval_purity, the model
 checked to be left as evaluation found it."""
 
@@ -54,12 +54,13 @@ class Evaluator:
                  batch_size: Callable[[Any], int], limit: Optional[int],
                  stopped: Callable[[], bool], step: int,
                  finish: Optional[Callable[[], tuple[Mapping[str, torch.Tensor],
-                                                     Mapping[str, torch.Tensor]]]] = None
-                 ) -> dict[str, float]:
+                                                     Mapping[str, torch.Tensor]]]] = None,
+                 hook: str = "validation_step") -> dict[str, float]:
         """The batch-size-weighted means of `step_fn`'s values over `loader` and the stateful
         metrics' values (one host read). `finish()`, called after the batches still in eval mode
         and under the purity check, returns (values to average with weight 1, values already
-        reduced over the ranks) to report with them."""
+        reduced over the ranks) to report with them. `hook`: the step's name, for messages
+        (validation_step, or test_step for a test pass)."""
         means = WeightedMeans()
         reset_all(self._metrics)
         before = fingerprint(self._model) if self._purity else None
@@ -74,10 +75,10 @@ class Evaluator:
                 try:
                     out = step_fn(move_to_device(batch, self._device, self._non_blocking))
                 except Exception as exc:  # here, not in fit: validate() is also called alone
-                    self._raise_explained(exc, "validation", batch)
+                    self._raise_explained(exc, hook.split("_")[0], batch)
                     raise
-                means.add(scalar_dict(out, "validation_step"),
-                          samples_in(batch, batch_size, f"validation batch {i + 1}"))
+                means.add(scalar_dict(out, hook),
+                          samples_in(batch, batch_size, f"{hook.split('_')[0]} batch {i + 1}"))
             finished = finish() if finish is not None else ({}, {})
             means.add(finished[0], 1)
             modes_seen = self._modes.now() if self._modes is not None else None  # before restored
@@ -87,7 +88,7 @@ class Evaluator:
         values, flags = means.read(probe, self._device, computed)
         check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)
         if modes_seen is not None:  # after purity, whose message names the changed buffers
-            self._modes.check(step, "validation_step", modes_seen)  # type: ignore[union-attr]  # seen: declared
+            self._modes.check(step, hook, modes_seen)  # type: ignore[union-attr]  # seen: declared
         return values
 
     def predict(self, loader: DataLoader, step_fn: Callable[[Any], Any], step: int) -> Any:

@@ -142,7 +142,7 @@ def test_the_best_checkpoint_records_itself_and_survives_a_resume(tmp_path):
         crashing.fit()
     assert [p.name for p in list_checkpoints(root)] == ["step-00000008"]
     best = load_checkpoint(root / "step-00000008")["loop"]["best"]
-    assert best == [3.0, str(root / "step-00000008")]  # itself, not the previous best (step 4)
+    assert best == [3.0, str(root / "step-00000008"), 8]  # itself, not the previous best (step 4)
     cfg["resume"] = "auto"
     ScoreAt(cfg).fit()  # step 12 scores 4.0: better than step 4's 5.0, not than step 8's 3.0
     assert [p.name for p in list_checkpoints(root)] == ["step-00000008", "step-00000016"]
@@ -423,8 +423,8 @@ def test_save_best_never_keeps_a_nan_as_the_best(tmp_path, mode):
     cfg = toy_config(tmp_path, save_best="val/loss", save_best_mode=mode)
     c = Checkpointer(ToyTrainer(cfg))
     assert not c._improves({"val/loss": float("nan")}, "val/loss")  # a NaN is never the best
-    c.best = (float("nan"), "step-00000005")  # a NaN best (saved by an older saferun)
+    c.best = (float("nan"), "step-00000005", 5)  # a NaN best (saved by an older saferun)
     assert c._improves({"val/loss": 0.5}, "val/loss")  # is beaten by any number
-    c.best = (0.5, "step-00000010")
+    c.best = (0.5, "step-00000010", 10)
     assert c._improves({"val/loss": 0.4 if mode == "min" else 0.6}, "val/loss")
     assert not c._improves({"val/loss": float("nan")}, "val/loss")

@@ -334,7 +334,7 @@ def final_state(run_dir):
     """The final checkpoint's training state, with run-directory paths reduced to names."""
     state = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
     best = state["loop"]["best"]
-    state["loop"]["best"] = [best[0], os.path.basename(best[1])] if best else None
+    state["loop"]["best"] = [best[0], os.path.basename(best[1]), *best[2:]] if best else None
     del state["config"], state["provenance"]  # run_dir and resume differ, by design
     return without_timings(state)
 

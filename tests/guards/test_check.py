@@ -142,3 +142,15 @@ def test_lazy_modules_are_no_eval_purity_false_alarm(tmp_path):
 
     [found] = run_checks(lambda c: Lazy(c), load_config(toy_config(tmp_path)), only=["eval purity"])
     assert found.status == "pass", found
+
+
+def test_a_trainer_with_a_test_set_is_checked(tmp_path):
+    """build_datasets may return (train, val, test): the data-overlap check unpacked two."""
+    class WithTest(ToyTrainer):
+        def build_datasets(self):
+            train, val = super().build_datasets()
+            return train, val, val
+
+    cfg = load_config(toy_config(tmp_path))
+    [found] = run_checks(lambda c: WithTest(c), cfg, only=["data overlap"])
+    assert found.status == "pass", found

@@ -1,0 +1,169 @@
+"""A finished run's weights: model.pt (the last), model_best.pt (trainer.save_best's best), a
+checkpoint; which file a `checkpoint=` argument names, the run's saved config, and loading the
+weights into a model with the mismatch named (`Trainer.from_run`, `saferun.load_model`,
+`saferun test`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from ..errors import SaferunError
+from .store import CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint, step_of
+
+FILES = {"best": "model_best.pt", "last": "model.pt"}  # checkpoint= names -> the exported file
+EMA_FILES = {"best": "model_ema_best.pt", "last": "model_ema.pt"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """trainer.save_best's best validation so far (`Trainer.best`, summary.json's "best").
+
+    metric: the watched metric (trainer.save_best); value: its best value; step: the step of
+    that validation; path: <run_dir>/model_best.pt, its weights; checkpoint: the checkpoint
+    saved at that step ("" when a change of course left it in another run directory)."""
+
+    metric: str
+    value: float
+    step: int
+    path: str
+    checkpoint: str
+
+
+def saved_config(run_dir: str | Path) -> dict[str, Any]:
+    """The config a run saved in <run_dir>/config.yaml, as plain data."""
+    import yaml
+
+    where = Path(run_dir)
+    if not where.is_dir():
+        raise SaferunError(f"the run directory {where} does not exist (or is not a directory). "
+                           f"Name a run directory a fit() wrote, e.g. runs/<name>/<date>.")
+    path = where / "config.yaml"
+    if not path.is_file():
+        raise SaferunError(f"{where} holds no config.yaml, so it is not a run directory (fit() "
+                           f"writes config.yaml when a run starts). Name the run directory "
+                           f"itself, not its checkpoints/ or a parent.")
+    return yaml.safe_load(path.read_text())
+
+
+@dataclasses.dataclass
+class Weights:
+    """What `checkpoint=` named: the model's weights, the averaged ones (trainer.ema) if the
+    run kept them, the step they are from (None: unknown) and where they came from."""
+
+    model: Mapping[str, torch.Tensor]
+    ema: Optional[Mapping[str, torch.Tensor]]
+    step: Optional[int]
+    source: Path
+    state: Optional[Mapping[str, Any]] = None  # a checkpoint directory's whole state
+
+
+def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]) -> Weights:
+    """The weights `checkpoint` names in `run_dir`: "best" (model_best.pt), "last" (model.pt),
+    a checkpoint directory (<run_dir>/checkpoints/step-N) or a .pt file of weights."""
+    where = Path(run_dir)
+    if checkpoint in FILES:
+        path = where / FILES[checkpoint]
+        if not path.is_file():
+            raise SaferunError(_missing(where, checkpoint, config))
+        ema = where / EMA_FILES[checkpoint]
+        return Weights(_load_file(path), _load_file(ema) if ema.is_file() else None,
+                       _step(where, checkpoint), path)
+    path = Path(checkpoint)
+    if (path / "manifest.json").is_file():
+        state = load_checkpoint(path)
+        if "sharded" in state:
+            raise CheckpointError(
+                f"checkpoint={checkpoint} holds the weights sharded by trainer.strategy=fsdp; "
+                f"use checkpoint=best or checkpoint=last (whole weights, model_best.pt or "
+                f"model.pt).")
+        return Weights(state["model"], None, state["loop"]["step"], path, state)
+    if path.is_file():
+        return Weights(_load_file(path), None, None, path)
+    raise SaferunError(
+        f"checkpoint={checkpoint!r} is unknown: it is neither best (model_best.pt), last "
+        f"(model.pt), a checkpoint directory (<run dir>/checkpoints/step-N) nor a .pt file of "
+        f"weights{'' if not path.exists() else ' (it exists but is none of these)'}.")
+
+
+def _missing(where: Path, checkpoint: str, config: Mapping[str, Any]) -> str:
+    trainer = config.get("trainer") or {}
+    found = list_checkpoints(checkpoint_root(where))
+    latest = f" (the latest: checkpoint={found[-1]})" if found else ""
+    if checkpoint == "best" and not trainer.get("save_best"):
+        return (f"{where} has no model_best.pt: the run did not set trainer.save_best, so it kept "
+                f"no best model. Set trainer.save_best to a validation metric (e.g. "
+                f"trainer.save_best=val/acc trainer.save_best_mode=max) when training; for this "
+                f"run use checkpoint=last (model.pt) or a checkpoint directory{latest}.")
+    if checkpoint == "best":
+        return (f"{where} has no model_best.pt although trainer.save_best="
+                f"{trainer.get('save_best')}: no validation has reported a finite value yet. "
+                f"Use checkpoint=last or a checkpoint directory{latest}.")
+    return (f"{where} has no model.pt: it is written when fit() ends, and this run has not "
+            f"ended (or crashed). Name a checkpoint instead{latest}, or checkpoint=best.")
+
+
+def _step(where: Path, checkpoint: str) -> Optional[int]:
+    """The step of model.pt (the run's last checkpoint, saved with it) or model_best.pt (the
+    run's summary.json names it); None if unknown."""
+    import json
+
+    if checkpoint == "best":
+        summary = where / "summary.json"
+        best = json.loads(summary.read_text()).get("best") if summary.is_file() else None
+        return best["step"] if best else None
+    found = list_checkpoints(checkpoint_root(where))
+    return step_of(found[-1]) if found else None
+
+
+def _load_file(path: Path) -> Mapping[str, torch.Tensor]:
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"could not read the weights in {path}: {e}") from None
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{path} holds a {type(weights).__name__}, not a state_dict of "
+                              f"weights.")
+    return weights
+
+
+def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], source: Any) -> None:
+    """Load `weights` into `model`, strictly; a mismatch names the keys and shapes."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    shapes = sorted(f"{k} {tuple(weights[k].shape)} vs the model's {tuple(own[k].shape)}"
+                    for k in set(own) & set(weights)
+                    if isinstance(weights[k], torch.Tensor) and weights[k].shape != own[k].shape)
+    if missing or unexpected or shapes:
+        said = [f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+                for what, keys in (("missing from the weights", missing),
+                                   ("not in the model", unexpected),
+                                   ("of another shape", shapes)) if keys]
+        raise CheckpointError(f"the weights in {source} do not fit this model ({type(model).__name__}"
+                              f"): {'; '.join(said)}. Build the model the run was trained with "
+                              f"(its config.yaml), or name the right checkpoint.")
+    model.load_state_dict(weights)
+
+
+def load_model(run_dir: str | Path, checkpoint: str = "best") -> nn.Module:
+    """The model of a command-line (Hydra) run: its config's `model` node instantiated, with
+    the weights `checkpoint` names ("best": model_best.pt, "last": model.pt, or a path), in
+    eval mode, on the CPU."""
+    from ..loop.components import instantiate_node
+
+    config = saved_config(run_dir)
+    node = config.get("model")
+    if not node:
+        raise SaferunError(
+            f"the config of {run_dir} has no model node: its Trainer builds the model in "
+            f"build_model(). Use that class instead: "
+            f"YourTrainer.from_run({str(run_dir)!r}, checkpoint={checkpoint!r}).model.")
+    weights = find_weights(run_dir, checkpoint, config)
+    model = instantiate_node("model", node)
+    load_weights(model, weights.model, weights.source)
+    return model.eval()
