@@ -25,7 +25,7 @@ from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView,
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
-from .checkpoint.weights import Best, Weights, find_weights, load_weights, saved_config
+from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
 from .data import (check_datasets, check_evaluation_limit, check_training_loader,
                    evaluation_loader, loader_options, make_loaders, set_loader_epoch,
                    split_datasets)
@@ -663,6 +663,7 @@ class Trainer:
         directory is `out_dir`, or a new one under runs/, written only by test()."""
         config = saved_config(run_dir)
         weights = find_weights(run_dir, checkpoint, config)
+        check_out_dir(run_dir, out_dir)  # test() writes there: never into a run's own logs
         config["trainer"] = {**config["trainer"], "run_dir": out_dir}
         config["resume"] = None  # the weights are loaded below; nothing of the run resumed
         if config["trainer"].get("strategy") == "fsdp":

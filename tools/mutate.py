@@ -1297,6 +1297,18 @@ mutation("test stage: the test set is split over the ranks", "saferun/data.py",
                        evaluation=False, limit=limit, **common)""",
          "tests/parallel/test_test_ranks.py::test_test_under_torchrun_equals_one_process",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
+BESTT = "tests/checkpoint/test_best_model.py::"
+mutation("best: an evaluating trainer resumed from a run knows its best", "saferun/checkpoint/checkpointer.py",
+         '        self.best = _best_record(state["loop"].get("best"))  # Trainer.best, before any fit',
+         "        pass", BESTT + "test_an_evaluating_trainer_resumed_from_a_run_knows_its_best")
+mutation("test stage: from_run's out_dir is not the run it reads", "saferun/checkpoint/weights.py",
+         "    if where.resolve() == Path(run_dir).resolve():", "    if False:",
+         BESTT + "test_test_never_writes_into_a_run_it_did_not_evaluate")
+mutation("test stage: from_run's out_dir holds no other run", "saferun/checkpoint/weights.py",
+         "    if held:\n", "    if False:\n", BESTT + "test_test_never_writes_into_a_run_it_did_not_evaluate")
+mutation("test stage: test() over a run's checkpoints with resume unset is refused",
+         "saferun/checkpoint/superseded.py", '    if found and entry == "test":', "    if False:",
+         BESTT + "test_test_never_writes_into_a_run_it_did_not_evaluate")
 
 # ---------------------------------------------------------------- the runner
 

@@ -196,6 +196,7 @@ class Checkpointer:
         self.load_weights(*found)
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, state["loop"][key])
+        self.best = _best_record(state["loop"].get("best"))  # Trainer.best, before any fit
         self.pending_resume = found
 
     def begin_run(self) -> None:

@@ -142,6 +142,13 @@ def evaluated_weights(entry: str, run_dir: str, resume: Optional[str], untrained
             f"evaluate (e.g. resume=runs/exp1), or resume=null to evaluate the initial weights "
             f"on purpose.")
     found = list_checkpoints(Path(run_dir) / "checkpoints") if unresumed and resume is None else []
+    if found and entry == "test":  # test() writes its numbers into this run's logs and summary
+        raise SaferunError(
+            f"test(): resume is unset, so it would evaluate the model as built (not the "
+            f"checkpoints in {run_dir}, the latest: step {step_of(found[-1])}) and write those "
+            f"numbers into that run's metrics.jsonl and summary.json. Set resume=auto to test "
+            f"the run's latest weights, or use {{YourTrainer}}.from_run({run_dir!r}, 'best') "
+            f"to test its best.")
     if found:
         log.warning("%s(): resume is unset, so this evaluates the model as built (its initial "
                     "weights, unless you loaded others), not the checkpoints in %s (the latest: "

@@ -62,6 +62,26 @@ class Weights:
     state: Optional[Mapping[str, Any]] = None  # a checkpoint directory's whole state
 
 
+def check_out_dir(run_dir: str | Path, out_dir: Optional[str]) -> None:
+    """from_run's `out_dir` (where test() writes its metrics) must be neither the run it reads
+    nor a directory that holds another run's logs: its metrics.jsonl, summary.json and
+    TensorBoard would get this evaluation's lines mixed in."""
+    if out_dir is None:
+        return
+    where = Path(out_dir)
+    if where.resolve() == Path(run_dir).resolve():
+        raise SaferunError(f"out_dir={out_dir} is the run directory being read: test() would "
+                           f"add its lines to that run's metrics.jsonl, summary.json and "
+                           f"TensorBoard. Name a new directory (or leave out_dir unset: a new "
+                           f"one under runs/).")
+    held = [name for name in ("metrics.jsonl", "summary.json", "checkpoints")
+            if (where / name).exists()]
+    if held:
+        raise SaferunError(f"out_dir={out_dir} holds another run's {', '.join(held)}: test() "
+                           f"would mix this evaluation into that run's logs. Name a new "
+                           f"directory (or leave out_dir unset: a new one under runs/).")
+
+
 def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]) -> Weights:
     """The weights `checkpoint` names in `run_dir`: "best" (model_best.pt), "last" (model.pt),
     a checkpoint directory (<run_dir>/checkpoints/step-N) or a .pt file of weights."""

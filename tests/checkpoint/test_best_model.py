@@ -215,3 +215,34 @@ def test_without_restore_best_the_model_keeps_its_final_weights(tmp_path):
     t = Scored(config(tmp_path), callbacks=[stopper])
     t.fit()
     assert_same(t.model.state_dict(), checkpoint_model(tmp_path / "run", 16))
+
+
+def test_an_evaluating_trainer_resumed_from_a_run_knows_its_best(finished):
+    """resume=auto set up for evaluation (validate()/test(), no fit) loads the best record
+    too: Trainer.best was None there although the run has one."""
+    cfg = config(finished.parent)
+    cfg.update(model={"_target_": "toys.Net"}, logger={}, resume="auto")
+    t = Scored(cfg)
+    t.setup()
+    assert t.best is not None and (t.best.step, t.best.value) == (8, 3.0)
+
+
+def test_test_never_writes_into_a_run_it_did_not_evaluate(finished, tmp_path):
+    """from_run's out_dir may be neither the run read nor another run's directory; a Trainer
+    over a finished run with resume unset is refused by test() (it would write the numbers of
+    the model as built into that run's summary), where validate() only warns."""
+    before = files_of(finished)
+    for out_dir in (finished, finished / "." ):
+        with pytest.raises(SaferunError, match="is the run directory being read"):
+            Scored.from_run(str(finished), "best", out_dir=str(out_dir))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")
+    with pytest.raises(SaferunError, match="holds another run's metrics.jsonl"):
+        Scored.from_run(str(finished), "best", out_dir=str(other))
+    cfg = config(finished.parent)
+    cfg.update(model={"_target_": "toys.Net"}, logger={"jsonl": {}})
+    plain = Scored(cfg)
+    with pytest.raises(SaferunError, match="test\\(\\): resume is unset"):
+        plain.test(plain.build_datasets()[1])
+    assert files_of(finished) == before
