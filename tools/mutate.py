@@ -1309,6 +1309,9 @@ mutation("test stage: from_run's out_dir holds no other run", "saferun/checkpoin
 mutation("test stage: test() over a run's checkpoints with resume unset is refused",
          "saferun/checkpoint/superseded.py", '    if found and entry == "test":', "    if False:",
          BESTT + "test_test_never_writes_into_a_run_it_did_not_evaluate")
+mutation("best: a resume that changes save_best tracks the best anew", "saferun/checkpoint/checkpointer.py",
+         "        if before == (t.save_best, t.save_best_mode) or state", "        if True or state",
+         BESTT + "test_a_resume_that_changes_save_best_tracks_the_best_anew")
 
 # ---------------------------------------------------------------- the runner
 

@@ -130,7 +130,7 @@ class Checkpointer:
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, loop[key])
         o.state.metrics.update(loop["metrics"])
-        self.best = _best_record(loop["best"])
+        self.best = _best_record(loop["best"]) if self._same_best(state) else None
         o._owed = loop.get("owed")  # absent from older checkpoints
         o._validated_at = loop.get("validated_at", -1)
         if len(state["per_rank"]) != o.ranks.world_size and o._strategy.sharded:
@@ -288,6 +288,19 @@ class Checkpointer:
     def replaced(self) -> None:
         """`load_state_dict` was called: its state replaces any found by setup."""
         self.pending_resume, self.untrained_auto = None, False
+
+    def _same_best(self, state: Mapping[str, Any]) -> bool:
+        """Does the checkpoint's best record measure what this run's save_best does? A resume
+        that changed trainer.save_best (or its mode) starts the best anew, saying so: the old
+        value would be compared with another metric, and model_best.pt kept for it."""
+        t, saved = self._owner.cfg.trainer, state["config"]["trainer"]
+        before = (saved.get("save_best"), saved.get("save_best_mode", "min"))
+        if before == (t.save_best, t.save_best_mode) or state["loop"]["best"] is None:
+            return True
+        log.warning("trainer.save_best changed on resume (%s %s -> %s %s): the best is tracked "
+                    "anew from here; model_best.pt is replaced at the next validation that sets "
+                    "one.", *before, t.save_best, t.save_best_mode)
+        return False
 
     def check_evaluated_weights(self, entry: str) -> None:
         o = self._owner

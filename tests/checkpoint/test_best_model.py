@@ -246,3 +246,20 @@ def test_test_never_writes_into_a_run_it_did_not_evaluate(finished, tmp_path):
     with pytest.raises(SaferunError, match="test\\(\\): resume is unset"):
         plain.test(plain.build_datasets()[1])
     assert files_of(finished) == before
+
+
+def test_a_resume_that_changes_save_best_tracks_the_best_anew(tmp_path, caplog):
+    """The old metric's best value must not be compared with the new metric's values."""
+    cfg = config(tmp_path, save_every_n_steps=None, keep_last=1)
+    crashing = Scored(cfg)
+    crashing.crash_at = 9  # after the best val/score (step 8)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashing.fit()
+    cfg["resume"] = "auto"
+    cfg["trainer"].update(save_best="val/acc", save_best_mode="max")
+    with caplog.at_level("WARNING", logger="saferun"):
+        resumed = Scored(cfg)
+        resumed.fit()
+    assert any("save_best changed on resume" in r.getMessage() for r in caplog.records)
+    assert resumed.best.metric == "val/acc" and resumed.best.step >= 12  # not step 8's val/score
+    assert 0.0 <= resumed.best.value <= 1.0  # an accuracy, not the score 3.0
