@@ -104,10 +104,11 @@ def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]
         return Weights(state["model"], None, state["loop"]["step"], path, state)
     if path.is_file():
         return Weights(_load_file(path), None, None, path)
+    what = ("does not exist" if not path.exists() else
+            "is neither a file nor a checkpoint directory (it has no manifest.json)")
     raise SaferunError(
-        f"checkpoint={checkpoint!r} is unknown: it is neither best (model_best.pt), last "
-        f"(model.pt), a checkpoint directory (<run dir>/checkpoints/step-N) nor a .pt file of "
-        f"weights{'' if not path.exists() else ' (it exists but is none of these)'}.")
+        f"checkpoint={checkpoint!r} {what}: name best (model_best.pt), last (model.pt), a "
+        f"checkpoint directory (<run dir>/checkpoints/step-N) or a .pt file of weights.")
 
 
 def _missing(where: Path, checkpoint: str, config: Mapping[str, Any]) -> str:
@@ -144,7 +145,9 @@ def _load_file(path: Path) -> Mapping[str, torch.Tensor]:
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"could not read the weights in {path}: {e}") from None
+        raise CheckpointError(f"could not read {path} as weights saved by torch.save "
+                              f"(a state_dict; torch said: {e}). Name model_best.pt, model.pt, "
+                              f"another .pt file of weights or a checkpoint directory.") from None
     if not isinstance(weights, Mapping):
         raise CheckpointError(f"{path} holds a {type(weights).__name__}, not a state_dict of "
                               f"weights.")

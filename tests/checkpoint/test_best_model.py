@@ -156,8 +156,10 @@ def test_load_model_rebuilds_the_model_node_with_the_weights_in_eval_mode(finish
 def test_refusals_name_what_is_wrong(finished, tmp_path):
     with pytest.raises(SaferunError, match="does not exist"):
         saferun.load_model(str(tmp_path / "nothere"))
-    with pytest.raises(SaferunError, match="unknown.*best.*last"):
+    with pytest.raises(SaferunError, match="'latest' does not exist: name best.*last"):
         Scored.from_run(str(finished), "latest")
+    with pytest.raises(SaferunError, match="could not read .*config.yaml as weights saved by torch.save"):
+        saferun.load_model(str(finished), str(finished / "config.yaml"))
     no_best = tmp_path / "nobest"
     Scored(config(tmp_path, save_best=None, max_steps=4, run_dir=str(no_best))).fit()
     with pytest.raises(SaferunError, match="did not set trainer.save_best.*trainer.save_best="):
