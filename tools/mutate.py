@@ -987,7 +987,7 @@ mutation("a finished change of course removes its record", CKPTR,
 mutation("a killed pass's temporary copies are removed", COURSE,
          "            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()", "            pass", TWICE)
 mutation("save_best's record after a change of course is this directory's or none", CKPTR,
-         "            self._best_of_this_directory(path)\n", "", BEST_AFTER)
+         "            self._best_of_this_directory(path)\n", "            pass\n", BEST_AFTER)
 mutation("save_best's record naming PATH names this directory's copy", CKPTR,
          "            self.best = (value, str(root / resumed.name), step)", "            pass", BEST_AFTER)
 # ---------------------------------------------------------------- guard-cost (issue 27)
