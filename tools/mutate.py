@@ -1233,7 +1233,7 @@ mutation("loss audit: the tolerance follows the dtype (bf16)", LA,
          "    return max(1e-3, 4 * eps * x.shape[dim] ** 0.5) if x.dim() else 1e-3", "    return 1e-3",
          f"{AUDITS}::test_bf16_log_probabilities_and_probabilities_are_told_apart_at_bf16_precision")
 mutation("self.log: a reduction per phase (train/acc and val/acc)", "saferun/loop/logbook.py",
-         '        key = f"{self.phase}/{name}"', "        key = name",
+         "        key = (self.phase, name)", "        key = (None, name)",
          "tests/logging/test_log_reductions.py::test_one_name_in_training_and_validation_may_keep_a_reduction_each")
 BESTM = "tests/checkpoint/test_best_model.py::"
 STAGE = "tests/loop/test_test_stage.py::"
@@ -1312,6 +1312,9 @@ mutation("test stage: test() over a run's checkpoints with resume unset is refus
 mutation("best: a resume that changes save_best tracks the best anew", "saferun/checkpoint/checkpointer.py",
          "        if before == (t.save_best, t.save_best_mode) or state", "        if True or state",
          BESTT + "test_a_resume_that_changes_save_best_tracks_the_best_anew")
+mutation("failure site: an error in test_step is explained as test_step's", "saferun/loop/evaluation.py",
+         'self._raise_explained(exc, hook.split("_")[0], batch)', 'self._raise_explained(exc, "validation", batch)',
+         "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 
 # ---------------------------------------------------------------- the runner
 

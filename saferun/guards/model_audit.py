@@ -138,9 +138,7 @@ def _version(t: torch.Tensor) -> int:
 
 def graph_carriers(model: nn.Module) -> list[str]:
     """'path.attr' of the plain tensor attributes that hold an autograd graph."""
-    return [_where(path, name) for path, module in model.named_modules()
-            for name, value in _plain_values(module)
-            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+    return list(_graph_nodes(model))
 
 
 def _graph_nodes(model: nn.Module) -> dict[str, Any]:
@@ -274,7 +272,7 @@ class ModelAudit:
 
     def _changed_plain_tensors(self, step: int) -> list[str]:
         now = plain_tensors(self.model)
-        outputs = set(_graph_nodes(self.model))  # a forward's output kept (a KL term): not state
+        outputs = self._carried  # a forward's output kept (a KL term): not state
         changed = [name for name, (ident, version) in now.items()
                    if name not in outputs and (
                        name not in self.tensors or self.tensors[name][0] != ident

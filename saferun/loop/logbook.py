@@ -119,7 +119,7 @@ class Logbook:
         self.is_main = is_main  # media are written on rank 0 only
         self.phase: Optional[str] = None
         self.position = 0  # the step (training) or the batch (validation) being computed
-        self.reduces: dict[str, str] = {}  # "phase/name" -> its reduce, fixed by its first use
+        self.reduces: dict[tuple[Optional[str], str], str] = {}  # (phase, name) -> its reduce, fixed by its first use
         self.means: dict[str, torch.Tensor] = {}  # reduce="mean", this micro-batch or batch
         self.folded = Folded()  # the other reductions, this step or this validation pass
         self.media: list[Media] = []
@@ -136,11 +136,11 @@ class Logbook:
         if reduce not in REDUCTIONS:
             raise SaferunError(f"self.log({name!r}, ..., reduce={reduce!r}): reduce is one of "
                                f"{', '.join(REDUCTIONS)}.")
-        key = f"{self.phase}/{name}"  # train/acc and val/acc are two metrics: each its own
+        key = (self.phase, name)  # train/acc and val/acc are two metrics: each its own
         if self.reduces.setdefault(key, reduce) != reduce:
-            raise SaferunError(f"self.log({name!r}) with reduce={reduce!r}, but {key} was logged "
-                               f"with reduce={self.reduces[key]!r} before: a name keeps one "
-                               f"reduction.")
+            raise SaferunError(f"self.log({name!r}) with reduce={reduce!r}, but {self.phase}/"
+                               f"{name} was logged with reduce={self.reduces[key]!r} before: a "
+                               f"name keeps one reduction.")
         tensor = _scalar(name, value)
         if self.phase is None:
             return

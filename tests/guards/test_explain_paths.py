@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from saferun.guards.explain import UserCodeError
 from toys import ToyTrainer, make_classification, toy_config
@@ -48,6 +49,9 @@ def test_validate_and_predict_alone_explain_their_steps(tmp_path):
     x, _ = make_classification(64, seed=1)
     message = explained(lambda: trainer.predict(x), "predict_step", 0)
     assert "batch: batch: float32 (32, 8) cpu" in message
+    test_set = TensorDataset(*make_classification(64, seed=2))
+    message = explained(lambda: trainer.test(test_set), "test_step", 0)  # test_step: the default
+    assert "batch: batch[0]: float32 (32, 8) cpu" in message
     # the replay that named the module left the model as evaluation found it: training mode
     assert all(m.training for m in trainer.model.modules())
     trainer.broken = False
