@@ -1316,6 +1316,11 @@ mutation("failure site: an error in test_step is explained as test_step's", "saf
          'self._raise_explained(exc, hook.split("_")[0], batch)', 'self._raise_explained(exc, "validation", batch)',
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 
+mutation("distributed: the group saferun started is left before interpreter teardown",
+         "saferun/parallel/distributed.py", "        atexit.register(_leave_group)\n", "",
+         "tests/logging/test_evaluate_callbacks.py::test_every_reduction_is_agreed_over_two_real_ranks")
+
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

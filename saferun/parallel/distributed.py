@@ -9,6 +9,7 @@ gradients and buffers of each step.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -55,8 +56,18 @@ def start(ranks: Ranks, device: torch.device, timeout_s: float) -> None:
     if not dist.is_initialized():
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                                 timeout=timeout)
+        atexit.register(_leave_group)
     else:  # the command line starts the group before the config is known
         dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def _leave_group() -> None:
+    """Leave the group saferun started while Python is still whole. Left to interpreter
+    teardown, gloo's worker threads can still hold tensors whose release needs the GIL:
+    the process then aborts (SIGABRT) after a run that succeeded, and torchrun reports
+    the job as failed. A group the user destroyed already is left alone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -103,10 +103,15 @@ def test_evaluate_ranks_must_be_main_or_all(tmp_path):
 
 
 SCRIPT = """
-import json, os, sys
+import atexit, json, os, sys
 import torch
 import saferun
 from toys import ToyTrainer, toy_config
+
+def group_at_teardown():  # registered first, so it runs after saferun's own exit handler
+    with open(os.path.join(sys.argv[1], f"exit{os.environ['RANK']}.txt"), "w") as f:
+        f.write(str(torch.distributed.is_initialized()))
+atexit.register(group_at_teardown)
 
 class Ranked(ToyTrainer):
     def training_step(self, batch):
@@ -148,6 +153,9 @@ def test_every_reduction_is_agreed_over_two_real_ranks(tmp_path):
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # the group saferun started is left before interpreter teardown (left to teardown,
+    # gloo can abort a rank with SIGABRT after a run that succeeded)
+    assert [(tmp_path / f"exit{r}.txt").read_text() for r in (0, 1)] == ["False", "False"]
     values = [s * 10.0 + r for s in range(1, 5) for r in (0, 1)]
     for final in got:
         assert final["train/v_min"] == 10.0 and final["train/v_max"] == 41.0
