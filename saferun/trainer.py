@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
-from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.checkpointer import Checkpointer, StatefulParts
 from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
@@ -45,8 +45,9 @@ from .loop.logbook import EvalLog, Folded, Logbook
 from .loop.habits import StepHabits, check_step_signatures
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
-from .loop.manual import optimize, setup_optimizers
+from .loop.manual import ManualSteps, optimize, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
+from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device, samples_in
@@ -71,6 +72,7 @@ class Trainer:
     """
 
     _schedule: Any  # Schedule or NamedSchedules: set with the optimizer (loop/manual.py)
+    _manual: Optional[ManualSteps]  # several optimizers: their step; None with one
     _check_first_batch: bool
 
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
@@ -89,9 +91,7 @@ class Trainer:
                                world_size=self.ranks.world_size)
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
-        self._checkpointer = Checkpointer(self)
-        self._owed: Optional[dict[str, Any]] = None  # a step's end that a stop interrupted
-        self._validated_at = -1  # the step of the last completed validation
+        self._checkpointer = Checkpointer(self, self._stateful_parts)
         self._fitted: Optional[tuple[Optional[int], Optional[int]]] = None  # limits of the last fit
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
@@ -212,8 +212,9 @@ class Trainer:
         self.optimizer = self.build_optimizer(self._params)
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
         self._habits = StepHabits()  # no backward or optimizer step inside training_step
-        self._manual = setup_optimizers(self, model, self._logbook, self._habits)  # several: their step
-        self._habits.watch(self.optimizer.values() if self._manual else [self.optimizer])  # type: ignore[attr-defined]  # several: a dict
+        self.optimizer, self.scheduler, self._schedule = setup_optimizers(self, model)
+        several = isinstance(self.optimizer, NamedOptimizers)  # build_optimizer's {name: optimizer}
+        self._habits.watch(self.optimizer.values() if several else [self.optimizer])  # type: ignore[attr-defined]  # several: a dict
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
@@ -230,18 +231,22 @@ class Trainer:
         self._setup_guards()
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch)
+        self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
+        self._spikes = self._guard.spikes  # the spike detectors, saved with each rank's state
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
         self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy)
+        self._manual = ManualSteps(  # several optimizers: the step training_step drives
+            self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
+            strategy=self._strategy, guard=self._guard, declared=self._declared,
+            autocast=self._autocast, non_blocking=self._non_blocking) if several else None
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
     def _setup_guards(self) -> None:
         g = self.cfg.guards
-        self._guard = BadStepPolicy(self)
-        self._spikes = self._guard.spikes  # the spike detectors, saved with each rank's state
         self._unused_check_pending = g.unused_params
         self._declared = modes.DeclaredModes(self.model, self._frozen) if g.declared_modes else None
         self._check_first_batch = False
@@ -320,7 +325,7 @@ class Trainer:
             self._unused_check_pending = report_unused_parameters(self.model)
         spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)  # device
         if guard.skips and guard.bad_now(loss, grad_norm, spike):
-            return guard.skip(loss, grad_norm, samples)  # one host sync per step
+            return guard.skip(loss, grad_norm, samples, scaler, self._schedule)  # one host sync per step
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -550,7 +555,7 @@ class Trainer:
                             self._autocast, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
 
     def _validation_due(self, epoch_end: bool) -> bool:
-        if self.val_loader is None or self._validated_at == self.state.step:  # rolled back to it
+        if self.val_loader is None or self.state.validated_at == self.state.step:  # rolled back to it
             return False
         every = self.cfg.trainer.val_every_n_steps
         return epoch_end if every is None else self.state.step % every == 0
@@ -560,10 +565,11 @@ class Trainer:
         validation; a stop during validation saves it with the checkpoint, as owed."""
         if not self._guard.window_good():
             return None  # rolled back: the state this validation was for is gone
-        self._owed = {"step": self.state.step, "save": bool(pending and pending.save),
+        state = self.state
+        state.owed = {"step": state.step, "save": bool(pending and pending.save),
                       "stop": bool(pending and pending.stop)}
         metrics = self.validate()
-        self._owed, self._validated_at = None, self.state.step
+        state.owed, state.validated_at = None, state.step
         if not metrics:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
@@ -589,10 +595,10 @@ class Trainer:
         """Resumed from a checkpoint saved when a stop interrupted a validation: end that
         step as the uninterrupted run did (validate, callbacks, save, stop). Returns the
         step's control and whether this step's validation is done."""
-        owed, self._owed = self._owed, None
+        owed, self.state.owed = self.state.owed, None
         if owed is None or owed["step"] != self.state.step:
             # a checkpoint of a finished run: its final validation is done, not to be redone
-            return None, self._validated_at == self.state.step
+            return None, self.state.validated_at == self.state.step
         log.info("Resumed from a stop during validation at step %d: validating first.",
                  self.state.step)
         return self._end_step(Control(save=owed["save"], stop=owed["stop"]), True), True
@@ -613,6 +619,15 @@ class Trainer:
         self.setup()
         self._checkpointer.restore(state)
 
+    def _stateful_parts(self) -> StatefulParts:
+        """The parts whose state a checkpoint holds, as they are now (the Checkpointer asks
+        for them at each save and restore; it never reads the Trainer's own attributes)."""
+        return StatefulParts(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            scaler=self._scaler, ema=self._ema, running=self._running,
+            spikes=self._spikes, batches=self._batches, callbacks=self._callbacks,
+            strategy=self._strategy, stop_signals=self._stop_signals, guard=self._guard)
+
     # ------------------------------------------------------------------ stop, log
 
     def _preempted(self, exc: BaseException) -> Optional[BaseException]:
@@ -620,7 +635,7 @@ class Trainer:
         (see `preemption.stop_exit`)."""
         return stop_exit(exc, self._stop_signals, self.ranks.world_size == 1,
                          self._batches.mid_step, self._checkpointer.save, self.state.step,
-                         self.state.run_dir, self._owed is not None)
+                         self.state.run_dir, self.state.owed is not None)
 
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards

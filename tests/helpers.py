@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
+
+
+@contextlib.contextmanager
+def cpu_grad_scaler(**options: float) -> Iterator[None]:
+    """A Trainer set up inside gets a real, enabled GradScaler on the CPU (fp16 autocast needs
+    CUDA; the scaler's part of the step is the same): loss scaling, unscale_ before the clip,
+    its skips and its checkpoint state, tested without a GPU. The Trainer hands its scaler to
+    the parts that use it at setup, so the scaler is chosen there, not replaced after."""
+    import saferun.trainer as trainer_module
+
+    real = trainer_module.grad_scaler
+    trainer_module.grad_scaler = lambda device, precision: torch.amp.GradScaler("cpu", **options)
+    try:
+        yield
+    finally:
+        trainer_module.grad_scaler = real
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import saferun
+from helpers import cpu_grad_scaler
 
 TOYS_PATH = os.path.abspath(__file__)
 
@@ -71,9 +72,8 @@ class ScaledOnCpu(ToyTrainer):
     and the scaler's checkpoint state are tested without a GPU."""
 
     def setup(self) -> None:
-        if not self._is_setup:
+        with cpu_grad_scaler(init_scale=2.0**10, growth_interval=2):
             super().setup()
-            self._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
 
 # stateful validation metrics as config nodes (ToyTrainer.validation_step updates them)

@@ -1,10 +1,13 @@
 """The Checkpointer: which checkpoint to resume from, resuming, and saving with rotation and
 save_best. The on-disk format (atomic write, manifest, verify, rotate) is `store`'s.
 
-It holds a narrow reference to the Trainer (the `Owner` protocol): the whole training state is
-`Trainer.state_dict()` / `load_state_dict()` (every rank takes part under torchrun), a save
-first asks the bad-step policy whether the steps since the last check were good, and the
-callbacks hear of each checkpoint.
+It is given the Trainer's public state (the `Owner` protocol: config, the loop's `LoopState`,
+ranks) and, at each save and restore, the run's stateful parts by name (`StatefulParts`:
+model, optimizer, scheduler, scaler, weight average, running metrics, spike detectors, batch
+stream, callbacks, strategy): it assembles and restores those and touches nothing else of the
+Trainer. The whole training state is `Trainer.state_dict()` / `load_state_dict()` (every rank
+takes part under torchrun); a save first asks the bad-step policy whether the steps since the
+last check were good, and the callbacks hear of each checkpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import math
 import platform
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -36,38 +39,44 @@ log = logging.getLogger("saferun")
 
 
 class Owner(Protocol):
-    """What the Checkpointer uses of the Trainer."""
+    """What the Checkpointer uses of the Trainer: its public state; the stateful parts come
+    from the `parts` callable it is given."""
 
     cfg: Any
-    state: Any  # LoopState
+    state: Any  # LoopState: counters, metrics, validated_at, owed
     ranks: distributed.Ranks
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
     view: Any
-    _callbacks: Any  # CallbackList
-    _guard: Any  # BadStepPolicy
-
     device: torch.device
-    _scaler: Any  # GradScaler
-    _running: Any  # RunningTrainMetrics
-    _spikes: Any  # the spike detectors, or None
-    _strategy: Any  # the parallel strategy: gathers each rank's state
-    _batches: Any  # BatchStream: the data position and the RNG states to restore
-    _owed: Any  # a step's end that a stop interrupted (its validation), or None
-    _stop_signals: Any  # StopSignals: a save for a stop is completed before the exit
-    _validated_at: int
-    _ema: Any  # trainer.ema's WeightAverage, or None
 
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class StatefulParts:
+    """The parts of a run whose state a checkpoint holds (and what a save coordinates with),
+    named: the Checkpointer assembles and restores them and never reaches for them itself."""
+
+    model: torch.nn.Module
+    optimizer: Any  # an Optimizer, or several by name
+    scheduler: Any  # an LRScheduler, several by name, or None
+    scaler: Any  # GradScaler
+    ema: Any  # trainer.ema's WeightAverage, or None
+    running: Any  # RunningTrainMetrics: the log window not yet logged
+    spikes: Optional[dict[str, Any]]  # the spike detectors (each rank's own), or None
+    batches: Any  # BatchStream: the data position and the RNG states to restore
+    callbacks: Any  # CallbackList
+    strategy: Any  # the parallel strategy: gathers each rank's state, agrees on stops
+    stop_signals: Any  # StopSignals: a save for a stop is completed before the exit
+    guard: Any  # BadStepPolicy: a save first asks whether the steps since the last check were good
+
+
 class Checkpointer:
     """Finds, resumes and saves the Trainer's checkpoints under <run_dir>/checkpoints."""
 
-    def __init__(self, owner: Owner) -> None:
+    def __init__(self, owner: Owner, parts: Callable[[], StatefulParts]) -> None:
         self._owner = owner
+        self._parts = parts  # the Trainer's parts as they are now (set up after this)
         self.best: Optional[tuple[float, str, int]] = None  # save_best: (value, checkpoint, step)
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
@@ -78,32 +87,32 @@ class Checkpointer:
 
     def assemble(self) -> dict[str, Any]:
         """The Trainer's whole state (`Trainer.state_dict`); a collective under torchrun."""
-        o = self._owner
+        o, p = self._owner, self._parts()
         s = o.state
-        epoch_start = o._batches.position_state()
+        epoch_start = p.batches.position_state()
         # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
         # run's, not the ones this process was seeded with.
-        rng = o._batches.resume_rng if o._batches.resume_rng is not None else get_rng_state()
-        mine = move_to_device({"rng": rng, "running": o._running.state_dict(),
+        rng = p.batches.resume_rng if p.batches.resume_rng is not None else get_rng_state()
+        mine = move_to_device({"rng": rng, "running": p.running.state_dict(),
                                # spike detectors: each rank sees its own loss
-                               "spikes": {k: d.state_dict() for k, d in (o._spikes or {}).items()},
+                               "spikes": {k: d.state_dict() for k, d in (p.spikes or {}).items()},
                                "epoch_start": epoch_start}, torch.device("cpu"))
-        per_rank = o._strategy.gather(mine)
+        per_rank = p.strategy.gather(mine)
         return {
             "format": 1,
-            "model": o.model.state_dict(),
-            "optimizer": o.optimizer.state_dict(),
-            "scheduler": o.scheduler.state_dict() if o.scheduler is not None else None,
-            "scaler": o._scaler.state_dict(),
-            "ema": o._ema.state_dict() if o._ema is not None else None,  # the same on every rank
+            "model": p.model.state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None,
+            "scaler": p.scaler.state_dict(),
+            "ema": p.ema.state_dict() if p.ema is not None else None,  # the same on every rank
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self.best) if self.best else None,
                      # a stop interrupted this step's validation: the resumed run does it first
-                     "owed": o._owed if o._owed and o._owed["step"] == s.step else None,
-                     "validated_at": o._validated_at},
+                     "owed": s.owed if s.owed and s.owed["step"] == s.step else None,
+                     "validated_at": s.validated_at},
             "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
-            "callbacks": o._callbacks.state_dict(),
+            "callbacks": p.callbacks.state_dict(),
             "config": dataclasses.asdict(o.cfg),
             "provenance": {"saferun": __version__, "torch": str(torch.__version__),
                            "python": platform.python_version()},
@@ -112,30 +121,30 @@ class Checkpointer:
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
         from . import sharded  # torch.distributed.checkpoint: imported only when needed
-        o = self._owner
+        o, p = self._owner, self._parts()
         self.replaced()  # this state replaces one found by setup
-        if o._strategy.sharded:  # every rank reads its shards (resharded for another world size)
-            sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, o.model, o.optimizer)
+        if p.strategy.sharded:  # every rank reads its shards (resharded for another world size)
+            sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, p.model, p.optimizer)
         else:
             self.load_model(whole_weights(state.get("sharded", {}).get("path"), state))
-            check_state_kind(state["optimizer"], o.optimizer)  # one optimizer, or several by name
-            o.optimizer.load_state_dict(state["optimizer"])
-        if o.scheduler is not None and state["scheduler"] is not None:
-            o.scheduler.load_state_dict(state["scheduler"])
+            check_state_kind(state["optimizer"], p.optimizer)  # one optimizer, or several by name
+            p.optimizer.load_state_dict(state["optimizer"])
+        if p.scheduler is not None and state["scheduler"] is not None:
+            p.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
-            o._scaler.load_state_dict(state["scaler"])
-        if o._ema is not None:  # absent (a run without trainer.ema): starts from the weights
-            o._ema.load_state_dict(state.get("ema"))
+            p.scaler.load_state_dict(state["scaler"])
+        if p.ema is not None:  # absent (a run without trainer.ema): starts from the weights
+            p.ema.load_state_dict(state.get("ema"))
         loop = state["loop"]
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, loop[key])
         o.state.metrics.update(loop["metrics"])
         self.best = _best_record(loop["best"]) if self._same_best(state) else None
-        o._owed = loop.get("owed")  # absent from older checkpoints
-        o._validated_at = loop.get("validated_at", -1)
-        if len(state["per_rank"]) != o.ranks.world_size and o._strategy.sharded:
+        o.state.owed = loop.get("owed")  # absent from older checkpoints
+        o.state.validated_at = loop.get("validated_at", -1)
+        if len(state["per_rank"]) != o.ranks.world_size and p.strategy.sharded:
             self._resharded(len(state["per_rank"]))
-            o._callbacks.load_state_dict(state["callbacks"])
+            p.callbacks.load_state_dict(state["callbacks"])
             return
         if len(state["per_rank"]) != o.ranks.world_size:
             raise CheckpointError(
@@ -143,17 +152,17 @@ class Checkpointer:
                 f"has {o.ranks.world_size}: each rank's RNG states and data shard would differ. "
                 f"Resume with the same number of processes.")
         mine = state["per_rank"][o.ranks.rank]
-        o._running.load_state_dict(move_to_device(mine["running"], o.device))
-        o._callbacks.load_state_dict(state["callbacks"])
+        p.running.load_state_dict(move_to_device(mine["running"], o.device))
+        p.callbacks.load_state_dict(state["callbacks"])
         spikes = mine.get("spikes", state.get("guards", {}))  # "guards": saferun 0.1's, rank 0's
-        for key, detector in (o._spikes or {}).items():
+        for key, detector in (p.spikes or {}).items():
             if key in spikes:
                 detector.load_state_dict(move_to_device(spikes[key], o.device))
-        o._batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
+        p.batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
 
     def _resharded(self, saved_world: int) -> None:
-        o = self._owner
-        o._batches.resume(None, None)  # this run's own RNG streams and data shards
+        o, p = self._owner, self._parts()
+        p.batches.resume(None, None)  # this run's own RNG streams and data shards
         if o.ranks.is_main:
             log.warning(
                 "Resumed a checkpoint written by %d process(es) with %d: the model and optimizer "
@@ -224,7 +233,7 @@ class Checkpointer:
 
     def resume(self) -> None:
         """Continue training from the checkpoint found by setup, after checking the config."""
-        o = self._owner
+        o, p = self._owner, self._parts()
         found, self.pending_resume = self.pending_resume, None
         self.untrained_auto = False  # fit trains them
         if found is None:
@@ -233,7 +242,7 @@ class Checkpointer:
         config = dataclasses.asdict(o.cfg)
         check_resume_config(state["config"], config, o.cfg.force_resume)
         forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
-        configured = configured_hyperparameters(o.optimizer, o.scheduler) if forced else None
+        configured = configured_hyperparameters(p.optimizer, p.scheduler) if forced else None
         o.load_state_dict(state)  # in memory (it may refuse): the files are untouched so far
         # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
         # (auto alone took the newest checkpoint: nothing is newer)
@@ -242,11 +251,11 @@ class Checkpointer:
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
-            use_configured_hyperparameters(o.optimizer, o.scheduler, configured,
+            use_configured_hyperparameters(p.optimizer, p.scheduler, configured,
                                            state["scheduler"], o.state.step)
             log.warning("force_resume: %s changed; the optimizer now uses the configured values "
                         "(learning rate %s at step %d), its moments are the checkpoint's.",
-                        ", ".join(forced), o.optimizer.param_groups[0]["lr"], o.state.step)
+                        ", ".join(forced), p.optimizer.param_groups[0]["lr"], o.state.step)
         if changed is not None:
             self._best_of_this_directory(path)
         if self.best is not None and self.best[2] == o.state.step:
@@ -308,31 +317,31 @@ class Checkpointer:
                           self.pending_resume is None and o.state.step == 0 and o.ranks.is_main)
 
     def load_model(self, weights: Mapping[str, torch.Tensor], source: Any = "the checkpoint") -> None:
-        load_weights(self._owner.model, weights, source)
+        load_weights(self._parts().model, weights, source)
 
     def load_weights(self, path: Path, state: Mapping[str, Any]) -> None:
         """The model's weights (and trainer.ema's average) from checkpoint `path` (`state`):
         what evaluation needs of a resume, and what EarlyStopping(restore_best=True) restores."""
-        o = self._owner
+        o, p = self._owner, self._parts()
         if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
             from . import sharded
 
-            sharded.load(path, dict(state), o.model, None)
+            sharded.load(path, dict(state), p.model, None)
         else:
             self.load_model(whole_weights(path, state), path)
-        if o._ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
-            o._ema.load_state_dict(state.get("ema"))
+        if p.ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
+            p.ema.load_state_dict(state.get("ema"))
 
     # ------------------------------------------------------------------ save
 
     def save(self, best: Optional[float] = None) -> Path:
         """Save the state; `best`: this is save_best's new best checkpoint, with that value."""
-        o = self._owner
+        o, p = self._owner, self._parts()
         t = o.cfg.trainer
         root = checkpoint_root(o.state.run_dir)
         # A checkpoint is only saved if the steps since the last check were finite, so the
         # newest checkpoint is always a good state to resume or roll back to.
-        if not o._guard.window_good():
+        if not p.guard.window_good():
             return list_checkpoints(root)[-1]  # rolled back to it
         path = root / f"step-{o.state.step:08d}"
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
@@ -340,18 +349,18 @@ class Checkpointer:
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
                                        keep=[Path(self.best[1])] if self.best else (), current=done)
-        if o._strategy.sharded:  # every rank writes its shards (perhaps in the background)
+        if p.strategy.sharded:  # every rank writes its shards (perhaps in the background)
             from . import sharded
 
-            self.shards = o._strategy.saves = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
-            self.shards.save(root, o.state.step, state, o.model, o.optimizer, rotation)
-            if o._strategy.stop_agreed(o._stop_signals):  # the ranks exit after this save
+            self.shards = p.strategy.saves = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
+            self.shards.save(root, o.state.step, state, p.model, p.optimizer, rotation)
+            if p.strategy.stop_agreed(p.stop_signals):  # the ranks exit after this save
                 self.shards.finish()
         elif o.ranks.is_main:
             save_checkpoint(root, o.state.step, state)
             rotation(path)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
-        o._callbacks.on_checkpoint(o.view, str(path))
+        p.callbacks.on_checkpoint(o.view, str(path))
         return path
 
     def save_final(self, restore_best: bool = False) -> None:
@@ -370,18 +379,18 @@ class Checkpointer:
         """<run_dir>/model{suffix}.pt (and model_ema{suffix}.pt with trainer.ema), atomically:
         the model's whole weights, loadable without saferun; model.pt at the end, model_best.pt
         at each new best. Every rank calls it (fsdp gathers the shards); rank 0 writes."""
-        o = self._owner
-        if o._strategy.sharded:  # gathered from every rank
+        o, p = self._owner, self._parts()
+        if p.strategy.sharded:  # gathered from every rank
             from .sharded import full_weights
 
-            weights = full_weights(o.model)
+            weights = full_weights(p.model)
         else:
-            weights = o.model.state_dict()
+            weights = p.model.state_dict()
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
             save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)
-            if o._ema is not None:  # loads into the same model class as model.pt
+            if p.ema is not None:  # loads into the same model class as model.pt
                 save_weights(Path(o.state.run_dir) / f"model_ema{suffix}.pt",
-                             o._ema.module.state_dict())
+                             p.ema.module.state_dict())
             best = self.best_record()
             if suffix == "_best" and best is not None:  # summary.json names them: metric, value, step
                 rundir.update_summary(o.state.run_dir, {"best": dataclasses.asdict(best)})

@@ -6,17 +6,18 @@ off), with guards.max_consecutive and guards.anomaly_replay. Under a skip policy
 the window since the last check at log points (`log_point_good`), validations and saves
 (`window_good`), with no host sync per step, and a bad window raises or rolls back (`on_bad`).
 
-It holds a narrow reference to the Trainer: a rollback and an anomaly replay reload the newest
-checkpoint through `Trainer.load_state_dict` and re-run steps through the Trainer's own batch
-stream and `train_step`, and a skip leaves the optimizer, GradScaler and schedule as the step
-found them. Everything else it owns (the spike detectors, the buffer snapshot, the counters).
+It is handed what it works with: the log window's running metrics, the batch stream and the
+step's forward and backward (at construction), the GradScaler and schedule (with a skip); of
+the Trainer it uses only public parts: a rollback and an anomaly replay reload the newest
+checkpoint through `Trainer.load_state_dict` and re-run steps through `train_step`. Everything
+else it owns (the spike detectors, the buffer snapshot, the counters).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -34,7 +35,7 @@ log = logging.getLogger("saferun")
 
 
 class LoopOwner(Protocol):
-    """The narrow part of the Trainer the policy uses (a Protocol: guards do not import the
+    """The public part of the Trainer the policy uses (a Protocol: guards do not import the
     trainer, so there is no import cycle)."""
 
     cfg: Any
@@ -42,23 +43,23 @@ class LoopOwner(Protocol):
     optimizer: torch.optim.Optimizer
     state: Any  # LoopState
     ranks: distributed.Ranks
-    _scaler: Any  # GradScaler
-    _schedule: Any  # Schedule
-    _running: Any  # RunningTrainMetrics
-    _batches: Any  # BatchStream
     train_loader: Any
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
     def train_step(self, micro_batches: Any) -> StepOutput: ...
-    def _forward_backward(self, micro_batches: Any) -> tuple[torch.Tensor, Any, int]: ...
 
 
 class BadStepPolicy:
     """Detects bad steps (non-finite values, spikes) and applies the configured policy."""
 
-    def __init__(self, trainer: LoopOwner) -> None:
+    def __init__(self, trainer: LoopOwner, running: Any, batches: Any,
+                 forward_backward: Callable[[Any], tuple[torch.Tensor, Any, int]]) -> None:
+        """`running`: the log window's metrics (RunningTrainMetrics), which the checks read;
+        `batches`: the BatchStream a rollback and an anomaly replay go on with;
+        `forward_backward`: a step's forward and backward, which an anomaly replay re-runs."""
         t, g = trainer.cfg.trainer, trainer.cfg.guards
         self._trainer = trainer
+        self._running, self._batches, self._forward_backward = running, batches, forward_backward
         self._g = g
         # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
         self.grads_checked = t.precision != "fp16"
@@ -97,15 +98,16 @@ class BadStepPolicy:
             bad |= spike
         return bool(distributed.all_reduce(bad.int()))  # under torchrun: bad on any rank
 
-    def skip(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
+    def skip(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int, scaler: Any,
+             schedule: Any) -> StepOutput:
         """A skip policy: drop this update. Parameters, buffers, optimizer and scheduler stay as
         before the step; the GradScaler, which saw the gradients, updates its scale as usual."""
         tr = self._trainer
         assert self.snapshot is not None
         self.snapshot.restore()
         tr.optimizer.zero_grad(set_to_none=True)
-        tr._scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
-        tr._schedule.after_step()  # the optimizer did not step: nor does the scheduler
+        scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
+        schedule.after_step()  # the optimizer did not step: nor does the scheduler
         step = tr.state.step + 1
         tr.state.step = step
         tr.state.samples_seen += samples
@@ -147,9 +149,9 @@ class BadStepPolicy:
         if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
             self.on_bad()  # raises (or rolls back, if the window's steps were bad)
             return False
-        if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not tr._running.losses:
+        if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not self._running.losses:
             return True
-        if tr._running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks) is None:
+        if self._running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks) is None:
             return True
         self.on_bad()  # raises, or rolls back
         return False
@@ -157,7 +159,7 @@ class BadStepPolicy:
     def on_bad(self) -> None:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         tr, g = self._trainer, self._g
-        running = tr._running
+        running = self._running
         found = (running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks)
                  if running.losses else None)
         if found is None:  # the losses and gradients were finite: guards.check_params fired
@@ -225,8 +227,8 @@ class BadStepPolicy:
         tr.load_state_dict(state)
         # Go on with the data after the bad step: replaying it would fail the same way.
         tr.state.epoch, tr.state.batches_in_epoch = epoch, position
-        tr._batches.resume(None, None)
-        tr._running.reset()
+        self._batches.resume(None, None)
+        self._running.reset()
         log.warning("%s Rolled back to %s (step %d); training continues with the data after "
                     "step %d.", report, path, tr.state.step, bad_step)
 
@@ -240,10 +242,10 @@ class BadStepPolicy:
         if found is None or found[1]["loop"]["step"] >= bad_step:
             return "Anomaly replay: no checkpoint before the bad step to replay from."
         tr.load_state_dict(found[1])
-        tr._running.reset()
-        for micro_batches, _, _ in tr._batches.groups():
+        self._running.reset()
+        for micro_batches, _, _ in self._batches.groups():
             if tr.state.step + 1 == bad_step:
                 # (B023 is a false alarm: replay() calls the lambda before the loop moves on)
-                return str(replay(lambda: tr._forward_backward(micro_batches)[0], tr.model))  # noqa: B023
+                return str(replay(lambda: self._forward_backward(micro_batches)[0], tr.model))  # noqa: B023
             tr.train_step(micro_batches)
         return "Anomaly replay: the data ended before the bad step."

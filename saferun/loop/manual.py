@@ -45,20 +45,13 @@ log = logging.getLogger("saferun")
 
 
 class ManualOwner(Protocol):
-    """The part of the Trainer the manual step uses (a Protocol: no import of the trainer)."""
+    """The public part of the Trainer the manual step uses (a Protocol: no import of the
+    trainer); the loop's parts it works with are handed to `ManualSteps` by name."""
 
     cfg: Any
-    model: torch.nn.Module
     optimizer: Any  # NamedOptimizers
     state: Any  # LoopState
     device: torch.device
-    _scaler: Any  # GradScaler
-    _schedule: Any  # NamedSchedules
-    _strategy: Any  # SingleProcess or DataParallel
-    _guard: Any  # BadStepPolicy
-    _declared: Any  # DeclaredModes or None
-    _autocast: Any
-    _non_blocking: bool
 
     def training_step(self, batch: Any) -> Any: ...
     def batch_size(self, batch: Any) -> int: ...
@@ -67,10 +60,17 @@ class ManualOwner(Protocol):
 class ManualSteps:
     """Runs one step of training_step with several optimizers and checks how it used them."""
 
-    def __init__(self, trainer: ManualOwner, logbook: Logbook, habits: StepHabits) -> None:
+    def __init__(self, trainer: ManualOwner, model: torch.nn.Module, logbook: Logbook,
+                 habits: StepHabits, *, scaler: Any, schedule: Any, strategy: Any, guard: Any,
+                 declared: Any, autocast: Any, non_blocking: bool) -> None:
+        """`model`: unwrapped (its parameter names are the messages'); `schedule`: the
+        NamedSchedules; `guard`: the BadStepPolicy (its skip policy and snapshot); `declared`:
+        DeclaredModes or None; `autocast`: the precision's context factory."""
         self._tr, self._habits = trainer, habits
         self._logbook = logbook  # what training_step self.log()s joins its returned dict
-        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        self._scaler, self._schedule, self._strategy, self._guard = scaler, schedule, strategy, guard
+        self._declared, self._autocast, self._non_blocking = declared, autocast, non_blocking
+        names = {id(p): n for n, p in model.named_parameters()}
         self.names = list(trainer.optimizer)
         # per optimizer: its trainable parameters with their names (for the DDP average's
         # messages); a frozen one it holds gets no gradient, so it stays as it is
@@ -85,15 +85,15 @@ class ManualSteps:
         """One step: training_step on the batch, which calls optimize() once per optimizer."""
         tr = self._tr
         assert len(micro_batches) == 1  # trainer.accumulate > 1 is refused at setup
-        if tr._guard.snapshot is not None:
-            tr._guard.snapshot.take()  # skip policy: the buffers as before this step
+        if self._guard.snapshot is not None:
+            self._guard.snapshot.take()  # skip policy: the buffers as before this step
         batch = micro_batches[0]
         samples = samples_in(batch, tr.batch_size, f"step {tr.state.step + 1}")
-        batch = move_to_device(batch, tr.device, tr._non_blocking)
+        batch = move_to_device(batch, tr.device, self._non_blocking)
         self._done, self._skipped = {}, []
         try:
-            with tr._strategy.micro_batch(True):  # DDP: buffers broadcast after training_step
-                with tr._autocast():
+            with self._strategy.micro_batch(True):  # DDP: buffers broadcast after training_step
+                with self._autocast():
                     self._logbook.begin("train", tr.state.step + 1)
                     self._habits.step = tr.state.step + 1  # its own optimizer.step() is refused
                     out = self._logbook.joined(tr.training_step(batch), "training_step")
@@ -113,9 +113,9 @@ class ManualSteps:
                 f"schedule, gradient norm and checkpoint state stay in step with the loop.")
         self._unused_pending = False  # checked in the first step only
         logs = _user_logs(out, step)
-        if tr._declared is not None:
-            tr._declared.check(step)
-        tr._scaler.update()  # once per step, after every optimizer's unscale_ and step
+        if self._declared is not None:
+            self._declared.check(step)
+        self._scaler.update()  # once per step, after every optimizer's unscale_ and step
         if self._skipped:
             return self._skip_step(samples)
         losses = [loss for loss, _ in done.values()]
@@ -154,7 +154,7 @@ class ManualSteps:
                 f"follow the loop's steps); to update it twice, combine the losses or take "
                 f"another step.")
         loss = checked_loss(name, loss, step)
-        opt, scaler, params = tr.optimizer[name], tr._scaler, [p for _, p in self.params[name]]
+        opt, scaler, params = tr.optimizer[name], self._scaler, [p for _, p in self.params[name]]
         with torch.autocast(tr.device.type, enabled=False):  # backward and step in full precision
             # Only this optimizer's parameters get gradients: another optimizer's loss flowing
             # through them (the generator's loss through the discriminator) leaves them alone.
@@ -170,7 +170,7 @@ class ManualSteps:
                 record(exc, optimize_part="backward")
                 raise
             self._check_unused(name)
-            tr._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
+            self._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
             try:
                 scaler.unscale_(opt)  # clip and measure the true gradients, not fp16-scaled ones
             except BaseException as exc:
@@ -178,7 +178,7 @@ class ManualSteps:
                 raise
             norm = clip_or_measure(params, tr.cfg.trainer.max_grad_norm)
             loss = loss.detach()
-            if tr._guard.skip_nonfinite and _bad(loss, norm, tr._guard.grads_checked):
+            if self._guard.skip_nonfinite and _bad(loss, norm, self._guard.grads_checked):
                 self._skipped.append(name)  # this update is dropped; the others stand
             else:
                 self._habits.saferun_steps = True
@@ -194,7 +194,7 @@ class ManualSteps:
         # autograd: mark them changed, so that a graph saved before this update (the ordering
         # slip, a retained graph) is refused by autograd's version check, never used stale.
         increment_version(params)
-        tr._schedule.by_name[name].after_step()  # steps its scheduler if the optimizer stepped
+        self._schedule.by_name[name].after_step()  # steps its scheduler if the optimizer stepped
         self._done[name] = (loss, norm)
 
     @contextlib.contextmanager
@@ -228,32 +228,28 @@ class ManualSteps:
         back to before the step (the bad batch's statistics too); the updates that were finite
         stand, as they were applied before the bad loss existed."""
         tr = self._tr
-        tr._guard.snapshot.restore()
+        self._guard.snapshot.restore()
         step = tr.state.step + 1
         tr.state.step = step
         tr.state.samples_seen += samples
-        tr._guard.count_skip(step, f"non-finite loss or gradients for optimizer(s) "
+        self._guard.count_skip(step, f"non-finite loss or gradients for optimizer(s) "
                                    f"{', '.join(map(repr, self._skipped))}; their update was skipped")
         zero = torch.zeros((), device=tr.device)
         return StepOutput(loss=zero, grad_norm=zero, num_samples=samples, skipped=True)
 
 
-def setup_optimizers(trainer: Any, model: torch.nn.Module, logbook: Logbook,
-                     habits: StepHabits) -> Optional[ManualSteps]:
-    """After `build_optimizer` (Trainer.setup): set the Trainer's `scheduler` and `_schedule`.
-    One optimizer: None (the loop's own step drives it). {name: optimizer}: check them, put
-    the containers in `optimizer`, `scheduler`, `_schedule` (loop/optimizers.py) and return
-    the step that drives them (`habits`: told when it steps an optimizer itself)."""
+def setup_optimizers(trainer: Any, model: torch.nn.Module) -> tuple[Any, Any, Any]:
+    """After `build_optimizer` (Trainer.setup): (optimizer, scheduler, schedule). One
+    optimizer: itself, `build_scheduler`'s scheduler, and their Schedule. {name: optimizer}:
+    checked, and the containers of loop/optimizers.py (the loop then steps them through
+    `ManualSteps`)."""
     if isinstance(trainer.optimizer, Mapping):
-        trainer.optimizer, trainer.scheduler, trainer._schedule = build_named(
-            trainer, trainer.optimizer, model)
-        return ManualSteps(trainer, logbook, habits)
+        return build_named(trainer, trainer.optimizer, model)
     check_optimizer_params(trainer.optimizer, model)
-    trainer.scheduler = trainer.build_scheduler(trainer.optimizer)
-    trainer._schedule = Schedule(trainer.optimizer, trainer.scheduler,
-                                 trainer.cfg.trainer.sched_metric,
-                                 validates=trainer.val_loader is not None)
-    return None
+    scheduler = trainer.build_scheduler(trainer.optimizer)
+    return trainer.optimizer, scheduler, Schedule(trainer.optimizer, scheduler,
+                                                  trainer.cfg.trainer.sched_metric,
+                                                  validates=trainer.val_loader is not None)
 
 
 def optimize(trainer: Any, name: str, loss: torch.Tensor, retain_graph: bool = False) -> None:

@@ -21,3 +21,7 @@ class LoopState:
     config: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
+    # the step of the last completed validation (a rollback to it does not validate again)
+    validated_at: int = -1
+    # a step's end that a stop interrupted (its validation): {"step", "save", "stop"}, or None
+    owed: Optional[dict[str, Any]] = None

@@ -421,7 +421,8 @@ def test_save_best_never_keeps_a_nan_as_the_best(tmp_path, mode):
     from saferun.checkpoint.checkpointer import Checkpointer
 
     cfg = toy_config(tmp_path, save_best="val/loss", save_best_mode=mode)
-    c = Checkpointer(ToyTrainer(cfg))
+    trainer = ToyTrainer(cfg)
+    c = Checkpointer(trainer, trainer._stateful_parts)
     assert not c._improves({"val/loss": float("nan")}, "val/loss")  # a NaN is never the best
     c.best = (float("nan"), "step-00000005", 5)  # a NaN best (saved by an older saferun)
     assert c._improves({"val/loss": 0.5}, "val/loss")  # is beaten by any number

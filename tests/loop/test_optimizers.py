@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import saferun
+from helpers import cpu_grad_scaler
 from saferun.checkpoint import CheckpointError
 from saferun.errors import ConfigError, NonFiniteError, SaferunError
 from saferun.guards.syncs import HostSyncCounter
@@ -97,9 +98,8 @@ class Scaled(TwoOptimizers):
     the step is the same): loss scaling, unscale_ per optimizer before its clip."""
 
     def setup(self):
-        if not self._is_setup:
+        with cpu_grad_scaler(init_scale=2.0**10, growth_interval=1000):
             super().setup()
-            self._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
 
 
 @pytest.mark.parametrize("trainer", [TwoOptimizers, Scaled])

@@ -10,12 +10,13 @@ import torch
 
 import saferun
 from toys import ToyTrainer, toy_config, weights
-from helpers import InfGrad
+from helpers import InfGrad, cpu_grad_scaler
 
 
 def with_cpu_scaler(trainer, init_scale=2.0**10):
-    trainer.setup()
-    trainer._scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    assert not trainer._is_setup  # the scaler is chosen at setup
+    with cpu_grad_scaler(init_scale=init_scale):
+        trainer.setup()
     return trainer
 
 
