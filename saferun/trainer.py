@@ -32,7 +32,7 @@ from .data import (check_datasets, check_evaluation_limit, check_training_loader
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
-from .guards.explain import explain_failure
+from .guards.explain import StepContexts, explain_failure
 from .guards.failure_site import record
 from .guards.loss_audit import LossCallAudit
 from .guards.model_audit import ModelAudit
@@ -305,7 +305,8 @@ class Trainer:
         error, or `exc` itself; the callbacks are told."""
         with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
             error = (self._preempted(exc) or explained(exc, self.state.step + 1, self.model)
-                     or explain_failure(exc, self) or exc)
+                     or explain_failure(exc, self, StepContexts(self._autocast, self._evaluator.evaluating))
+                     or exc)
             self._callbacks.on_exception(self.view, error)
         return error
 

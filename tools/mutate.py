@@ -208,12 +208,12 @@ mutation("several optimizers: unscale_ per optimizer before its clip", MANUAL,
 mutation("several optimizers: zero_grad(set_to_none=True) after each update", MANUAL,
          "            opt.zero_grad(set_to_none=True)", "            pass", HAND_WRITTEN)
 mutation("several optimizers: each scheduler steps after its optimizer", MANUAL,
-         "        tr._schedule.by_name[name].after_step()", "        pass", HAND_WRITTEN)
+         "        self._schedule.by_name[name].after_step()", "        pass", HAND_WRITTEN)
 mutation("several optimizers: gradients averaged over ranks", MANUAL,
-         "            tr._strategy.average(self.params[name], step)", "            pass",
+         "            self._strategy.average(self.params[name], step)", "            pass",
          "tests/recipes/test_gan.py::test_torchrun_two_ranks_agree_and_equal_one_process_over_the_global_batch")
 mutation("several optimizers: skip drops only the bad optimizer's update", MANUAL,
-         "if tr._guard.skip_nonfinite and _bad(", "if False and _bad(",
+         "if self._guard.skip_nonfinite and _bad(", "if False and _bad(",
          f"{OPTS}::test_skip_policy_drops_only_the_bad_optimizers_update")
 mutation("several optimizers: every optimizer (and scheduler) restored from a checkpoint", "saferun/loop/optimizers.py",
          "        for name, obj in self._by_name.items():\n            obj.load_state_dict(saved[name])",
@@ -322,7 +322,7 @@ mutation("find_unused_parameters reaches DDP", STRATEGY,
          "distributed.GradientSync(trainer.model, trainer.device, False,",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
 mutation("every rank's RNG state in the checkpoint", CKPTR,
-         "        per_rank = o._strategy.gather(mine)", "        per_rank = [mine]",
+         "        per_rank = p.strategy.gather(mine)", "        per_rank = [mine]",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
 mutation("resume needs the same number of processes", CKPTR,
          '        if len(state["per_rank"]) != o.ranks.world_size:', "        if False:",
@@ -345,7 +345,7 @@ mutation("a user loader under torchrun must split the data", "saferun/data.py",
 
 # ---------------------------------------------------------------- checkpoints and resume
 mutation("GradScaler state saved", CKPTR,
-         '            "scaler": o._scaler.state_dict(),', '            "scaler": {},',
+         '            "scaler": p.scaler.state_dict(),', '            "scaler": {},',
          f"{CKPT}::test_grad_scaler_state_is_saved_and_restored")
 mutation("GradScaler state restored", T,
          '        if state["scaler"]:\n', "        if False:\n",
@@ -359,12 +359,12 @@ mutation("resume replays the data position", T,
          "itertools.islice(batches, state.batches_in_epoch)", "itertools.islice(batches, 0)",
          f"{RESUME}::test_resume_in_process_equals_straight_run_without_workers", DIFF)
 mutation("resume restores the metrics pending since the last log point", CKPTR,
-         '        o._running.load_state_dict(move_to_device(mine["running"], o.device))\n', "",
+         '        p.running.load_state_dict(move_to_device(mine["running"], o.device))\n', "",
          DIFF)
 mutation("resume restores the optimizer", CKPTR,
-         '        o.optimizer.load_state_dict(state["optimizer"])\n', "", DIFF)
+         '        p.optimizer.load_state_dict(state["optimizer"])\n', "", DIFF)
 mutation("resume restores the scheduler", CKPTR,
-         '            o.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
+         '            p.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
 mutation("resume restores the loop counters", CKPTR,
          '        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):\n'
          "            setattr(o.state, key, loop[key])\n",
@@ -372,10 +372,10 @@ mutation("resume restores the loop counters", CKPTR,
          # setup already set them for a resume; a rollback needs them (samples_seen)
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
 mutation("callback state saved", CKPTR,
-         '            "callbacks": o._callbacks.state_dict(),', '            "callbacks": {},',
+         '            "callbacks": p.callbacks.state_dict(),', '            "callbacks": {},',
          f"{CKPT}::test_callback_state_round_trips_through_a_checkpoint")
 mutation("spike detector state saved", CKPTR,
-         '"spikes": {k: d.state_dict() for k, d in (o._spikes or {}).items()},',
+         '"spikes": {k: d.state_dict() for k, d in (p.spikes or {}).items()},',
          '"spikes": {},',
          f"{GUARDS}::test_spike_detector_state_survives_checkpoint_and_resume")
 mutation("weights_only=True", "saferun/checkpoint.py",
@@ -468,7 +468,7 @@ mutation("non-finite gradients are checked", BADSTEP,
          '(("train/grad_norm",) if self.grads_checked else ())', "()",
          f"{NONFINITE}::test_a_non_finite_gradient_under_a_finite_loss_is_caught")
 mutation("checked before each save", CKPTR,
-         "        if not o._guard.window_good():\n            return list_checkpoints(root)[-1]",
+         "        if not p.guard.window_good():\n            return list_checkpoints(root)[-1]",
          "        if False:\n            return list_checkpoints(root)[-1]",
          f"{NONFINITE}::test_no_checkpoint_is_written_after_a_non_finite_step")
 mutation("checked before each validation", T,
@@ -490,7 +490,7 @@ mutation("skip restores the buffers (BatchNorm statistics)", BADSTEP,
          "        self.snapshot.restore()\n", "",
          f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics", DIFF)
 mutation("skip leaves the scheduler untouched", BADSTEP,
-         "        tr._schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
+         "        schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
          "        tr.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip drops the bad gradients", BADSTEP,
@@ -749,8 +749,8 @@ mutation("the weight average skips skipped steps and copies integer buffers", AV
          "            lambda *_: self.averaged.update_parameters(model))\n",
          "tests/loop/test_averaging.py::test_the_average_is_the_ema_of_the_weights_after_each_step_that_ran")
 mutation("the weight average is resumed from the checkpoint", CKPTR,
-         '            o._ema.load_state_dict(state.get("ema"))\n        loop = state["loop"]',
-         '            o._ema.load_state_dict(None)\n        loop = state["loop"]',
+         '            p.ema.load_state_dict(state.get("ema"))\n        loop = state["loop"]',
+         '            p.ema.load_state_dict(None)\n        loop = state["loop"]',
          f"{RESUME}::test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights")
 mutation("under torchrun the ranks agree on the logged keys", "saferun/loop/metrics.py",
          "            keys = distributed.union(keys)\n", "            pass\n",
@@ -768,7 +768,7 @@ mutation("a rollback cuts metrics.jsonl back", LOGGERS,
          "        if False:\n",
          "tests/test_logging.py::test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl")
 mutation("the step rolled back to is not validated again", T,
-         "        if self.val_loader is None or self._validated_at == self.state.step:",
+         "        if self.val_loader is None or self.state.validated_at == self.state.step:",
          "        if self.val_loader is None:",
          "tests/test_logging.py::test_a_rollback_leaves_each_step_once_in_tensorboard_and_metrics_jsonl")
 mutation("logger: {} means no loggers", LOGGERS,

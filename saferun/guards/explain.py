@@ -15,10 +15,11 @@ With several optimizers, the replay's `self.optimize()` calls step nothing (expl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import warnings
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -91,15 +92,23 @@ class FailureOwner(Protocol):
     state: Any
     train_loader: Any
     cfg: Any
-    _evaluator: Any
-    _autocast: Callable[[], Any]
 
     def training_step(self, batch: Any) -> Any: ...
     def validation_step(self, batch: Any) -> Any: ...
     def predict_step(self, batch: Any) -> Any: ...
 
 
-def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCodeError]:
+@dataclasses.dataclass(frozen=True)
+class StepContexts:
+    """How the loop runs a step, for a replay: the precision's autocast and the evaluation
+    modes (eval mode, inference_mode) of validation and predict."""
+
+    autocast: Callable[[], ContextManager[Any]]
+    evaluating: Callable[[], ContextManager[Any]]
+
+
+def explain_failure(exc: BaseException, owner: FailureOwner, contexts: StepContexts
+                    ) -> Optional[UserCodeError]:
     """If `exc` was raised while a training, validation or predict step ran, the explained error
     (raise it `from exc`); else None. Never raises itself."""
     try:
@@ -116,7 +125,7 @@ def explain_failure(exc: BaseException, owner: FailureOwner) -> Optional[UserCod
         found = _failing_step(exc, owner)
         if found is None:
             return None
-        return _explain(exc, owner, *found)
+        return _explain(exc, owner, contexts, *found)
     except Exception:  # an explanation must never hide the user's error
         return None
 
@@ -136,7 +145,8 @@ def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str
     return site.phase, move_to_device(site.batch, owner.device, False)
 
 
-def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) -> UserCodeError:
+def _explain(exc: BaseException, owner: FailureOwner, contexts: StepContexts, phase: str,
+             batch: Any) -> UserCodeError:
     model = _plain(owner.model)
     step = owner.state.step + 1 if phase == "training" else owner.state.step
     hook = _HOOKS[phase]
@@ -144,10 +154,10 @@ def _explain(exc: BaseException, owner: FailureOwner, phase: str, batch: Any) ->
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     carriers = graph_carriers(model) if _SECOND_BACKWARD in message else []  # before a replay
     module, inputs, replayed = ((*locate_in_traceback(exc, model), None) if several_ranks()
-                                else _locate(owner, model, phase, batch))
+                                else _locate(owner, contexts, model, phase, batch))
     what, fix = (("backward reached into the graph of an earlier step, which that step's "
                   "backward had already freed.", carried_graph_advice(carriers)) if carriers else
-                 _diagnose(message, exc, owner, model, phase, batch, fields, module, inputs))
+                 _diagnose(message, exc, owner, contexts, model, phase, batch, fields, module, inputs))
     on_rank = f" on rank {owner.state.rank}" if several_ranks() else ""
     lines = [f"{hook} failed at step {step}{_in_step(exc)}{on_rank}: {what}"]
     if fix:
@@ -184,14 +194,14 @@ _INPLACE = "modified by an inplace operation"
 _SECOND_BACKWARD = "Trying to backward through the graph a second time"
 
 
-def _diagnose(message: str, exc: BaseException, owner: FailureOwner, model: nn.Module, phase: str,
-              batch: Any, fields: list[str], module: Optional[str], inputs: Optional[str]
-              ) -> tuple[str, str]:
+def _diagnose(message: str, exc: BaseException, owner: FailureOwner, contexts: StepContexts,
+              model: nn.Module, phase: str, batch: Any, fields: list[str], module: Optional[str],
+              inputs: Optional[str]) -> tuple[str, str]:
     """(what went wrong, what to do), in the user's terms."""
     params = [p for p in model.parameters()]
     where = f"module {module}" if module else "the code named below"
     if _INPLACE in message:
-        trace = (_inplace_trace(owner, model, batch)
+        trace = (_inplace_trace(owner, contexts.autocast, model, batch)
                  if phase == "training" and not several_ranks() else None)
         what = ("an in-place operation changed a tensor that autograd had saved for backward "
                 f"({message.split(':', 1)[-1].split('; expected')[0].strip()}).")
@@ -244,7 +254,7 @@ def _bn_one_fix(owner: FailureOwner, phase: str) -> str:
 
 # ------------------------------------------------------------------ where it went wrong
 
-def _locate(owner: FailureOwner, model: nn.Module, phase: str, batch: Any
+def _locate(owner: FailureOwner, contexts: StepContexts, model: nn.Module, phase: str, batch: Any
             ) -> tuple[Optional[str], Optional[str], Optional[str]]:
     """(module path and type, its inputs, how found) by replaying the batch's forward with
     pre- and post-forward hooks: a module entered and never left raised."""
@@ -262,9 +272,9 @@ def _locate(owner: FailureOwner, model: nn.Module, phase: str, batch: Any
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave) for m in model.modules()]
     step_fn = getattr(owner, _HOOKS[phase])
-    modes = (contextlib.nullcontext() if phase == "training" else owner._evaluator.evaluating())
+    modes = contextlib.nullcontext() if phase == "training" else contexts.evaluating()
     try:
-        with _state_kept(model), preserved_rng(), modes, torch.no_grad(), owner._autocast(), \
+        with _state_kept(model), preserved_rng(), modes, torch.no_grad(), contexts.autocast(), \
                 _replaying(owner, backward=False):
             try:
                 step_fn(batch)
@@ -295,12 +305,13 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
             p.grad = g
 
 
-def _inplace_trace(owner: FailureOwner, model: nn.Module, batch: Any) -> Optional[str]:
+def _inplace_trace(owner: FailureOwner, autocast: Callable[[], ContextManager[Any]],
+                   model: nn.Module, batch: Any) -> Optional[str]:
     """The forward line that saved the tensor an in-place operation later changed: one
     replay of forward and backward under anomaly mode (RNG, buffers, gradients restored)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _state_kept(model), preserved_rng(), owner._autocast(), _replaying(owner, True):
+        with _state_kept(model), preserved_rng(), autocast(), _replaying(owner, True):
             with torch.autograd.detect_anomaly(check_nan=False):
                 try:
                     out = owner.training_step(batch)

@@ -36,11 +36,14 @@ class Evaluator:
         self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
         self._metrics = metrics  # stateful (torchmetrics): reset before a pass, computed after
         self._owner = owner  # the Trainer: an error in its step is explained (guards/explain.py)
+        self._root = self  # the Trainer's own (for_model's copies explain through it)
 
     def for_model(self, model: nn.Module) -> "Evaluator":
         """The same evaluation of another model (the averaged weights, trainer.ema)."""
-        return Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
+        copy = Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
                          self._purity, self._metrics, self._owner, self._modes is not None)
+        copy._root = self._root
+        return copy
 
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -118,9 +121,10 @@ class Evaluator:
         """Raise `exc`, raised by the `phase` step on `batch` (as the loader gave it), explained
         in the user's terms (the step, the batch, the module), if it can be; else return (the
         caller re-raises it as it was)."""
-        from ..guards.explain import explain_failure  # after a failure only
+        from ..guards.explain import StepContexts, explain_failure  # after a failure only
 
         record(exc, phase=phase, batch=batch)
-        error = explain_failure(exc, self._owner) if self._owner is not None else None
+        error = (explain_failure(exc, self._owner, StepContexts(self._autocast, self._root.evaluating))
+                 if self._owner is not None else None)
         if error is not None:
             raise error from exc
