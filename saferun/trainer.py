@@ -45,7 +45,7 @@ from .loop.logbook import EvalLog, Folded, Logbook
 from .loop.habits import StepHabits, check_step_signatures
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
-from .loop.manual import ManualSteps, optimize, setup_optimizers
+from .loop.manual import ManualSteps, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
 from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
@@ -72,7 +72,6 @@ class Trainer:
     """
 
     _schedule: Any  # Schedule or NamedSchedules: set with the optimizer (loop/manual.py)
-    _manual: Optional[ManualSteps]  # several optimizers: their step; None with one
     _check_first_batch: bool
 
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
@@ -95,6 +94,7 @@ class Trainer:
         self._fitted: Optional[tuple[Optional[int], Optional[int]]] = None  # limits of the last fit
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
+        self._manual: Optional[ManualSteps] = None  # several optimizers: their step (setup)
 
     # ------------------------------------------------------------------ task hooks
 
@@ -221,8 +221,8 @@ class Trainer:
         self._non_blocking = self.device.type == "cuda"
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
-                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics, self,
-                                    self.cfg.guards.declared_modes)
+                                    t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics,
+                                    self._explain_failure, self.cfg.guards.declared_modes)
         self.state.run_dir = t.run_dir or default_run_dir()
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
             self.cfg, self.ranks.is_main, self.device.type))
@@ -237,7 +237,7 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy)
+        self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy, several)
         self._manual = ManualSteps(  # several optimizers: the step training_step drives
             self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
             strategy=self._strategy, guard=self._guard, declared=self._declared,
@@ -305,10 +305,16 @@ class Trainer:
         error, or `exc` itself; the callbacks are told."""
         with self._stop_signals.while_stopping():  # the second Ctrl-C, during the save too
             error = (self._preempted(exc) or explained(exc, self.state.step + 1, self.model)
-                     or explain_failure(exc, self, StepContexts(self._autocast, self._evaluator.evaluating))
+                     or self._explain_failure(exc)
                      or exc)
             self._callbacks.on_exception(self.view, error)
         return error
+
+    def _explain_failure(self, exc: BaseException) -> Optional[BaseException]:
+        """`exc` explained in the user's terms (guards/explain.py), or None; its replay runs
+        the step as the loop does (autocast, the evaluation modes, several optimizers)."""
+        return explain_failure(exc, self, StepContexts(self._autocast, self._evaluator.evaluating,
+                                                       self._manual))
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
@@ -336,7 +342,20 @@ class Trainer:
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
                           spike=spike, loss_spike=loss_spike)
 
-    optimize = optimize  # several optimizers: training_step calls self.optimize(name, loss)
+    def optimize(self, name: str, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """With several optimizers (`build_optimizer` returned {name: optimizer}), called in
+        training_step once per optimizer, in the order the algorithm needs: backward `loss` into
+        optimizer `name`'s parameters only and step it, with the loop's discipline (see
+        loop/manual.py). `retain_graph=True` keeps the graph for a later optimize() whose loss
+        shares it; autograd refuses that later backward if it needs a value this update changed
+        (saferun marks the updated parameters changed, fused optimizers too)."""
+        if self._manual is None:
+            raise SaferunError(
+                "self.optimize(name, loss) drives one of several named optimizers; this Trainer "
+                "has one optimizer (or is not set up), which the loop steps itself from the loss "
+                "that training_step returns. Return the loss, or return {name: optimizer} from "
+                "build_optimizer.")
+        self._manual.optimize(name, loss, retain_graph)
 
     def _forward_backward(self, micro_batches: Sequence[Any], share: float = 1.0,
                           last: bool = True, samples: int = 0

@@ -105,6 +105,7 @@ class StepContexts:
 
     autocast: Callable[[], ContextManager[Any]]
     evaluating: Callable[[], ContextManager[Any]]
+    manual: Any = None  # several optimizers: the ManualSteps (its replay steps nothing)
 
 
 def explain_failure(exc: BaseException, owner: FailureOwner, contexts: StepContexts
@@ -201,7 +202,7 @@ def _diagnose(message: str, exc: BaseException, owner: FailureOwner, contexts: S
     params = [p for p in model.parameters()]
     where = f"module {module}" if module else "the code named below"
     if _INPLACE in message:
-        trace = (_inplace_trace(owner, contexts.autocast, model, batch)
+        trace = (_inplace_trace(owner, contexts, model, batch)
                  if phase == "training" and not several_ranks() else None)
         what = ("an in-place operation changed a tensor that autograd had saved for backward "
                 f"({message.split(':', 1)[-1].split('; expected')[0].strip()}).")
@@ -275,7 +276,7 @@ def _locate(owner: FailureOwner, contexts: StepContexts, model: nn.Module, phase
     modes = contextlib.nullcontext() if phase == "training" else contexts.evaluating()
     try:
         with _state_kept(model), preserved_rng(), modes, torch.no_grad(), contexts.autocast(), \
-                _replaying(owner, backward=False):
+                _replaying(contexts.manual, backward=False):
             try:
                 step_fn(batch)
             except Exception:
@@ -305,17 +306,18 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
             p.grad = g
 
 
-def _inplace_trace(owner: FailureOwner, autocast: Callable[[], ContextManager[Any]],
-                   model: nn.Module, batch: Any) -> Optional[str]:
+def _inplace_trace(owner: FailureOwner, contexts: StepContexts, model: nn.Module, batch: Any
+                   ) -> Optional[str]:
     """The forward line that saved the tensor an in-place operation later changed: one
     replay of forward and backward under anomaly mode (RNG, buffers, gradients restored)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _state_kept(model), preserved_rng(), autocast(), _replaying(owner, True):
+        with _state_kept(model), preserved_rng(), contexts.autocast(), \
+                _replaying(contexts.manual, True):
             with torch.autograd.detect_anomaly(check_nan=False):
                 try:
                     out = owner.training_step(batch)
-                    if getattr(owner, "_manual", None) is None:  # several: optimize() did it
+                    if contexts.manual is None:  # several: optimize() did it
                         (out["loss"] if isinstance(out, dict) else out).backward()
                 except RuntimeError:
                     pass

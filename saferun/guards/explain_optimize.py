@@ -11,10 +11,10 @@ from typing import Any
 from .failure_site import site_of
 
 
-def replaying(owner: Any, backward: bool) -> Any:
-    """Several optimizers: the replay's optimize() calls step no optimizer, scheduler or
-    scaler (`backward`: they run the backward only, for the in-place trace)."""
-    steps = getattr(owner, "_manual", None)
+def replaying(steps: Any, backward: bool) -> Any:
+    """Several optimizers (`steps`: the ManualSteps, else None): the replay's optimize() calls
+    step no optimizer, scheduler or scaler (`backward`: they run the backward only, for the
+    in-place trace)."""
     return steps.replaying(backward) if steps is not None else contextlib.nullcontext()
 
 

@@ -28,22 +28,22 @@ class Evaluator:
 
     def __init__(self, model: nn.Module, device: torch.device, non_blocking: bool,
                  autocast: Callable[[], ContextManager[Any]], eval_grad_mode: str,
-                 purity: bool, metrics: Mapping[str, Any] = {}, owner: Any = None,
+                 purity: bool, metrics: Mapping[str, Any] = {},
+                 explain: Optional[Callable[[BaseException], Optional[BaseException]]] = None,
                  declared_modes: bool = True) -> None:
+        """`explain`: the Trainer's explanation of an error its step raised (guards/explain.py),
+        or None."""
         self._model, self._device, self._non_blocking = model, device, non_blocking
         # guards.declared_modes: every module stays in eval mode through each evaluation step
         self._modes = modes.DeclaredModes(model, (), evaluation=True) if declared_modes else None
         self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
         self._metrics = metrics  # stateful (torchmetrics): reset before a pass, computed after
-        self._owner = owner  # the Trainer: an error in its step is explained (guards/explain.py)
-        self._root = self  # the Trainer's own (for_model's copies explain through it)
+        self._explain = explain
 
     def for_model(self, model: nn.Module) -> "Evaluator":
         """The same evaluation of another model (the averaged weights, trainer.ema)."""
-        copy = Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
-                         self._purity, self._metrics, self._owner, self._modes is not None)
-        copy._root = self._root
-        return copy
+        return Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
+                         self._purity, self._metrics, self._explain, self._modes is not None)
 
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
@@ -121,10 +121,7 @@ class Evaluator:
         """Raise `exc`, raised by the `phase` step on `batch` (as the loader gave it), explained
         in the user's terms (the step, the batch, the module), if it can be; else return (the
         caller re-raises it as it was)."""
-        from ..guards.explain import StepContexts, explain_failure  # after a failure only
-
         record(exc, phase=phase, batch=batch)
-        error = (explain_failure(exc, self._owner, StepContexts(self._autocast, self._root.evaluating))
-                 if self._owner is not None else None)
+        error = self._explain(exc) if self._explain is not None else None
         if error is not None:
             raise error from exc

@@ -252,23 +252,6 @@ def setup_optimizers(trainer: Any, model: torch.nn.Module) -> tuple[Any, Any, An
                                                   validates=trainer.val_loader is not None)
 
 
-def optimize(trainer: Any, name: str, loss: torch.Tensor, retain_graph: bool = False) -> None:
-    """`Trainer.optimize(name, loss)`: with several optimizers (`build_optimizer` returned
-    {name: optimizer}), called in training_step once per optimizer, in the order the algorithm
-    needs: backward `loss` into optimizer `name`'s parameters only and step it, with the loop's
-    discipline (see this module's docstring). `retain_graph=True` keeps the graph for a later
-    optimize() whose loss shares it; autograd refuses that later backward if it needs a value
-    this update changed (saferun marks the updated parameters changed, fused optimizers too)."""
-    manual: Optional[ManualSteps] = getattr(trainer, "_manual", None)
-    if manual is None:
-        raise SaferunError(
-            "self.optimize(name, loss) drives one of several named optimizers; this Trainer has "
-            "one optimizer (or is not set up), which the loop steps itself from the loss that "
-            "training_step returns. Return the loss, or return {name: optimizer} from "
-            "build_optimizer.")
-    manual.optimize(name, loss, retain_graph)
-
-
 def _user_logs(out: Any, step: int) -> dict[str, torch.Tensor]:
     """training_step's return value with several optimizers: None or a dict of scalars."""
     if out is None:

@@ -82,11 +82,12 @@ class DataParallel(SingleProcess):
     training_step runs, so that user code calling `self.model(...)` goes through DDP.
     """
 
-    def __init__(self, trainer: ModelOwner, find_unused: bool) -> None:
+    def __init__(self, trainer: ModelOwner, find_unused: bool, several: bool = False) -> None:
+        """`several`: several optimizers, each optimize() averages its own gradients."""
         self._trainer = trainer
         self._device = trainer.device
         self._sync = distributed.GradientSync(trainer.model, trainer.device, find_unused,
-                                              manual=getattr(trainer, "_manual", None) is not None)
+                                              manual=several)
         self._pending: Optional[Control] = None  # requests not yet agreed
         self._agreed_signal: Optional[int] = None
 
@@ -173,9 +174,10 @@ class FullyShardedDataParallel(DataParallel):
             self.saves.finish()  # every rank's write is done: hash, manifest, rename
 
 
-def strategy_for(trainer: ModelOwner, find_unused: bool, strategy: str = "auto") -> SingleProcess:
+def strategy_for(trainer: ModelOwner, find_unused: bool, strategy: str = "auto",
+                 several: bool = False) -> SingleProcess:
     """The strategy for this launch: trainer.strategy, where auto is DataParallel under
-    torchrun, else SingleProcess."""
+    torchrun, else SingleProcess. `several`: build_optimizer named several optimizers."""
     if strategy == "fsdp":
         return FullyShardedDataParallel(trainer)
     if strategy == "ddp" and trainer.ranks.world_size == 1:
@@ -183,5 +185,5 @@ def strategy_for(trainer: ModelOwner, find_unused: bool, strategy: str = "auto")
                           "this process was not launched by torchrun (or with one process). "
                           "Launch with torchrun --nproc_per_node=N, or set trainer.strategy=auto.")
     if trainer.ranks.world_size > 1:
-        return DataParallel(trainer, find_unused)
+        return DataParallel(trainer, find_unused, several)
     return SingleProcess()
