@@ -1,4 +1,5 @@
-"""Learning-rate schedules: when the loop steps them, and which rates each step used."""
+"""Learning-rate schedules: when the loop steps them, and which rates each step used (`Schedule`
+for one optimizer, `NamedSchedules` for several by name), and a forced resume's new values."""
 
 from __future__ import annotations
 
@@ -114,6 +115,33 @@ class Schedule:
 
 
 Hyperparameters = tuple[list[dict[str, Any]], Optional[dict[str, Any]]]
+
+
+class NamedSchedules:
+    """One `Schedule` per optimizer; the rates are logged as `train/lr/<name>` (and
+    `train/lr/<name>/<group>` for its other parameter groups)."""
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer],
+                 schedulers: Mapping[str, Any], metric: Optional[str], validates: bool) -> None:
+        plateaus = [n for n, s in schedulers.items() if isinstance(s, ReduceLROnPlateau)]
+        if metric is not None and not plateaus:
+            raise ConfigError(f"trainer.sched_metric={metric!r} is set, but no optimizer's "
+                              f"scheduler is a ReduceLROnPlateau. Remove trainer.sched_metric.")
+        self.by_name = {name: Schedule(opt, schedulers.get(name),
+                                       metric if name in plateaus else None, validates)
+                        for name, opt in optimizers.items()}
+
+    def after_step(self) -> None:
+        for schedule in self.by_name.values():
+            schedule.after_step()
+
+    def after_validation(self, metrics: Mapping[str, float]) -> None:
+        for schedule in self.by_name.values():
+            schedule.after_validation(metrics)
+
+    def rates(self) -> dict[str, float]:
+        return {key.replace("train/lr", f"train/lr/{name}", 1): lr
+                for name, schedule in self.by_name.items() for key, lr in schedule.rates().items()}
 
 
 def configured_hyperparameters(optimizer: Any, scheduler: Any) -> Any:

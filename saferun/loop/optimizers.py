@@ -15,11 +15,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from ..checkpoint.store import CheckpointError
 from ..errors import ConfigError, SaferunError
-from ..schedules import Schedule
+from ..schedules import NamedSchedules
 from .steps import check_optimizer_params
 
 NAMED = "named"  # the key that marks a state dict of several optimizers or schedulers
@@ -75,33 +74,6 @@ class NamedSchedulers(_Named):
     def step(self) -> None:  # a forced resume replays the schedules with it
         for scheduler in self._by_name.values():
             scheduler.step()
-
-
-class NamedSchedules:
-    """One `Schedule` per optimizer; the rates are logged as `train/lr/<name>` (and
-    `train/lr/<name>/<group>` for its other parameter groups)."""
-
-    def __init__(self, optimizers: NamedOptimizers, schedulers: Mapping[str, Any],
-                 metric: Optional[str], validates: bool) -> None:
-        plateaus = [n for n, s in schedulers.items() if isinstance(s, ReduceLROnPlateau)]
-        if metric is not None and not plateaus:
-            raise ConfigError(f"trainer.sched_metric={metric!r} is set, but no optimizer's "
-                              f"scheduler is a ReduceLROnPlateau. Remove trainer.sched_metric.")
-        self.by_name = {name: Schedule(opt, schedulers.get(name),
-                                       metric if name in plateaus else None, validates)
-                        for name, opt in optimizers.items()}
-
-    def after_step(self) -> None:
-        for schedule in self.by_name.values():
-            schedule.after_step()
-
-    def after_validation(self, metrics: Mapping[str, float]) -> None:
-        for schedule in self.by_name.values():
-            schedule.after_validation(metrics)
-
-    def rates(self) -> dict[str, float]:
-        return {key.replace("train/lr", f"train/lr/{name}", 1): lr
-                for name, schedule in self.by_name.items() for key, lr in schedule.rates().items()}
 
 
 def build_named(trainer: Any, optimizers: Mapping[str, Any], model: nn.Module
