@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from .errors import ConfigError
+from .guards.policies import POLICIES
 from .loop.settings import EmaConfig
 from .parallel.settings import FSDPConfig
 from .sweep.settings import SweepConfig
@@ -138,7 +139,7 @@ class TrainerConfig:
                                   f"but trainer.ema is off: set trainer.ema.decay (e.g. 0.999).")
 
 
-NONFINITE_POLICIES = ("raise", "skip", "rollback", "off")
+NONFINITE_POLICIES = tuple(POLICIES)  # raise, skip, rollback, off: guards/policies.py
 
 
 @dataclass

@@ -484,7 +484,7 @@ class Trainer:
         modes.start_training(self.model, self._frozen, self.cfg.trainer.frozen_modules)
         if self.cfg.trainer.compile:
             self._check_compile()
-        if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:
+        if self._guard.needs_checkpoint:  # a rollback or an anomaly replay
             self._checkpointer.ensure_one()  # so there is always a good state to go back to
         if self.cfg.guards.model_audit:
             self._audit_first_steps()

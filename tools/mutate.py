@@ -362,7 +362,7 @@ mutation("resume restores the metrics pending since the last log point", CKPTR,
          '        p.running.load_state_dict(move_to_device(mine["running"], o.device))\n', "",
          DIFF)
 mutation("resume restores the optimizer", CKPTR,
-         '        p.optimizer.load_state_dict(state["optimizer"])\n', "", DIFF)
+         '            p.optimizer.load_state_dict(state["optimizer"])\n', "            pass\n", DIFF)
 mutation("resume restores the scheduler", CKPTR,
          '            p.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
 mutation("resume restores the loop counters", CKPTR,
@@ -461,7 +461,7 @@ mutation("resume=PATH sets the run's newer checkpoints aside", CKPTR,
 
 # ---------------------------------------------------------------- non-finite guard
 mutation("non-finite loss raises at log points", BADSTEP,
-         '        if self._g.nonfinite != "off" and not all(',
+         '        if self.nonfinite.checked and not all(',
          '        if False and not all(',
          f"{NONFINITE}::test_raise_names_the_step_and_the_samples_with_no_per_step_sync")
 mutation("non-finite gradients are checked", BADSTEP,
@@ -525,12 +525,12 @@ mutation("rollback keeps a step-0 checkpoint", T,
          "            pass",
          f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
 mutation("anomaly replay keeps a step-0 checkpoint", T,
-         '        if self.cfg.guards.nonfinite == "rollback" or self.cfg.guards.anomaly_replay:',
-         '        if self.cfg.guards.nonfinite == "rollback":',
+         '                                 or g.anomaly_replay)',
+         '                                 or False)',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("anomaly replay", BADSTEP,
-         '                    if g.anomaly_replay and kind == "non-finite" and not bad_input else "")',
-         '                    if False else "")',
+         '        replayed = ("\\n" + self._anomaly_replay(bad.step) if self._g.anomaly_replay',
+         '        replayed = ("\\n" + self._anomaly_replay(bad.step) if False',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
          "        if self._unused_check_pending:  # once, after the first backward\n",
@@ -543,11 +543,11 @@ mutation("spikes detected", T,
          "        spike, loss_spike = None, None",
          f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
 mutation("spikes raise at log points", BADSTEP,
-         '        return metrics.get("train/spikes", 0.0) == 0.0 or self._g.spikes == "skip"',
+         '        return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips',
          "        return True",
          f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
 mutation("spikes skipped", BADSTEP,
-         '        self.skip_spikes = g.spikes == "skip"', "        self.skip_spikes = False",
+         '        self.skip_spikes = self.spike_policy.skips', "        self.skip_spikes = False",
          f"{GUARDS}::test_a_loss_spike_can_be_skipped")
 
 # ---------------------------------------------------------------- eval purity, modes, preflight
@@ -688,7 +688,7 @@ MISTAKES = "tests/guards/test_mistakes.py"
 EXPLAIN = "saferun/guards/explain.py"
 DATA = "saferun/guards/datachecks.py"
 mutation("errors in user code are explained", T,
-         "or explain_failure(exc, self) or exc)", "or exc)", MISTAKES)
+         "or self._explain_failure(exc)\n", "or None\n", MISTAKES)
 mutation("the explanation's replay finds the module", EXPLAIN,
          "    if last_failed:\n", "    if False:\n", MISTAKES)
 mutation("the explanation's replay restores buffers and gradients", EXPLAIN,
@@ -1319,6 +1319,15 @@ mutation("failure site: an error in test_step is explained as test_step's", "saf
 mutation("distributed: the group saferun started is left before interpreter teardown",
          "saferun/parallel/distributed.py", "        atexit.register(_leave_group)\n", "",
          "tests/logging/test_evaluate_callbacks.py::test_every_reduction_is_agreed_over_two_real_ranks")
+
+
+mutation("policies: a spike rollback keeps a checkpoint from the start", BADSTEP,
+         "self.nonfinite.needs_checkpoint or self.spike_policy.needs_checkpoint",
+         "self.nonfinite.needs_checkpoint",
+         f"{GUARDS}::test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save")
+mutation("policies: a spike under rollback is rolled back", "saferun/guards/policies.py",
+         "        guard.roll_back(bad)", "        guard.raise_bad(bad)",
+         f"{GUARDS}::test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save")
 
 
 # ---------------------------------------------------------------- the runner

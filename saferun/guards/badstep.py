@@ -29,6 +29,7 @@ from ..parallel import distributed
 from .buffers import BufferSnapshot
 from .batchinfo import nonfinite_inputs
 from .replay import first_nonfinite, replay
+from .policies import POLICIES, BadStep
 from .spikes import SpikeDetector
 
 log = logging.getLogger("saferun")
@@ -63,13 +64,18 @@ class BadStepPolicy:
         self._g = g
         # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
         self.grads_checked = t.precision != "fp16"
-        self.skip_nonfinite = g.nonfinite == "skip"  # fp16: a non-finite loss (a bad batch)
-        self.skip_spikes = g.spikes == "skip"
+        # what follows a bad step of each kind (guards/policies.py)
+        self.nonfinite, self.spike_policy = POLICIES[g.nonfinite](), POLICIES[g.spikes]()
+        self.skip_nonfinite = self.nonfinite.skips  # fp16: a non-finite loss (a bad batch)
+        self.skip_spikes = self.spike_policy.skips
         self.skips = self.skip_nonfinite or self.skip_spikes
+        # a rollback needs a checkpoint to go back to, an anomaly replay one to replay from
+        self.needs_checkpoint = (self.nonfinite.needs_checkpoint or self.spike_policy.needs_checkpoint
+                                 or g.anomaly_replay)
         # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
         self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
         self.spikes: Optional[dict[str, SpikeDetector]] = None
-        if g.spikes != "off":
+        if self.spike_policy.checked:
             # Each step is compared with a limit on the device; the statistics behind it are
             # refreshed every log interval, and at least four times per window.
             every = max(1, min(t.log_every_n_steps, g.spike_window // 4))
@@ -132,10 +138,10 @@ class BadStepPolicy:
     def log_point_good(self, metrics: Mapping[str, float]) -> bool:
         """Are a log point's metrics free of non-finite values and of flagged spikes?"""
         keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self.grads_checked else ())
-        if self._g.nonfinite != "off" and not all(
+        if self.nonfinite.checked and not all(
                 math.isfinite(metrics[k]) for k in keys if k in metrics):
             return False
-        return metrics.get("train/spikes", 0.0) == 0.0 or self._g.spikes == "skip"
+        return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips
 
     def clean_log_point(self) -> None:
         """A good log point: rollbacks since the last one no longer count as consecutive."""
@@ -149,9 +155,10 @@ class BadStepPolicy:
         if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
             self.on_bad()  # raises (or rolls back, if the window's steps were bad)
             return False
-        if (g.nonfinite == "off" and g.spikes in ("off", "skip")) or not self._running.losses:
+        windows = self.nonfinite.checked or (self.spike_policy.checked and not self.spike_policy.skips)
+        if not windows or not self._running.losses:
             return True
-        if self._running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks) is None:
+        if self._running.first_bad(self.nonfinite.checked, self.grads_checked, tr.ranks) is None:
             return True
         self.on_bad()  # raises, or rolls back
         return False
@@ -160,7 +167,7 @@ class BadStepPolicy:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         tr, g = self._trainer, self._g
         running = self._running
-        found = (running.first_bad(g.nonfinite != "off", self.grads_checked, tr.ranks)
+        found = (running.first_bad(self.nonfinite.checked, self.grads_checked, tr.ranks)
                  if running.losses else None)
         if found is None:  # the losses and gradients were finite: guards.check_params fired
             raise NonFiniteError(
@@ -168,8 +175,7 @@ class BadStepPolicy:
                 f"{first_nonfinite(tr.model.named_parameters())}. Lower optim.lr or set "
                 f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
         first, kind, rank = found
-        key = "guards.nonfinite" if kind == "non-finite" else "guards.spikes"
-        policy = g.nonfinite if kind == "non-finite" else g.spikes
+        policy = self.nonfinite if kind == "non-finite" else self.spike_policy
         bad_step = tr.state.step - running.steps + 1 + first
         # the values and samples of the rank where it started, on every rank (torchrun)
         # which of the step's logged values were not finite (several optimizers: loss/<name>)
@@ -193,13 +199,16 @@ class BadStepPolicy:
         if bad_input:
             report = f"{what} at step {bad_step}{on_rank}: {bad_input} Loss {loss}, gradient " \
                      f"norm {norm}; {samples}."
-        if policy == "rollback":
-            self._roll_back(report, bad_step)
-            return
-        replayed = ("\n" + self._anomaly_replay(bad_step)
-                    if g.anomaly_replay and kind == "non-finite" and not bad_input else "")
+        policy.on_bad_window(self, BadStep(bad_step, kind, report, bool(bad_input)))  # raises, or rolls back
+
+    def raise_bad(self, bad: BadStep) -> None:
+        """The raise policy (and a bad step a skip policy could not drop): the error, after an
+        anomaly replay of a non-finite step if asked for."""
+        key = "guards.nonfinite" if bad.kind == "non-finite" else "guards.spikes"
+        replayed = ("\n" + self._anomaly_replay(bad.step) if self._g.anomaly_replay
+                    and bad.kind == "non-finite" and not bad.bad_input else "")
         raise NonFiniteError(
-            f"{report} The check runs at log points, validations and saves (no host sync per "
+            f"{bad.report} The check runs at log points, validations and saves (no host sync per "
             f"step), so that update and any after it were applied; the last checkpoint predates "
             f"them. What to do: inspect those samples; lower optim.lr or set "
             f"trainer.max_grad_norm; set guards.anomaly_replay=true to name the operation that "
@@ -208,9 +217,9 @@ class BadStepPolicy:
 
     # ------------------------------------------------------------------ recovery
 
-    def _roll_back(self, report: str, bad_step: int) -> None:
-        """guards.nonfinite=rollback: restore the newest checkpoint, keep going with new data."""
-        tr = self._trainer
+    def roll_back(self, bad: BadStep) -> None:
+        """The rollback policy: restore the newest checkpoint, keep going with new data."""
+        tr, report, bad_step = self._trainer, bad.report, bad.step
         self._rollbacks += 1
         try:
             found, damaged = load_latest(checkpoint_root(tr.state.run_dir)), ""

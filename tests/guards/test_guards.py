@@ -234,6 +234,27 @@ def test_a_loss_spike_can_be_skipped(tmp_path):
     assert t.scheduler.last_epoch == 39  # its update and its schedule step were dropped
 
 
+def test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save(tmp_path, caplog):
+    # guards.spikes=rollback, like guards.nonfinite=rollback, keeps a checkpoint from the start:
+    # before, a spike before the first save raised "there is no checkpoint to roll back to"
+    class SpikesOnce(ToyTrainer):
+        spiked = False
+
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            if self.state.step + 1 == 30 and not self.spiked:
+                self.spiked = True
+                return loss * 1000
+            return loss
+
+    t = SpikesOnce(spike_config(tmp_path, "rollback"))
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    rolled = [r.getMessage() for r in caplog.records if "Rolled back" in r.getMessage()]
+    assert len(rolled) == 1 and "loss spike" in rolled[0] and "at step 30" in rolled[0]
+    assert "step-00000000" in rolled[0] and t.state.step == 40
+
+
 class SpikesPlanted(ToyTrainer):
     """The loss is multiplied at several steps: once early, twice in a row, smaller ones late."""
 
