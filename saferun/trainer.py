@@ -337,8 +337,7 @@ class Trainer:
         scaler.update()
         opt.zero_grad(set_to_none=True)
         self._schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
-        self.state.step += 1
-        self.state.samples_seen += samples
+        self.state.advance(samples)
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
                           spike=spike, loss_spike=loss_spike)
 

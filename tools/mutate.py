@@ -251,8 +251,8 @@ mutation("several optimizers: a loss that cannot train names the optimizer", CHE
 
 # ---------------------------------------------------------------- host syncs
 mutation("no host sync per step in the loop", T,
-         "        self.state.samples_seen += samples\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
-         "        self.state.samples_seen += samples\n        float(loss)\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
+         "        self.state.advance(samples)\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
+         "        self.state.advance(samples)\n        float(loss)\n        return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs,",
          "tests/unit/test_syncs.py::test_syncs_equal_log_points_plus_one_per_validation")
 mutation("one host read per log point", "saferun/metrics.py",
          "            values = stacked.tolist()", "            values = [v.item() for v in stacked]",
@@ -494,8 +494,8 @@ mutation("skip leaves the scheduler untouched", BADSTEP,
          "        tr.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip drops the bad gradients", BADSTEP,
-         "        self.snapshot.restore()\n        tr.optimizer.zero_grad(set_to_none=True)\n",
-         "        self.snapshot.restore()\n",
+         "        self._trainer.optimizer.zero_grad(set_to_none=True)\n        scaler.update()",
+         "        scaler.update()",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip stops after max_consecutive", BADSTEP,
          "        if self._skips_in_a_row >= self._g.max_consecutive:", "        if False:",
@@ -1328,6 +1328,16 @@ mutation("policies: a spike rollback keeps a checkpoint from the start", BADSTEP
 mutation("policies: a spike under rollback is rolled back", "saferun/guards/policies.py",
          "        guard.roll_back(bad)", "        guard.raise_bad(bad)",
          f"{GUARDS}::test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save")
+
+
+mutation("several optimizers: a step with a skipped update restores the buffers", BADSTEP,
+         "        assert self.snapshot is not None\n        self.snapshot.restore()\n",
+         "        assert self.snapshot is not None\n",
+         "tests/loop/test_optimizers.py")
+mutation("several optimizers: the step counter advances", "saferun/loop/manual.py",
+         "        tr.state.advance(samples)\n        return StepOutput(loss=torch.stack(losses).sum(),",
+         "        return StepOutput(loss=torch.stack(losses).sum(),",
+         "tests/loop/test_optimizers.py")
 
 
 # ---------------------------------------------------------------- the runner

@@ -108,21 +108,21 @@ class BadStepPolicy:
              schedule: Any) -> StepOutput:
         """A skip policy: drop this update. Parameters, buffers, optimizer and scheduler stay as
         before the step; the GradScaler, which saw the gradients, updates its scale as usual."""
-        tr = self._trainer
-        assert self.snapshot is not None
-        self.snapshot.restore()
-        tr.optimizer.zero_grad(set_to_none=True)
+        self._trainer.optimizer.zero_grad(set_to_none=True)
         scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
         schedule.after_step()  # the optimizer did not step: nor does the scheduler
-        step = tr.state.step + 1
-        tr.state.step = step
-        tr.state.samples_seen += samples
-        self.count_skip(step, "non-finite loss or gradients, or a spike; the update was skipped")
+        self.end_skipped_step(samples, "non-finite loss or gradients, or a spike; the update was "
+                                       "skipped")
         return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)
 
-    def count_skip(self, step: int, what: str) -> None:
-        """A skipped step: count it, say `what`; too many in a row raise (with several
-        optimizers, `loop/manual.py` calls it)."""
+    def end_skipped_step(self, samples: int, what: str) -> None:
+        """The end of a step whose update a skip policy dropped (with several optimizers, the
+        updates of some; `loop/manual.py` calls it): the buffers go back to before the step (the
+        bad batch's BatchNorm statistics too), the step is counted, and `what` said. Too many
+        in a row raise."""
+        assert self.snapshot is not None
+        self.snapshot.restore()
+        step = self._trainer.state.advance(samples)
         self._skips_in_a_row = self._skips_in_a_row + 1 if self._last_skipped == step - 1 else 1
         self._last_skipped = step
         log.warning("step %d: %s (%d in a row).", step, what, self._skips_in_a_row)

@@ -122,8 +122,7 @@ class ManualSteps:
         norms = [norm for _, norm in done.values()]
         for name, (loss, norm) in done.items():
             logs[f"loss/{name}"], logs[f"grad_norm/{name}"] = loss, norm
-        tr.state.step = step
-        tr.state.samples_seen += samples
+        tr.state.advance(samples)
         return StepOutput(loss=torch.stack(losses).sum(),
                           grad_norm=torch.linalg.vector_norm(torch.stack(norms)),
                           logs=logs, num_samples=samples)
@@ -227,14 +226,10 @@ class ManualSteps:
         """guards.nonfinite=skip: one or more updates of this step were dropped. The buffers go
         back to before the step (the bad batch's statistics too); the updates that were finite
         stand, as they were applied before the bad loss existed."""
-        tr = self._tr
-        self._guard.snapshot.restore()
-        step = tr.state.step + 1
-        tr.state.step = step
-        tr.state.samples_seen += samples
-        self._guard.count_skip(step, f"non-finite loss or gradients for optimizer(s) "
-                                   f"{', '.join(map(repr, self._skipped))}; their update was skipped")
-        zero = torch.zeros((), device=tr.device)
+        self._guard.end_skipped_step(samples, f"non-finite loss or gradients for optimizer(s) "
+                                              f"{', '.join(map(repr, self._skipped))}; their "
+                                              f"update was skipped")
+        zero = torch.zeros((), device=self._tr.device)
         return StepOutput(loss=zero, grad_norm=zero, num_samples=samples, skipped=True)
 
 

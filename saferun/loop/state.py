@@ -25,3 +25,10 @@ class LoopState:
     validated_at: int = -1
     # a step's end that a stop interrupted (its validation): {"step", "save", "stop"}, or None
     owed: Optional[dict[str, Any]] = None
+
+    def advance(self, samples: int) -> int:
+        """One optimizer step done, its update applied or skipped (the one place the step
+        counter moves forward): the new step."""
+        self.step += 1
+        self.samples_seen += samples
+        return self.step
