@@ -1333,7 +1333,7 @@ mutation("policies: a spike under rollback is rolled back", "saferun/guards/poli
 mutation("several optimizers: a step with a skipped update restores the buffers", BADSTEP,
          "        assert self.snapshot is not None\n        self.snapshot.restore()\n",
          "        assert self.snapshot is not None\n",
-         "tests/loop/test_optimizers.py")
+         "tests/loop/test_optimizers.py::test_skip_policy_restores_the_buffers_the_skipped_steps_forward_changed")
 mutation("several optimizers: the step counter advances", "saferun/loop/manual.py",
          "        tr.state.advance(samples)\n        return StepOutput(loss=torch.stack(losses).sum(),",
          "        return StepOutput(loss=torch.stack(losses).sum(),",

@@ -176,6 +176,32 @@ def test_skip_policy_drops_only_the_bad_optimizers_update(tmp_path):
     assert metrics["train/loss/enc"] == metrics["train/loss/enc"]  # finite again after the skip
 
 
+class TwoOptimizersNorm(TwoOptimizers):
+    """The encoder has a BatchNorm: each training forward updates its running statistics."""
+
+    def build_model(self):
+        model = TwoNet()
+        model.enc = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+        return model
+
+
+def test_skip_policy_restores_the_buffers_the_skipped_steps_forward_changed(tmp_path):
+    cfg = config(tmp_path)
+    cfg["guards"] = {"nonfinite": "skip"}
+    seen = {}
+
+    class Buffers(saferun.Callback):
+        def on_train_step_end(self, view, output):
+            seen[view.step] = {k: v.clone() for k, v in t.model.named_buffers()}
+
+    t = TwoOptimizersNorm(cfg, callbacks=[Buffers()])
+    t.nan_in, t.nan_at = "enc", 5
+    t.fit()
+    for k in seen[4]:  # step 5's batch statistics went with its dropped update
+        assert torch.equal(seen[4][k], seen[5][k]), k
+    assert not torch.equal(seen[5]["enc.1.running_mean"], seen[6]["enc.1.running_mean"])
+
+
 class Forgets(TwoOptimizers):
     def training_step(self, batch):
         x, y = batch
