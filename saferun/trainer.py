@@ -232,7 +232,6 @@ class Trainer:
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch)
         self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
-        self._spikes = self._guard.spikes  # the spike detectors, saved with each rank's state
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -644,7 +643,7 @@ class Trainer:
         return StatefulParts(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self._scaler, ema=self._ema, running=self._running,
-            spikes=self._spikes, batches=self._batches, callbacks=self._callbacks,
+            spikes=self._guard.spikes, batches=self._batches, callbacks=self._callbacks,
             strategy=self._strategy, stop_signals=self._stop_signals, guard=self._guard)
 
     # ------------------------------------------------------------------ stop, log

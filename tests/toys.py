@@ -246,8 +246,8 @@ def main() -> None:
     with open(os.path.join(cfg["trainer"]["run_dir"], f"final_metrics_rank{trainer.ranks.rank}.json"),
               "w") as f:
         json.dump(trainer.state.metrics, f)
-    if trainer._spikes:
-        torch.save({k: d.state_dict() for k, d in trainer._spikes.items()},
+    if trainer._guard.spikes:
+        torch.save({k: d.state_dict() for k, d in trainer._guard.spikes.items()},
                    os.path.join(cfg["trainer"]["run_dir"], f"spikes_rank{trainer.ranks.rank}.pt"))
 
 

@@ -461,7 +461,7 @@ mutation("resume=PATH sets the run's newer checkpoints aside", CKPTR,
 
 # ---------------------------------------------------------------- non-finite guard
 mutation("non-finite loss raises at log points", BADSTEP,
-         '        if self.nonfinite.checked and not all(',
+         '        if self.nonfinite_policy.checked and not all(',
          '        if False and not all(',
          f"{NONFINITE}::test_raise_names_the_step_and_the_samples_with_no_per_step_sync")
 mutation("non-finite gradients are checked", BADSTEP,
@@ -525,8 +525,8 @@ mutation("rollback keeps a step-0 checkpoint", T,
          "            pass",
          f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
 mutation("anomaly replay keeps a step-0 checkpoint", T,
-         '                                 or g.anomaly_replay)',
-         '                                 or False)',
+         '                                 or self.spike_policy.needs_checkpoint or g.anomaly_replay)',
+         '                                 or self.spike_policy.needs_checkpoint)',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("anomaly replay", BADSTEP,
          '        replayed = ("\\n" + self._anomaly_replay(bad.step) if self._g.anomaly_replay',
@@ -1322,8 +1322,8 @@ mutation("distributed: the group saferun started is left before interpreter tear
 
 
 mutation("policies: a spike rollback keeps a checkpoint from the start", BADSTEP,
-         "self.nonfinite.needs_checkpoint or self.spike_policy.needs_checkpoint",
-         "self.nonfinite.needs_checkpoint",
+         "                                 or self.spike_policy.needs_checkpoint or g.anomaly_replay)",
+         "                                 or g.anomaly_replay)",
          f"{GUARDS}::test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save")
 mutation("policies: a spike under rollback is rolled back", "saferun/guards/policies.py",
          "        guard.roll_back(bad)", "        guard.raise_bad(bad)",
@@ -1338,6 +1338,12 @@ mutation("several optimizers: the step counter advances", "saferun/loop/manual.p
          "        tr.state.advance(samples)\n        return StepOutput(loss=torch.stack(losses).sum(),",
          "        return StepOutput(loss=torch.stack(losses).sum(),",
          "tests/loop/test_optimizers.py")
+
+
+mutation("several optimizers: the step uses the Trainer's GradScaler", T,
+         "self, model, self._logbook, self._habits, scaler=self._scaler,",
+         'self, model, self._logbook, self._habits, scaler=torch.amp.GradScaler("cpu", enabled=False),',
+         "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 
 
 # ---------------------------------------------------------------- the runner

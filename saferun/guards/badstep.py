@@ -65,13 +65,14 @@ class BadStepPolicy:
         # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
         self.grads_checked = t.precision != "fp16"
         # what follows a bad step of each kind (guards/policies.py)
-        self.nonfinite, self.spike_policy = POLICIES[g.nonfinite](), POLICIES[g.spikes]()
-        self.skip_nonfinite = self.nonfinite.skips  # fp16: a non-finite loss (a bad batch)
+        self.nonfinite_policy = POLICIES[g.nonfinite]()
+        self.spike_policy = POLICIES[g.spikes]()
+        self.skip_nonfinite = self.nonfinite_policy.skips  # fp16: a non-finite loss (a bad batch)
         self.skip_spikes = self.spike_policy.skips
         self.skips = self.skip_nonfinite or self.skip_spikes
         # a rollback needs a checkpoint to go back to, an anomaly replay one to replay from
-        self.needs_checkpoint = (self.nonfinite.needs_checkpoint or self.spike_policy.needs_checkpoint
-                                 or g.anomaly_replay)
+        self.needs_checkpoint = (self.nonfinite_policy.needs_checkpoint
+                                 or self.spike_policy.needs_checkpoint or g.anomaly_replay)
         # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
         self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
         self.spikes: Optional[dict[str, SpikeDetector]] = None
@@ -138,7 +139,7 @@ class BadStepPolicy:
     def log_point_good(self, metrics: Mapping[str, float]) -> bool:
         """Are a log point's metrics free of non-finite values and of flagged spikes?"""
         keys = ("train/loss", "train/param_norm") + (("train/grad_norm",) if self.grads_checked else ())
-        if self.nonfinite.checked and not all(
+        if self.nonfinite_policy.checked and not all(
                 math.isfinite(metrics[k]) for k in keys if k in metrics):
             return False
         return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips
@@ -155,10 +156,10 @@ class BadStepPolicy:
         if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
             self.on_bad()  # raises (or rolls back, if the window's steps were bad)
             return False
-        windows = self.nonfinite.checked or (self.spike_policy.checked and not self.spike_policy.skips)
-        if not windows or not self._running.losses:
+        spikes_at_checks = self.spike_policy.checked and not self.spike_policy.skips
+        if not (self.nonfinite_policy.checked or spikes_at_checks) or not self._running.losses:
             return True
-        if self._running.first_bad(self.nonfinite.checked, self.grads_checked, tr.ranks) is None:
+        if self._running.first_bad(self.nonfinite_policy.checked, self.grads_checked, tr.ranks) is None:
             return True
         self.on_bad()  # raises, or rolls back
         return False
@@ -167,7 +168,7 @@ class BadStepPolicy:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         tr, g = self._trainer, self._g
         running = self._running
-        found = (running.first_bad(self.nonfinite.checked, self.grads_checked, tr.ranks)
+        found = (running.first_bad(self.nonfinite_policy.checked, self.grads_checked, tr.ranks)
                  if running.losses else None)
         if found is None:  # the losses and gradients were finite: guards.check_params fired
             raise NonFiniteError(
@@ -175,7 +176,7 @@ class BadStepPolicy:
                 f"{first_nonfinite(tr.model.named_parameters())}. Lower optim.lr or set "
                 f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
         first, kind, rank = found
-        policy = self.nonfinite if kind == "non-finite" else self.spike_policy
+        policy = self.nonfinite_policy if kind == "non-finite" else self.spike_policy
         bad_step = tr.state.step - running.steps + 1 + first
         # the values and samples of the rank where it started, on every rank (torchrun)
         # which of the step's logged values were not finite (several optimizers: loss/<name>)

@@ -80,7 +80,7 @@ def assert_built_as_configured(trainer, config):
         for node in (getattr(config, key) or {}).values():
             if node is not None:
                 assert get_class(node["_target_"]) in built, node["_target_"]
-    assert (trainer._spikes is not None) == (config.guards.spikes != "off")
+    assert (trainer._guard.spikes is not None) == (config.guards.spikes != "off")
     assert (SyncAudit in built) == config.guards.sync_audit
 
 

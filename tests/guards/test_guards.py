@@ -310,9 +310,9 @@ def test_spike_detector_state_survives_checkpoint_and_resume(tmp_path):
     resumed.setup()
     resumed._checkpointer.resume()
     for key in ("loss", "grad_norm"):
-        state = resumed._spikes[key].state_dict()
+        state = resumed._guard.spikes[key].state_dict()
         assert all(torch.equal(state[k], saved[key][k]) for k in state)
-        assert torch.equal(state["values"], first._spikes[key].state_dict()["values"])
+        assert torch.equal(state["values"], first._guard.spikes[key].state_dict()["values"])
 
 
 def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):
