@@ -1345,6 +1345,14 @@ mutation("several optimizers: the step uses the Trainer's GradScaler", T,
          'self, model, self._logbook, self._habits, scaler=torch.amp.GradScaler("cpu", enabled=False),',
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 
+mutation("saferun check: compile parity still compiles after the other checks", "saferun/guards/check.py",
+         "        torch.compiler.reset()\n", "        pass\n",
+         "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
+mutation("saferun check: compile parity runs the fit's own compile check", "saferun/guards/check.py",
+         "    make(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=1))).fit()\n",
+         "    make(cfg).setup()\n",
+         "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
+
 
 # ---------------------------------------------------------------- the runner
 

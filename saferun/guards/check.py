@@ -21,7 +21,7 @@ from ..config import Config
 from ..data import split_datasets
 from ..errors import SaferunError
 from .. import modes
-from ..loop.batches import first_batch
+from ..loop.batches import BatchStream, first_batch
 from ..loop.seeding import preserved_rng
 from ..loop.steps import loss_and_logs
 from . import datachecks
@@ -73,6 +73,10 @@ def _name(check: Callable[..., CheckResult]) -> str:
 
 def _run(check: Callable[[Factory, Config], CheckResult], make: Factory, cfg: Config) -> CheckResult:
     name = _name(check)
+    if cfg.trainer.compile:
+        # Each check builds new models: past torch.compile's recompile limit (8 per function),
+        # later checks would run eagerly unsaid, and compile parity would compare eager with eager.
+        torch.compiler.reset()
     try:
         return check(make, copy.deepcopy(cfg))
     except SaferunError as e:
@@ -197,10 +201,14 @@ def _unused_parameters(make: Factory, cfg: Config) -> CheckResult:
 
 def step_syncs(trainer: Trainer) -> list[dict[str, int]]:
     """The host syncs of each training step of `trainer` (set up, `max_steps` steps), as
-    `HostSyncCounter.sites`: the steps alone, as between log points."""
+    `HostSyncCounter.sites`: the steps alone, as between log points. The steps' batches come
+    from a stream of the loop's own kind over the Trainer's loader (grouped for accumulation,
+    each epoch's shuffle seeded as in fit)."""
     steps = []
+    cfg = trainer.cfg
+    stream = BatchStream(trainer.train_loader, cfg.trainer, cfg.seed, trainer.state, False)  # type: ignore[arg-type]  # set up: a loader
     with HostSyncCounter() as counter:
-        for micro_batches, _, _ in trainer._batches.groups():
+        for micro_batches, _, _ in stream.groups():
             counter.reset()
             trainer.train_step(micro_batches)
             steps.append(dict(counter.sites))
@@ -282,7 +290,7 @@ def _initial_loss(make: Factory, cfg: Config) -> CheckResult:
     outputs: list[Any] = []
     handle = trainer.model.register_forward_hook(lambda m, a, out: outputs.append(out))
     try:
-        with modes.training(trainer.model, trainer._frozen), torch.no_grad():
+        with modes.training(trainer.model, _frozen(trainer)), torch.no_grad():
             loss, _ = loss_and_logs(trainer.training_step(batch), 0, need_grad=False)
     finally:
         handle.remove()
@@ -312,7 +320,7 @@ def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
         try:
             with preserved_rng():  # the loss before fitting: the same draws follow either way
                 starts.append(_eval_loss(trainer, batch))
-            with modes.training(trainer.model, trainer._frozen):
+            with modes.training(trainer.model, _frozen(trainer)):
                 for _ in range(steps):
                     trainer.train_step([batch])
             losses.append(_eval_loss(trainer, batch))
@@ -376,11 +384,16 @@ def _batch_order(make: Factory, cfg: Config) -> CheckResult:
 
 
 def _compile_parity(make: Factory, cfg: Config) -> CheckResult:
-    trainer = make(cfg)
-    trainer.setup()
-    trainer._check_compile()
+    # the check fit() runs before its first step (the compiled model against eager), then
+    # one compiled step
+    make(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=1))).fit()
     return CheckResult("compile parity", "pass", "compiled and eager agree on the first batch: "
                        "the eval-mode loss; the training-mode loss, gradients and buffers")
+
+
+def _frozen(trainer: Trainer) -> list[torch.nn.Module]:
+    """The modules trainer.frozen_modules names, which stay in eval mode in training."""
+    return modes.resolve_modules(trainer.model, trainer.cfg.trainer.frozen_modules)
 
 
 def _one_line(message: str, limit: int = 400) -> str:

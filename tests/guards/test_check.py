@@ -154,3 +154,23 @@ def test_a_trainer_with_a_test_set_is_checked(tmp_path):
     cfg = load_config(toy_config(tmp_path))
     [found] = run_checks(lambda c: WithTest(c), cfg, only=["data overlap"])
     assert found.status == "pass", found
+
+
+def test_compile_parity_is_checked_when_the_config_compiles(tmp_path):
+    from toys import Net
+
+    class CompilerSensitive(Net):  # a planted compiler bug: computes something else when traced
+        def forward(self, x):
+            out = super().forward(x)
+            return out * 3 if torch.compiler.is_compiling() else out
+
+    class Planted(ToyTrainer):
+        def build_model(self):
+            return CompilerSensitive()
+
+    clean = results(ToyTrainer, tmp_path / "clean", compile=True, compile_backend="eager")
+    assert clean["compile parity"].status == "pass", clean["compile parity"]
+    found = results(Planted, tmp_path / "planted", compile=True, compile_backend="eager")
+    parity = found["compile parity"]
+    assert parity.status == "fail" and "compiled" in parity.finding, parity
+    assert "trainer.compile=false" in parity.finding, parity
