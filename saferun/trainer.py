@@ -53,8 +53,9 @@ from .loop.seeding import derive_seed, seed_everything
 from .loop.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
-from .loop.steps import (accumulate, clip_or_measure, explained, loss_and_logs, resolve_device,
-                         total_norm, trainable_parameters)
+from .loop.update import OptimizerUpdate, total_norm
+from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
+                         trainable_parameters)
 from .parallel import distributed
 from .parallel.fsdp import shard_model
 from .parallel.strategy import strategy_for
@@ -232,6 +233,7 @@ class Trainer:
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch)
         self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
+        self._update = OptimizerUpdate(self._scaler, self._guard, self._habits, t.max_grad_norm)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -239,7 +241,7 @@ class Trainer:
         self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy, several)
         self._manual = ManualSteps(  # several optimizers: the step training_step drives
             self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
-            strategy=self._strategy, guard=self._guard, declared=self._declared,
+            update=self._update, strategy=self._strategy, guard=self._guard, declared=self._declared,
             autocast=self._autocast, non_blocking=self._non_blocking) if several else None
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
@@ -319,23 +321,19 @@ class Trainer:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
         if self._manual is not None:  # several optimizers: training_step calls optimize()
             return self._manual.step(micro_batches)
-        opt, scaler, guard = self.optimizer, self._scaler, self._guard
+        guard = self._guard
         if guard.snapshot is not None:
             guard.snapshot.take()  # under a skip policy: the buffers as before this step
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
-        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones
-        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)
         if self._unused_check_pending:  # once, after the first backward
-            self._unused_check_pending = report_unused_parameters(self.model)
-        spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)  # device
-        if guard.skips and guard.bad_now(loss, grad_norm, spike):
-            return guard.skip(loss, grad_norm, samples, scaler, self._schedule)  # one host sync per step
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        self._schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
+            self._unused_check_pending = report_unused_parameters(self.model.named_parameters())
+        grad_norm, skipped, spike, loss_spike = self._update(  # (a skip policy: one host sync)
+            self.optimizer, self._params, self._schedule, loss)
+        self._scaler.update()  # after the step (a skipped one too: it saw the gradients)
+        if skipped:
+            return guard.skipped(loss, grad_norm, samples)
         self.state.advance(samples)
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
                           spike=spike, loss_spike=loss_spike)

@@ -126,19 +126,21 @@ mutation("predict runs in eval mode without autograd", EVAL,
          "tests/unit/test_predict.py::test_predict_returns_normal_cpu_tensors_in_order_without_changing_modes")
 
 # ---------------------------------------------------------------- the step
-mutation("zero_grad(set_to_none=True)", T,
-         "        opt.zero_grad(set_to_none=True)\n        self._schedule.after_step()",
-         "        opt.zero_grad(set_to_none=False)\n        self._schedule.after_step()",
+# the one update after backward (loop/update.py): the single-optimizer step and each optimize()
+UPD = "saferun/loop/update.py"
+mutation("zero_grad(set_to_none=True)", UPD,
+         "        optimizer.zero_grad(set_to_none=True)\n",
+         "        optimizer.zero_grad(set_to_none=False)\n",
          f"{STEP}::test_grads_are_set_to_none_after_each_step")
-mutation("clip after unscale", T,
-         "        scaler.unscale_(opt)  # clip and measure the true gradients, not the fp16-scaled ones\n"
-         "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n",
-         "        grad_norm = clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)\n"
-         "        scaler.unscale_(opt)\n",
-         f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured")
-mutation("clip to max_grad_norm", T,
-         "clip_or_measure(self._params, self.cfg.trainer.max_grad_norm)",
-         "clip_or_measure(self._params, None)",
+mutation("clip after unscale", UPD,
+         "            scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones\n",
+         "            pass\n",
+         f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured",
+         also=(("        norm = clip_or_measure(params, self._max_grad_norm)\n",
+                "        norm = clip_or_measure(params, self._max_grad_norm)\n        scaler.unscale_(optimizer)\n"),))
+mutation("clip to max_grad_norm", UPD,
+         "clip_or_measure(params, self._max_grad_norm)",
+         "clip_or_measure(params, None)",
          f"{STEP}::test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm")
 mutation("measure the norm without clip_grad_norm_(inf)", "saferun/loop/steps.py",
          "        return total_norm([p.grad for p in params if p.grad is not None])",
@@ -203,17 +205,21 @@ MANUAL, OPTS = "saferun/loop/manual.py", "tests/loop/test_optimizers.py"
 HAND_WRITTEN = f"{OPTS}::test_each_update_equals_a_hand_written_loop_bitwise"
 mutation("several optimizers: a loss's gradients only in its optimizer's parameters", MANUAL,
          "backward(inputs=params, retain_graph", "backward(retain_graph", HAND_WRITTEN)
-mutation("several optimizers: unscale_ per optimizer before its clip", MANUAL,
-         "            scaler.unscale_(opt)  #", "            pass  #", HAND_WRITTEN)
-mutation("several optimizers: zero_grad(set_to_none=True) after each update", MANUAL,
-         "            opt.zero_grad(set_to_none=True)", "            pass", HAND_WRITTEN)
+mutation("several optimizers: unscale_ per optimizer before its clip", UPD,
+         "            scaler.unscale_(optimizer)  #", "            pass  #", HAND_WRITTEN)
+mutation("several optimizers: zero_grad(set_to_none=True) after each update", UPD,
+         "        optimizer.zero_grad(set_to_none=True)\n", "        pass\n", HAND_WRITTEN)
 mutation("several optimizers: each scheduler steps after its optimizer", MANUAL,
-         "        self._schedule.by_name[name].after_step()", "        pass", HAND_WRITTEN)
+         "self._update(opt, params, self._schedule.by_name[name], loss)",
+         "self._update(opt, params, self._schedule.by_name[self.names[0]], loss)", HAND_WRITTEN)
+mutation("the scheduler steps after the optimizer", UPD,
+         "        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
+         "\n", HAND_WRITTEN, "tests/unit/test_schedules.py")
 mutation("several optimizers: gradients averaged over ranks", MANUAL,
          "            self._strategy.average(self.params[name], step)", "            pass",
          "tests/recipes/test_gan.py::test_torchrun_two_ranks_agree_and_equal_one_process_over_the_global_batch")
-mutation("several optimizers: skip drops only the bad optimizer's update", MANUAL,
-         "if self._guard.skip_nonfinite and _bad(", "if False and _bad(",
+mutation("several optimizers: skip drops only the bad optimizer's update", UPD,
+         "        skipped = guard.skips and guard.bad_now(loss, norm, spike)\n", "        skipped = False\n",
          f"{OPTS}::test_skip_policy_drops_only_the_bad_optimizers_update")
 mutation("several optimizers: every optimizer (and scheduler) restored from a checkpoint", "saferun/loop/optimizers.py",
          "        for name, obj in self._by_name.items():\n            obj.load_state_dict(saved[name])",
@@ -482,20 +488,20 @@ mutation("check_params adds the parameters", T,
 mutation("non-finite parameters are bad", T,
          'keys = ("train/loss", "train/param_norm") +', 'keys = ("train/loss",) +',
          f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
-mutation("skip drops the bad update", T,
-         "        if guard.skips and guard.bad_now(loss, grad_norm, spike):",
-         "        if False:",
+mutation("skip drops the bad update", UPD,
+         "        skipped = guard.skips and guard.bad_now(loss, norm, spike)\n", "        skipped = False\n",
          f"{NONFINITE}::test_skip_leaves_the_model_and_optimizer_exactly_as_before_the_step")
 mutation("skip restores the buffers (BatchNorm statistics)", BADSTEP,
          "        self.snapshot.restore()\n", "",
          f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics", DIFF)
-mutation("skip leaves the scheduler untouched", BADSTEP,
-         "        schedule.after_step()  # the optimizer did not step: nor does the scheduler\n",
-         "        tr.scheduler.step()\n",
+mutation("skip leaves the scheduler untouched", UPD,
+         "        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
+         "        schedule.after_step()\n        if skipped and schedule.scheduler is not None:\n"
+         "            schedule.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
-mutation("skip drops the bad gradients", BADSTEP,
-         "        self._trainer.optimizer.zero_grad(set_to_none=True)\n        scaler.update()",
-         "        scaler.update()",
+mutation("skip drops the bad gradients", UPD,
+         "        optimizer.zero_grad(set_to_none=True)\n",
+         "        if not skipped:\n            optimizer.zero_grad(set_to_none=True)\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip stops after max_consecutive", BADSTEP,
          "        if self._skips_in_a_row >= self._g.max_consecutive:", "        if False:",
@@ -538,8 +544,8 @@ mutation("unused parameters named", T,
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
 # ---------------------------------------------------------------- spikes
-mutation("spikes detected", T,
-         "        spike, loss_spike = guard.spike(loss, grad_norm) if guard.spikes else (None, None)",
+mutation("spikes detected", UPD,
+         "        spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)",
          "        spike, loss_spike = None, None",
          f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
 mutation("spikes raise at log points", BADSTEP,
@@ -1142,8 +1148,9 @@ mutation("a step hook taking more than the batch is refused at setup", "saferun/
 mutation("an optimizer.step() inside training_step is refused before the update",
          "saferun/loop/habits.py", "        if self.step and not self.saferun_steps:", "        if False:",
          "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
-mutation("self.optimize()'s own optimizer steps are not refused", "saferun/loop/manual.py",
-         "                self._habits.saferun_steps = True\n", "",
+mutation("self.optimize()'s own optimizer steps are not refused", "saferun/loop/update.py",
+         "            self._habits.saferun_steps = True  # (training_step may be running: several optimizers)\n",
+         "",
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 mutation("a backward inside training_step is refused at the first step", "saferun/loop/habits.py",
          "        if had_grads or not any(p.grad is not None for p in params):",
@@ -1183,9 +1190,9 @@ mutation("failure site: a training step's error is explained (one optimizer)", "
 mutation("failure site: validation and predict errors are explained", "saferun/loop/evaluation.py",
          "        record(exc, phase=phase, batch=batch)", "        pass",
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
-mutation("failure site: an optimizer's failing step is named", MANUAL,
-         '                    record(exc, optimize_part="step")\n                    raise\n                finally:',
-         '                    raise\n                finally:',
+mutation("failure site: an optimizer's failing step is named", "saferun/loop/update.py",
+         '                record(exc, optimize_part="step")\n                raise\n            finally:',
+         '                raise\n            finally:',
          f"{ERRS}::test_an_error_in_an_optimizers_step_names_the_call_and_the_step")
 mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',
@@ -1352,6 +1359,13 @@ mutation("saferun check: compile parity runs the fit's own compile check", "safe
          "    make(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=1))).fit()\n",
          "    make(cfg).setup()\n",
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
+
+mutation("several optimizers: unused parameters named per optimizer", MANUAL,
+         "            if self._unused_pending:  # guards.unused_params", "            if False:  #",
+         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
+mutation("several optimizers: unused parameters named in the first step only", MANUAL,
+         "        self._unused_pending = False  # checked in the first step only\n", "",
+         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
 
 
 # ---------------------------------------------------------------- the runner

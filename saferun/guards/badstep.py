@@ -2,15 +2,16 @@
 
 guards.nonfinite (raise / skip / rollback / off) and guards.spikes (raise / skip / rollback /
 off), with guards.max_consecutive and guards.anomaly_replay. Under a skip policy the step asks
-`bad_now` (one host sync per step) and drops the update with `skip`; otherwise the loop checks
-the window since the last check at log points (`log_point_good`), validations and saves
-(`window_good`), with no host sync per step, and a bad window raises or rolls back (`on_bad`).
+`bad_now` (one host sync per step; `loop/update.py` then drops the update) and the step ends
+with `skipped`; otherwise the loop checks the window since the last check at log points
+(`log_point_good`), validations and saves (`window_good`), with no host sync per step, and a
+bad window raises or rolls back (`on_bad`).
 
 It is handed what it works with: the log window's running metrics, the batch stream and the
-step's forward and backward (at construction), the GradScaler and schedule (with a skip); of
-the Trainer it uses only public parts: a rollback and an anomaly replay reload the newest
-checkpoint through `Trainer.load_state_dict` and re-run steps through `train_step`. Everything
-else it owns (the spike detectors, the buffer snapshot, the counters).
+step's forward and backward (at construction); of the Trainer it uses only public parts: a
+rollback and an anomaly replay reload the newest checkpoint through `Trainer.load_state_dict`
+and re-run steps through `train_step`. Everything else it owns (the spike detectors, the
+buffer snapshot, the counters).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ class LoopOwner(Protocol):
 
     cfg: Any
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
     state: Any  # LoopState
     ranks: distributed.Ranks
     train_loader: Any
@@ -105,13 +105,10 @@ class BadStepPolicy:
             bad |= spike
         return bool(distributed.all_reduce(bad.int()))  # under torchrun: bad on any rank
 
-    def skip(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int, scaler: Any,
-             schedule: Any) -> StepOutput:
-        """A skip policy: drop this update. Parameters, buffers, optimizer and scheduler stay as
-        before the step; the GradScaler, which saw the gradients, updates its scale as usual."""
-        self._trainer.optimizer.zero_grad(set_to_none=True)
-        scaler.update()  # ends the scaler's step after unscale_ (else the next one raises)
-        schedule.after_step()  # the optimizer did not step: nor does the scheduler
+    def skipped(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> StepOutput:
+        """A skip policy dropped this step's update (`loop/update.py`): parameters, optimizer
+        and scheduler stay as before the step (the GradScaler, which saw the gradients, updated
+        its scale as usual); the buffers go back too."""
         self.end_skipped_step(samples, "non-finite loss or gradients, or a spike; the update was "
                                        "skipped")
         return StepOutput(loss=loss, grad_norm=grad_norm, num_samples=samples, skipped=True)

@@ -10,6 +10,9 @@ step's discipline for that optimizer alone:
     -> (skip policy: drop this update if the loss or norm is not finite, agreed over ranks)
     -> optimizer.step via the scaler -> zero_grad(set_to_none=True) -> its scheduler
 
+from unscale_ on, the loop's one update after backward (`loop/update.py`), which the
+single-optimizer step runs too.
+
 `backward(inputs=...)` keeps the gradients of one optimizer's loss out of the others'
 parameters (the generator's loss goes through the discriminator). After training_step, every
 optimizer must have been called once; the scaler updates once; the step records the sum of the
@@ -21,7 +24,6 @@ unless a skip policy asks, once per optimize().
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
@@ -32,16 +34,15 @@ from .logbook import Logbook
 from ..callbacks import StepOutput
 from ..errors import SaferunError
 from ..guards.failure_site import record
-from ..parallel import distributed
 from .habits import StepHabits
 from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
 from .optimizers import build_named
 from ..schedules import Schedule
-from .steps import check_optimizer_params, clip_or_measure, short
+from .steps import check_optimizer_params
+from .update import OptimizerUpdate
+from ..guards.unused import report_unused_parameters
 from .transfer import move_to_device, samples_in
-
-log = logging.getLogger("saferun")
 
 
 class ManualOwner(Protocol):
@@ -61,14 +62,17 @@ class ManualSteps:
     """Runs one step of training_step with several optimizers and checks how it used them."""
 
     def __init__(self, trainer: ManualOwner, model: torch.nn.Module, logbook: Logbook,
-                 habits: StepHabits, *, scaler: Any, schedule: Any, strategy: Any, guard: Any,
-                 declared: Any, autocast: Any, non_blocking: bool) -> None:
+                 habits: StepHabits, *, scaler: Any, schedule: Any, update: OptimizerUpdate,
+                 strategy: Any, guard: Any, declared: Any, autocast: Any, non_blocking: bool
+                 ) -> None:
         """`model`: unwrapped (its parameter names are the messages'); `schedule`: the
-        NamedSchedules; `guard`: the BadStepPolicy (its skip policy and snapshot); `declared`:
-        DeclaredModes or None; `autocast`: the precision's context factory."""
+        NamedSchedules; `update`: the loop's one update after backward, run per optimizer;
+        `guard`: the BadStepPolicy (its snapshot and skipped steps); `declared`: DeclaredModes
+        or None; `autocast`: the precision's context factory."""
         self._tr, self._habits = trainer, habits
         self._logbook = logbook  # what training_step self.log()s joins its returned dict
         self._scaler, self._schedule, self._strategy, self._guard = scaler, schedule, strategy, guard
+        self._update = update
         self._declared, self._autocast, self._non_blocking = declared, autocast, non_blocking
         names = {id(p): n for n, p in model.named_parameters()}
         self.names = list(trainer.optimizer)
@@ -168,32 +172,17 @@ class ManualSteps:
             except BaseException as exc:
                 record(exc, optimize_part="backward")
                 raise
-            self._check_unused(name)
+            if self._unused_pending:  # guards.unused_params, per optimizer, in the first step
+                report_unused_parameters(self.params[name], name)
             self._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
-            try:
-                scaler.unscale_(opt)  # clip and measure the true gradients, not fp16-scaled ones
-            except BaseException as exc:
-                record(exc, optimize_part="step")
-                raise
-            norm = clip_or_measure(params, tr.cfg.trainer.max_grad_norm)
             loss = loss.detach()
-            if self._guard.skip_nonfinite and _bad(loss, norm, self._guard.grads_checked):
+            norm, skipped, _, _ = self._update(opt, params, self._schedule.by_name[name], loss)
+            if skipped:
                 self._skipped.append(name)  # this update is dropped; the others stand
-            else:
-                self._habits.saferun_steps = True
-                try:
-                    scaler.step(opt)
-                except BaseException as exc:
-                    record(exc, optimize_part="step")
-                    raise
-                finally:
-                    self._habits.saferun_steps = False
-            opt.zero_grad(set_to_none=True)
         # A fused optimizer (or an update through .data) changes the weights without telling
         # autograd: mark them changed, so that a graph saved before this update (the ordering
         # slip, a retained graph) is refused by autograd's version check, never used stale.
         increment_version(params)
-        self._schedule.by_name[name].after_step()  # steps its scheduler if the optimizer stepped
         self._done[name] = (loss, norm)
 
     @contextlib.contextmanager
@@ -210,17 +199,6 @@ class ManualSteps:
     def _replayed(self, name: str, loss: Any) -> None:
         if self._replay and isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward(inputs=[p for _, p in self.params.get(name, ())])
-
-    def _check_unused(self, name: str) -> None:
-        """guards.unused_params, per optimizer: its parameters this loss gave no gradient."""
-        if not self._unused_pending:
-            return
-        unused = [n for n, p in self.params[name] if p.grad is None]
-        if unused:
-            log.warning("%d parameter(s) of optimizer %r received no gradient from its loss in "
-                        "the first step: %s. Its loss does not depend on them; freeze them or "
-                        "move them to the optimizer whose loss trains them.", len(unused), name,
-                        short(unused))
 
     def _skip_step(self, samples: int) -> StepOutput:
         """guards.nonfinite=skip: one or more updates of this step were dropped. The buffers go
@@ -263,9 +241,3 @@ def _user_logs(out: Any, step: int) -> dict[str, torch.Tensor]:
                            f"logs each optimizer's loss and gradient norm itself "
                            f"(train/loss/<name>, train/grad_norm/<name>). Rename them.")
     return logs
-
-
-def _bad(loss: torch.Tensor, norm: torch.Tensor, grads_checked: bool) -> bool:
-    """Is this update non-finite on any rank? One host read (the skip policy's price)."""
-    value = loss + norm if grads_checked else loss
-    return bool(distributed.all_reduce((~torch.isfinite(value)).int()))

@@ -121,31 +121,6 @@ def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[Safer
     return None
 
 
-def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
-    """Clip to `max_norm` and return the pre-clip total norm; without clipping, only measure.
-
-    Measuring never uses clip_grad_norm_(params, inf): with one inf gradient
-    that turns every gradient into NaN.
-    """
-    if max_norm is None:
-        return total_norm([p.grad for p in params if p.grad is not None])
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm if type(norm) is torch.Tensor else _global(norm)  # (no failed getattr per step)
-
-
-def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)."""
-    return _global(torch.nn.utils.get_total_norm(tensors))
-
-
-def _global(norm: torch.Tensor) -> torch.Tensor:
-    # Over DTensor shards (FSDP) torch returns a DTensor: its full value is the norm of the
-    # whole model, a plain tensor the metrics and guards can use. (No import of DTensor: it
-    # costs every run a second of import time.)
-    full = getattr(norm, "full_tensor", None)
-    return full() if full is not None else norm
-
-
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the optimizer gets; an error if there are none."""
     params = [p for p in model.parameters() if p.requires_grad]

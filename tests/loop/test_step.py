@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import saferun
-from saferun.loop.steps import clip_or_measure as _clip_or_measure
+from saferun.loop.update import clip_or_measure as _clip_or_measure
 from toys import ScaledOnCpu, ToyTrainer, make_classification, toy_config, weights
 
 

@@ -1,0 +1,84 @@
+"""The update after backward: one implementation for every optimizer step of the loop.
+
+    unscale_ (GradScaler) -> clip or measure the gradient norm -> the bad-step verdict (a skip
+    policy: drop a non-finite or spiking update) -> optimizer.step via the scaler ->
+    zero_grad(set_to_none=True) -> its scheduler (only if the optimizer really stepped)
+
+The single-optimizer step (`Trainer.train_step`) runs it once per step; with several named
+optimizers, each `optimize(name, loss)` runs it for that optimizer (`loop/manual.py`). The
+scaler's `update()` stays with the caller: once per step, after every optimizer's step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..guards.failure_site import record
+from .habits import StepHabits
+
+
+class OptimizerUpdate:
+    """Applies one optimizer's update from the gradients its backward left."""
+
+    def __init__(self, scaler: Any, guard: Any, habits: StepHabits,
+                 max_grad_norm: Optional[float]) -> None:
+        """`scaler`: the GradScaler (disabled outside fp16); `guard`: the BadStepPolicy (its
+        spike detectors and skip verdict); `habits`: told that the step is saferun's own."""
+        self._scaler, self._guard, self._habits = scaler, guard, habits
+        self._max_grad_norm = max_grad_norm
+
+    def __call__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                 schedule: Any, loss: torch.Tensor
+                 ) -> tuple[torch.Tensor, bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(gradient norm before clipping, skipped, spiked, the loss spiked): the two spike
+        flags on the device, None without guards.spikes. A skip policy reads one value per
+        step from the device (agreed over ranks); otherwise nothing is read."""
+        scaler, guard = self._scaler, self._guard
+        try:
+            scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones
+        except BaseException as exc:  # several optimizers: the explanation names this part
+            record(exc, optimize_part="step")
+            raise
+        norm = clip_or_measure(params, self._max_grad_norm)
+        spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)  # device
+        skipped = guard.skips and guard.bad_now(loss, norm, spike)
+        if not skipped:
+            self._habits.saferun_steps = True  # (training_step may be running: several optimizers)
+            try:
+                scaler.step(optimizer)
+            except BaseException as exc:
+                record(exc, optimize_part="step")
+                raise
+            finally:
+                self._habits.saferun_steps = False
+        optimizer.zero_grad(set_to_none=True)
+        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
+        return norm, skipped, spike, loss_spike
+
+
+def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+    """Clip to `max_norm` and return the pre-clip total norm; without clipping, only measure.
+
+    Measuring never uses clip_grad_norm_(params, inf): with one inf gradient
+    that turns every gradient into NaN.
+    """
+    if max_norm is None:
+        return total_norm([p.grad for p in params if p.grad is not None])
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm if type(norm) is torch.Tensor else _global(norm)  # (no failed getattr per step)
+
+
+def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)."""
+    return _global(torch.nn.utils.get_total_norm(tensors))
+
+
+def _global(norm: torch.Tensor) -> torch.Tensor:
+    # Over DTensor shards (FSDP) torch returns a DTensor: its full value is the norm of the
+    # whole model, a plain tensor the metrics and guards can use. (No import of DTensor: it
+    # costs every run a second of import time.)
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
