@@ -65,8 +65,7 @@ def rank_main(args: argparse.Namespace) -> None:
         trainer._checkpointer.save()
         stalls.append(time.perf_counter() - start)
         time.sleep(args.gap)  # training would go on here
-    if trainer._checkpointer.shards is not None:
-        trainer._checkpointer.shards.finish()
+    trainer._strategy.checkpoint_format.finish()  # the last save, if still in flight
     steady = [b - a for a, b in zip(times, times[1:])][args.warmup:]
     peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

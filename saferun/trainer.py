@@ -57,7 +57,6 @@ from .loop.update import OptimizerUpdate, total_norm
 from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
                          trainable_parameters)
 from .parallel import distributed
-from .parallel.fsdp import shard_model
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
 
@@ -200,7 +199,8 @@ class Trainer:
         self._frozen = modes.resolve_modules(model, t.frozen_modules)
         modes.freeze(self._frozen)
         self.model = model.to(self.device)
-        shard_model(self.model, t, self.ranks, self.device)  # fsdp: in place, before the optimizer
+        self._strategy = strategy_for(t, self.ranks, self.device, self.state, self)
+        self._strategy.prepare(self.model)  # before the optimizer: fsdp shards in place
         if self.ranks.world_size > 1:
             seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank
         train_set, val_set, self._test_set = split_datasets(self.build_datasets(), type(self).__name__)
@@ -238,7 +238,7 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy = strategy_for(self, t.find_unused_parameters, t.strategy, several)
+        self._strategy.finish_setup(self.val_loader, several)
         self._manual = ManualSteps(  # several optimizers: the step training_step drives
             self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
             update=self._update, strategy=self._strategy, guard=self._guard, declared=self._declared,
@@ -275,7 +275,7 @@ class Trainer:
                     if micro_batches:  # (none: a stream ran out, ending the epoch after its last step)
                         output = self.train_step(micro_batches)
                         self._running.add(output, where, self._logbook.take())
-                        control = self._strategy.rank_local(cbs.on_train_step_end(self.view, output))
+                        control = self._strategy.agreement.rank_local(cbs.on_train_step_end(self.view, output))
                         if state.step % t.log_every_n_steps == 0:
                             control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
@@ -589,7 +589,7 @@ class Trainer:
         if not metrics:
             return None
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
-        control = self._strategy.agreed(self._callbacks.on_validation_end(self.view, metrics))
+        control = self._strategy.agreement.agreed(self._callbacks.on_validation_end(self.view, metrics))
         self._write_media(self._logbook.take()[1])
         self._checkpointer.save_if_best(metrics)
         return control
@@ -603,7 +603,7 @@ class Trainer:
             control = _merge(control, self._validate_and_report(control))
         if (control and control.save) or (stepped and self._checkpointer.save_due()):
             self._checkpointer.save()
-        if self._strategy.stop_agreed(self._stop_signals):
+        if self._strategy.agreement.stop_agreed(self._stop_signals):
             raise StopRequested
         return control
 
@@ -656,9 +656,9 @@ class Trainer:
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards
         extra = {"train/param_norm": total_norm(self._params)} if g.check_params else {}
-        strategy, signals = self._strategy, self._stop_signals
-        metrics = self._running.read(extra, strategy.stop_votes(signals), self.ranks.world_size)
-        strategy.count_stop_votes(metrics, signals)
+        agreement, signals = self._strategy.agreement, self._stop_signals
+        metrics = self._running.read(extra, agreement.stop_votes(signals), self.ranks.world_size)
+        agreement.count_stop_votes(metrics, signals)
         media = self._running.media
         if not self._guard.log_point_good(metrics):
             self._guard.on_bad()  # raises, or rolls back (the window's metrics are then moot)
@@ -667,7 +667,7 @@ class Trainer:
         self._guard.clean_log_point()
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self.state.metrics.update(metrics)
-        control = self._strategy.agreed(self._callbacks.on_log(self.view, metrics))
+        control = agreement.agreed(self._callbacks.on_log(self.view, metrics))
         self._write_media(media)
         return control
 

@@ -78,6 +78,7 @@ def _follow_test(test: str) -> str:
 
 T = "saferun/trainer.py"
 BADSTEP, CKPTR = "saferun/guards/badstep.py", "saferun/checkpoint/checkpointer.py"
+FORMATS = "saferun/checkpoint/formats.py"
 EVAL, BATCHES = "saferun/loop/evaluation.py", "saferun/loop/batches.py"
 COMPONENTS, COMPILE = "saferun/loop/components.py", "saferun/loop/compile.py"
 STRATEGY, PREFLIGHT = "saferun/parallel/strategy.py", "saferun/guards/preflight.py"
@@ -324,8 +325,8 @@ mutation("training forwards go through DDP", STRATEGY,  # DataParallel falls bac
          '        """Average the gradients',
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
 mutation("find_unused_parameters reaches DDP", STRATEGY,
-         "distributed.GradientSync(trainer.model, trainer.device, find_unused,",
-         "distributed.GradientSync(trainer.model, trainer.device, False,",
+         "distributed.GradientSync(model, self._device, self._find_unused)",
+         "distributed.GradientSync(model, self._device, False)",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
 mutation("every rank's RNG state in the checkpoint", CKPTR,
          "        per_rank = p.strategy.gather(mine)", "        per_rank = [mine]",
@@ -341,7 +342,7 @@ mutation("a NaN on any rank is bad on every rank", "saferun/metrics.py",
          "        codes = distributed.all_reduce(torch.stack(rows).int()",
          "        codes = (lambda t, op: t)(torch.stack(rows).int()",
          "tests/distributed/test_torchrun.py::test_a_nan_on_one_rank_stops_every_rank_at_the_same_step")
-mutation("a stop signal on one rank stops every rank", T,
+mutation("a stop signal on one rank stops every rank", "saferun/parallel/agreement.py",
          "        if votes:\n", "        if False:\n",
          "tests/distributed/test_torchrun.py::test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step")
 mutation("a user loader under torchrun must split the data", "saferun/data.py",
@@ -367,8 +368,8 @@ mutation("resume replays the data position", T,
 mutation("resume restores the metrics pending since the last log point", CKPTR,
          '        p.running.load_state_dict(move_to_device(mine["running"], o.device))\n', "",
          DIFF)
-mutation("resume restores the optimizer", CKPTR,
-         '            p.optimizer.load_state_dict(state["optimizer"])\n', "            pass\n", DIFF)
+mutation("resume restores the optimizer", FORMATS,
+         '        optimizer.load_state_dict(state["optimizer"])\n', "        pass\n", DIFF)
 mutation("resume restores the scheduler", CKPTR,
          '            p.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
 mutation("resume restores the loop counters", CKPTR,
@@ -416,10 +417,10 @@ mutation("temporary directories are never taken for checkpoints", "saferun/check
          'if (m := re.search(r"step-(\\d{8,})", p.name)) and p.is_dir()]',
          f"{CKPT}::test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact")
 mutation("old checkpoints deleted only after the new one is complete", CKPTR,
-         "            save_checkpoint(root, o.state.step, state)\n",
-         "            for old in list_checkpoints(root)[:max(len(list_checkpoints(root)) + 1 - t.keep_last, 0)]:\n"
-         "                __import__('shutil').rmtree(old)  # make room first\n"
-         "            save_checkpoint(root, o.state.step, state)\n",
+         "        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)\n",
+         "        for old in list_checkpoints(root)[:max(len(list_checkpoints(root)) + 1 - t.keep_last, 0)]:\n"
+         "            __import__('shutil').rmtree(old)  # make room first\n"
+         "        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)\n",
          f"{CKPT}::test_a_failed_save_leaves_the_previous_checkpoints")
 mutation("keep_last", "saferun/checkpoint.py",
          "listed[:-keep_last]", "listed[:-keep_last - 1]",
@@ -676,8 +677,8 @@ mutation("a signal sets the stop flag", "saferun/preemption.py",
          "        self.received = signum", "        pass",
          f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
 mutation("the stop is checked after every step", T,
-         "        if self._strategy.stop_agreed(self._stop_signals):\n",
-         "        if self._strategy.stop_agreed(self._stop_signals) and "
+         "        if self._strategy.agreement.stop_agreed(self._stop_signals):\n",
+         "        if self._strategy.agreement.stop_agreed(self._stop_signals) and "
          "self.state.step % self.cfg.trainer.log_every_n_steps == 0:\n",
          f"{RESUME}::test_a_signal_during_a_step_saves_right_after_that_step")
 mutation("the stop is checked between validation batches", EVAL,

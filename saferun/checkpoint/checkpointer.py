@@ -1,5 +1,7 @@
 """The Checkpointer: which checkpoint to resume from, resuming, and saving with rotation and
-save_best. The on-disk format (atomic write, manifest, verify, rotate) is `store`'s.
+save_best. The on-disk format (atomic write, manifest, verify, rotate) is `store`'s; how the
+model and optimizer state goes in and out is the strategy's checkpoint format's (`formats`:
+whole in state.pt, or sharded per rank).
 
 It is given the Trainer's public state (the `Owner` protocol: config, the loop's `LoopState`,
 ranks) and, at each save and restore, the run's stateful parts by name (`StatefulParts`:
@@ -22,7 +24,6 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import torch
 
 from ..errors import ConfigError
-from ..loop.optimizers import check_state_kind
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
 from ..parallel import distributed
@@ -30,10 +31,11 @@ from ..schedules import configured_hyperparameters, use_configured_hyperparamete
 from ..version import __version__
 from . import course, rundir
 from .compat import check_resume_config
+from .formats import CheckpointFormat
 from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_checkpoint, save_weights, step_of)
+                    load_latest, rotate, save_weights, step_of)
 from .superseded import FRESH, evaluated_weights, start_fresh
-from .weights import Best, load_weights
+from .weights import Best
 
 log = logging.getLogger("saferun")
 
@@ -66,7 +68,8 @@ class StatefulParts:
     spikes: Optional[dict[str, Any]]  # the spike detectors (each rank's own), or None
     batches: Any  # BatchStream: the data position and the RNG states to restore
     callbacks: Any  # CallbackList
-    strategy: Any  # the parallel strategy: gathers each rank's state, agrees on stops
+    strategy: Any  # the parallel strategy: gathers each rank's state, agrees on stops, and
+    # names the checkpoint format that saves and loads the model and optimizer (formats.py)
     stop_signals: Any  # StopSignals: a save for a stop is completed before the exit
     guard: Any  # BadStepPolicy: a save first asks whether the steps since the last check were good
 
@@ -80,8 +83,11 @@ class Checkpointer:
         self.best: Optional[tuple[float, str, int]] = None  # save_best: (value, checkpoint, step)
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
-        self.shards: Any = None  # trainer.strategy=fsdp's ShardedWriter
         self.restored_best = False  # EarlyStopping(restore_best=True) put the best weights back
+
+    def _format(self) -> CheckpointFormat:
+        """How checkpoints hold the model and optimizer: the strategy's format."""
+        return self._parts().strategy.checkpoint_format
 
     # ------------------------------------------------------------------ state
 
@@ -120,15 +126,10 @@ class Checkpointer:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
-        from . import sharded  # torch.distributed.checkpoint: imported only when needed
         o, p = self._owner, self._parts()
         self.replaced()  # this state replaces one found by setup
-        if p.strategy.sharded:  # every rank reads its shards (resharded for another world size)
-            sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, p.model, p.optimizer)
-        else:
-            self.load_model(whole_weights(state.get("sharded", {}).get("path"), state))
-            check_state_kind(state["optimizer"], p.optimizer)  # one optimizer, or several by name
-            p.optimizer.load_state_dict(state["optimizer"])
+        formatted = self._format()
+        formatted.load(state, p.model, p.optimizer)
         if p.scheduler is not None and state["scheduler"] is not None:
             p.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
@@ -142,7 +143,7 @@ class Checkpointer:
         self.best = _best_record(loop["best"]) if self._same_best(state) else None
         o.state.owed = loop.get("owed")  # absent from older checkpoints
         o.state.validated_at = loop.get("validated_at", -1)
-        if len(state["per_rank"]) != o.ranks.world_size and p.strategy.sharded:
+        if len(state["per_rank"]) != o.ranks.world_size and formatted.reshards:
             self._resharded(len(state["per_rank"]))
             p.callbacks.load_state_dict(state["callbacks"])
             return
@@ -316,19 +317,11 @@ class Checkpointer:
         evaluated_weights(entry, o.state.run_dir, o.cfg.resume, self.untrained_auto,
                           self.pending_resume is None and o.state.step == 0 and o.ranks.is_main)
 
-    def load_model(self, weights: Mapping[str, torch.Tensor], source: Any = "the checkpoint") -> None:
-        load_weights(self._parts().model, weights, source)
-
     def load_weights(self, path: Path, state: Mapping[str, Any]) -> None:
         """The model's weights (and trainer.ema's average) from checkpoint `path` (`state`):
         what evaluation needs of a resume, and what EarlyStopping(restore_best=True) restores."""
-        o, p = self._owner, self._parts()
-        if o.cfg.trainer.strategy == "fsdp":  # setup sharded the model already
-            from . import sharded
-
-            sharded.load(path, dict(state), p.model, None)
-        else:
-            self.load_model(whole_weights(path, state), path)
+        p = self._parts()
+        self._format().load_model(path, state, p.model)
         if p.ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
             p.ema.load_state_dict(state.get("ema"))
 
@@ -349,16 +342,10 @@ class Checkpointer:
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
                                        keep=[Path(self.best[1])] if self.best else (), current=done)
-        if p.strategy.sharded:  # every rank writes its shards (perhaps in the background)
-            from . import sharded
-
-            self.shards = p.strategy.saves = self.shards or sharded.ShardedWriter(t.fsdp.async_save)
-            self.shards.save(root, o.state.step, state, p.model, p.optimizer, rotation)
-            if p.strategy.stop_agreed(p.stop_signals):  # the ranks exit after this save
-                self.shards.finish()
-        elif o.ranks.is_main:
-            save_checkpoint(root, o.state.step, state)
-            rotation(path)
+        formatted = self._format()  # rank 0 writes state.pt; sharded: every rank its shards
+        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)
+        if p.strategy.agreement.stop_agreed(p.stop_signals):  # the ranks exit after this save
+            formatted.finish()  # (perhaps written in the background)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         p.callbacks.on_checkpoint(o.view, str(path))
         return path
@@ -368,8 +355,7 @@ class Checkpointer:
         EarlyStopping(restore_best=True) among the callbacks), then the best weights back."""
         # Always: the final validation may have changed callback state since the last save.
         self.save()
-        if self.shards is not None:
-            self.shards.finish()  # the run's last checkpoint is complete before it ends
+        self._format().finish()  # the run's last checkpoint is complete before it ends
         self.write_weights("")
         if restore_best:
             self.restore_best()  # after model.pt: the files keep the final weights
@@ -380,12 +366,7 @@ class Checkpointer:
         the model's whole weights, loadable without saferun; model.pt at the end, model_best.pt
         at each new best. Every rank calls it (fsdp gathers the shards); rank 0 writes."""
         o, p = self._owner, self._parts()
-        if p.strategy.sharded:  # gathered from every rank
-            from .sharded import full_weights
-
-            weights = full_weights(p.model)
-        else:
-            weights = p.model.state_dict()
+        weights = self._format().export(p.model)  # sharded: gathered from every rank
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
             save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)
             if p.ema is not None:  # loads into the same model class as model.pt
@@ -428,8 +409,7 @@ class Checkpointer:
         """Save now if the run has no checkpoint yet (rollback and anomaly replay need one)."""
         if not list_checkpoints(checkpoint_root(self._owner.state.run_dir)):
             self.save()
-            if self.shards is not None:
-                self.shards.finish()  # complete now, not at the next log point
+            self._format().finish()  # complete now, not at the next log point
 
     def save_if_best(self, metrics: Mapping[str, float]) -> None:
         """trainer.save_best: save when validation improved the watched metric."""
@@ -476,16 +456,6 @@ def no_checkpoint_at(resume: str) -> str:
             what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
                      f"name one, e.g. the latest, resume={runs[-1]}")
     return f"resume={resume}: {what}{'' if what.endswith('?') else '.'} {ACCEPTS}."
-
-
-def whole_weights(path: Any, state: Mapping[str, Any]) -> Any:
-    """The whole weights of a checkpoint, for a run that does not shard; refused for shards."""
-    if "sharded" in state:
-        raise CheckpointError(
-            f"{path} was written by trainer.strategy=fsdp (the weights sharded over "
-            f"{state['sharded']['world_size']} processes) and this run does not shard the model. "
-            f"Resume with trainer.strategy=fsdp, or use the run's model.pt (whole weights).")
-    return state["model"]
 
 
 def _best_record(saved: Any) -> Optional[tuple[float, str, int]]:

@@ -1,4 +1,5 @@
-"""Sharded checkpoints (trainer.strategy=fsdp), with torch.distributed.checkpoint (DCP).
+"""Sharded checkpoints (trainer.strategy=fsdp, the `formats.ShardedState` format), with
+torch.distributed.checkpoint (DCP).
 
 A checkpoint directory holds, beside `state.pt` (the loop's state: step, each rank's RNG
 states and data position, scheduler, callbacks; written by rank 0 as in one process):

@@ -61,10 +61,8 @@ def check(t: Any, ranks: distributed.Ranks, device: torch.device) -> None:
 
 def shard_model(model: nn.Module, t: Any, ranks: distributed.Ranks, device: torch.device
                 ) -> None:
-    """trainer.strategy=fsdp: `fully_shard` the units, then the root, in place (before the
-    optimizer is built, so that it holds the shards). A no-op for the other strategies."""
-    if t.strategy != "fsdp":
-        return
+    """`fully_shard` the units, then the root, in place (the strategy's `prepare`: before the
+    optimizer is built, so that it holds the shards)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     check(t, ranks, device)

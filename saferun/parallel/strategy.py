@@ -1,70 +1,65 @@
-"""The parallel strategy: what the loop calls at named points so that it reads the same in one
-process and under torchrun.
+"""The parallel strategy: everything that parallelism changes in a run, owned by one object
+chosen for the launch (`strategy_for`) and called by the loop at named points, so that the loop
+reads the same in one process and under torchrun.
 
-- `micro_batch(last)`: around each micro-batch's forward and backward (DDP: the wrapped model and
-  the gradient average after the last micro-batch's backward, see `GradientSync`).
-- `rank_local(control)`: a callback request made between log points (after each step).
-- `stop_votes(signals)` / `count_stop_votes(metrics, signals)`: at a log point, this rank's stop
-  signal rides on the metrics' one collective; the sum says whether any rank got one.
-- `agreed(control)`: at a log point or validation, the callbacks' requests agreed across ranks.
-- `stop_agreed(signals)`: after each step, whether every rank leaves the loop now.
+- `prepare(model)`: in setup, before the optimizer is built: the model made ready in place
+  (DDP: its wrapper, see `GradientSync`; FSDP: sharded with `fully_shard`).
+- `finish_setup(val_loader, several)`: at the end of setup, with the loaders and optimizers
+  built (DDP: several optimizers average their own gradients; FSDP: every rank validates on as
+  many batches).
+- `micro_batch(last)`: around each micro-batch's forward and backward (DDP: the wrapped model
+  and the gradient average after the last micro-batch's backward).
 - `gather(obj)`: at a checkpoint, each rank's own state (RNG, pending metrics) onto rank 0.
 - `average(named, step)`: several optimizers (`loop/manual.py`), after each optimize()'s backward.
+- `agreement`: how the ranks agree on the loop's next move at log points and after each step
+  (`agreement.py`: `LocalAgreement` in one process, `RankAgreement` under torchrun).
+- `checkpoint_format`: how a checkpoint holds the model and optimizer state
+  (`checkpoint/formats.py`: `WholeState`, or `ShardedState` per rank).
+- `sharded`: each rank holds a part of the model, so a forward needs every rank.
 
 `SingleProcess` does the least at each point; `DataParallel` is DDP; `FullyShardedDataParallel`
-is FSDP2 (the model sharded in place by `fsdp.shard_model` during setup; checkpoints written
-per rank by `checkpoint/sharded.py`).
+is FSDP2 (`fsdp.py`). A new strategy is a class here (and its line in `strategy_for`), its
+trainer.strategy literal in `config.py` and, if it has options, its settings node in
+`settings.py` (held by `config.TrainerConfig`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional, Protocol
+from typing import Any, ContextManager, Iterator, Optional, Protocol
 
 import torch
+from torch import nn
 
-from ..callbacks import Control, _merge, agree
+from ..checkpoint.formats import CheckpointFormat, ShardedState, WholeState
 from ..errors import ConfigError
 from . import distributed, fsdp
-
-if TYPE_CHECKING:
-    from ..preemption import StopSignals
+from .agreement import LocalAgreement, RankAgreement
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch
 
 
-class ModelOwner(Protocol):
-    """What DataParallel needs of the Trainer (a Protocol: no import of the trainer)."""
+class ModelHolder(Protocol):
+    """Where training_step finds `self.model` (the Trainer; a Protocol: no import of it)."""
 
-    model: torch.nn.Module
-    device: torch.device
-    ranks: distributed.Ranks
-    state: Any  # LoopState: the step, for GradientSync's messages
+    model: nn.Module
 
 
-class SingleProcess:
-    """One process: nothing wrapped, every request acts at once."""
+class Strategy:
+    """The points the loop calls, each doing the least (as in one process)."""
 
-    sharded = False  # each rank holds a part of the model: checkpoints are written per rank
+    sharded = False  # each rank holds a part of the model: a forward needs every rank
+    agreement: LocalAgreement
+    checkpoint_format: CheckpointFormat
+
+    def prepare(self, model: nn.Module) -> None:
+        """In setup, before the optimizer is built: make `model` ready in place."""
+
+    def finish_setup(self, val_loader: Any, several: bool) -> None:
+        """At the end of setup. `several`: build_optimizer named several optimizers."""
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
         return _NO_CONTEXT
-
-    def rank_local(self, control: Optional[Control]) -> Optional[Control]:
-        return control
-
-    def agreed(self, control: Optional[Control]) -> Optional[Control]:
-        return control
-
-    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
-        return {}
-
-    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
-        pass
-
-    def stop_agreed(self, signals: "StopSignals") -> bool:
-        """A stop signal arrived."""
-        return signals.received is not None
 
     def gather(self, obj: Any) -> Optional[list[Any]]:
         return distributed.gather(obj)
@@ -74,116 +69,93 @@ class SingleProcess:
         averaged over ranks. One process: nothing to do."""
 
 
-class DataParallel(SingleProcess):
+class SingleProcess(Strategy):
+    """One process: nothing wrapped, every request acts at once, whole checkpoints."""
+
+    def __init__(self) -> None:
+        self.agreement = LocalAgreement()
+        self.checkpoint_format = WholeState(main=True)
+
+
+class DataParallel(Strategy):
     """Under torchrun, every rank holds the whole model; gradients are averaged once per
     optimizer step, and every control-flow decision is agreed across ranks.
 
-    It holds the Trainer (a narrow reference) to put the DDP wrapper in `trainer.model` while
-    training_step runs, so that user code calling `self.model(...)` goes through DDP.
+    It holds the Trainer (a narrow reference: `ModelHolder`) to put the DDP wrapper in
+    `trainer.model` while training_step runs, so that user code calling `self.model(...)`
+    goes through DDP.
     """
 
-    def __init__(self, trainer: ModelOwner, find_unused: bool, several: bool = False) -> None:
-        """`several`: several optimizers, each optimize() averages its own gradients."""
-        self._trainer = trainer
-        self._device = trainer.device
-        self._sync = distributed.GradientSync(trainer.model, trainer.device, find_unused,
-                                              manual=several)
-        self._pending: Optional[Control] = None  # requests not yet agreed
-        self._agreed_signal: Optional[int] = None
+    def __init__(self, find_unused: bool, ranks: distributed.Ranks, device: torch.device,
+                 state: Any, holder: ModelHolder) -> None:
+        """`state`: the LoopState (the step, for GradientSync's messages)."""
+        self.agreement = RankAgreement(device, ranks.world_size)
+        self.checkpoint_format = WholeState(main=ranks.is_main)
+        self._find_unused, self._device, self._state, self._holder = find_unused, device, state, holder
+        self._sync: distributed.GradientSync = None  # type: ignore[assignment]  # by prepare()
+
+    def prepare(self, model: nn.Module) -> None:
+        """The DDP wrapper around `model` (DDP's constructor makes rank 0's weights everyone's)."""
+        self._sync = distributed.GradientSync(model, self._device, self._find_unused)
+
+    def finish_setup(self, val_loader: Any, several: bool) -> None:
+        if several:
+            self._sync.each_optimizer_averages()
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
         """Average the gradients over ranks once per optimizer step, after the last
         micro-batch's backward, whatever training_step calls (see GradientSync)."""
-        trainer = self._trainer
-        module, trainer.model = trainer.model, self._sync.model  # the DDP wrapper, unless bypassed
+        holder = self._holder
+        module, holder.model = holder.model, self._sync.model  # the DDP wrapper, unless bypassed
         try:
-            with self._sync.micro_batch(last, trainer.state.step + 1):
+            with self._sync.micro_batch(last, self._state.step + 1):
                 yield
         finally:
-            trainer.model = module
+            holder.model = module
 
     def average(self, named: list[tuple[str, torch.nn.Parameter]], step: int) -> None:
         """Several optimizers: each optimize() averages its own optimizer's gradients."""
         distributed.average_gradients(named, self._sync.find_unused, step)
 
-    def rank_local(self, control: Optional[Control]) -> Optional[Control]:
-        """A request made between log points (on_train_step_end) waits for the next log point
-        or validation, where the ranks agree on it."""
-        self._pending = _merge(self._pending, control)
-        return None
 
-    def agreed(self, control: Optional[Control]) -> Optional[Control]:
-        """The callbacks' requests, agreed across ranks (any rank's request counts for all:
-        a logger, for one, lives on rank 0 only), so that every rank leaves the loop,
-        validates and saves at the same step."""
-        pending, self._pending = _merge(self._pending, control), None
-        return agree(pending, self._device)
-
-    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
-        """This rank's stop signal, summed over ranks with the log metrics."""
-        signum = signals.received or 0
-        return {"_stop_votes": torch.full((), float(signum > 0), device=self._device),
-                "_stop_signals": torch.full((), float(signum), device=self._device)}
-
-    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
-        votes, signum = metrics.pop("_stop_votes", 0.0), metrics.pop("_stop_signals", 0.0)
-        if votes:
-            self._agreed_signal = int(round(signum / votes))
-            signals.received = self._agreed_signal  # also on ranks that got none
-
-    def stop_agreed(self, signals: "StopSignals") -> bool:
-        """The ranks agreed on a stop signal at the last log point, so that all of them save
-        the same step and exit together."""
-        return self._agreed_signal is not None
-
-
-class FullyShardedDataParallel(DataParallel):
+class FullyShardedDataParallel(Strategy):
     """Under torchrun with trainer.strategy=fsdp: the model sharded (FSDP2), gradients
-    reduce-scattered once per optimizer step (see `fsdp.ShardedSync`); every control-flow
-    decision agreed across ranks as under DDP."""
+    reduce-scattered once per optimizer step (see `fsdp.ShardedSync`), checkpoints written per
+    rank (`ShardedState`); every control-flow decision agreed across ranks as under DDP."""
 
     sharded = True
 
-    def __init__(self, trainer: ModelOwner) -> None:  # not DataParallel's: no DDP wrapper
-        self._trainer = trainer
-        self._device = trainer.device
-        self._sync = fsdp.ShardedSync(trainer.model)  # type: ignore[assignment]
-        self._pending: Optional[Control] = None
-        self._agreed_signal: Optional[int] = None
-        self.saves: Any = None  # the Checkpointer's ShardedWriter, set at its first save
-        fsdp.check_even_evaluation(getattr(trainer, "val_loader", None),
-                                   trainer.cfg.trainer.limit_val_batches)  # type: ignore[attr-defined]
+    def __init__(self, t: Any, ranks: distributed.Ranks, device: torch.device, state: Any) -> None:
+        """`t`: the trainer config (trainer.fsdp's settings); `state`: the LoopState."""
+        self.agreement = RankAgreement(device, ranks.world_size)
+        self.checkpoint_format = ShardedState(t.fsdp.async_save, self.agreement)
+        self._t, self._ranks, self._device, self._state = t, ranks, device, state
+        self._sync: fsdp.ShardedSync = None  # type: ignore[assignment]  # by prepare()
 
-    def micro_batch(self, last: bool) -> ContextManager[None]:  # type: ignore[override]  # any context manager
-        return self._sync.micro_batch(last, self._trainer.state.step + 1)  # type: ignore[attr-defined]
+    def prepare(self, model: nn.Module) -> None:
+        """`fully_shard` the model in place (refused, naming the key, where it cannot be)."""
+        fsdp.shard_model(model, self._t, self._ranks, self._device)
+        self._sync = fsdp.ShardedSync(model)
 
-    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
-        """Also, while an asynchronous save is in flight, whether this rank's write is done:
-        summed with the stop votes, so the ranks complete it together at no extra collective."""
-        votes = super().stop_votes(signals)
-        written = self.saves.written() if self.saves is not None else None
-        if written is not None:  # the same on every rank: the save began on all of them
-            votes["_saves_written"] = torch.full((), float(written), device=self._device)
-        return votes
+    def finish_setup(self, val_loader: Any, several: bool) -> None:
+        fsdp.check_even_evaluation(val_loader, self._t.limit_val_batches)
 
-    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
-        written = metrics.pop("_saves_written", None)
-        super().count_stop_votes(metrics, signals)
-        if written == self._trainer.ranks.world_size:
-            self.saves.finish()  # every rank's write is done: hash, manifest, rename
+    def micro_batch(self, last: bool) -> ContextManager[None]:
+        return self._sync.micro_batch(last, self._state.step + 1)
 
 
-def strategy_for(trainer: ModelOwner, find_unused: bool, strategy: str = "auto",
-                 several: bool = False) -> SingleProcess:
-    """The strategy for this launch: trainer.strategy, where auto is DataParallel under
-    torchrun, else SingleProcess. `several`: build_optimizer named several optimizers."""
-    if strategy == "fsdp":
-        return FullyShardedDataParallel(trainer)
-    if strategy == "ddp" and trainer.ranks.world_size == 1:
+def strategy_for(t: Any, ranks: distributed.Ranks, device: torch.device, state: Any,
+                 holder: ModelHolder) -> Strategy:
+    """The strategy for this launch: trainer.strategy (`t`: the trainer config), where auto is
+    DataParallel under torchrun, else SingleProcess. `state`: the LoopState; `holder`: where
+    training_step finds self.model."""
+    if t.strategy == "fsdp":
+        return FullyShardedDataParallel(t, ranks, device, state)
+    if t.strategy == "ddp" and ranks.world_size == 1:
         raise ConfigError("trainer.strategy=ddp needs a torchrun job of 2 or more processes; "
                           "this process was not launched by torchrun (or with one process). "
                           "Launch with torchrun --nproc_per_node=N, or set trainer.strategy=auto.")
-    if trainer.ranks.world_size > 1:
-        return DataParallel(trainer, find_unused, several)
+    if ranks.world_size > 1:
+        return DataParallel(t.find_unused_parameters, ranks, device, state, holder)
     return SingleProcess()
