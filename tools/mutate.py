@@ -325,8 +325,8 @@ mutation("training forwards go through DDP", STRATEGY,  # DataParallel falls bac
          '        """Average the gradients',
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
 mutation("find_unused_parameters reaches DDP", STRATEGY,
-         "distributed.GradientSync(model, self._device, self._find_unused)",
-         "distributed.GradientSync(model, self._device, False)",
+         "distributed.GradientSync(self._module, self._device, self._find_unused,",
+         "distributed.GradientSync(self._module, self._device, False,",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
 mutation("every rank's RNG state in the checkpoint", CKPTR,
          "        per_rank = p.strategy.gather(mine)", "        per_rank = [mine]",

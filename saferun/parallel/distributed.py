@@ -157,24 +157,18 @@ class GradientSync:
     before the next forward), so the ranks hold identical models for evaluation and saving.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, find_unused: bool) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, find_unused: bool,
+                 manual: bool = False) -> None:
         self.module, self.find_unused = model, find_unused
         self.ddp = ModelDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             find_unused_parameters=find_unused, forward_sync_buffers=False)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # "ddp" or "saferun", agreed after the first step. DDP's find_unused_parameters fails
         # on a parameter used both inside self.model(...) and outside it: saferun averages.
-        # "manual": several optimizers (each_optimizer_averages).
-        self.mode: Optional[str] = "saferun" if find_unused else None
+        # "manual": several optimizers, each optimize() averages its own (loop/manual.py).
+        self.mode: Optional[str] = "manual" if manual else "saferun" if find_unused else None
         self.ddp.__dict__["probing"] = self.mode is None
         self._all_forwarded = True  # DDP's constructor made rank 0's weights and buffers everyone's
-
-    def each_optimizer_averages(self) -> None:
-        """Several optimizers (known once they are built, after the wrapper): each optimize()
-        averages its own optimizer's gradients (loop/manual.py); training_step's self.model
-        is the module, and nothing is averaged after the last micro-batch."""
-        self.mode = "manual"
-        self.ddp.__dict__["probing"] = False
 
     @property
     def model(self) -> nn.Module:

@@ -3,10 +3,10 @@ chosen for the launch (`strategy_for`) and called by the loop at named points, s
 reads the same in one process and under torchrun.
 
 - `prepare(model)`: in setup, before the optimizer is built: the model made ready in place
-  (DDP: its wrapper, see `GradientSync`; FSDP: sharded with `fully_shard`).
+  (FSDP: sharded with `fully_shard`).
 - `finish_setup(val_loader, several)`: at the end of setup, with the loaders and optimizers
-  built (DDP: several optimizers average their own gradients; FSDP: every rank validates on as
-  many batches).
+  built (DDP: its wrapper, see `GradientSync`, with several optimizers each averaging its own
+  gradients; FSDP: every rank validates on as many batches).
 - `micro_batch(last)`: around each micro-batch's forward and backward (DDP: the wrapped model
   and the gradient average after the last micro-batch's backward).
 - `gather(obj)`: at a checkpoint, each rank's own state (RNG, pending metrics) onto rank 0.
@@ -92,15 +92,19 @@ class DataParallel(Strategy):
         self.agreement = RankAgreement(device, ranks.world_size)
         self.checkpoint_format = WholeState(main=ranks.is_main)
         self._find_unused, self._device, self._state, self._holder = find_unused, device, state, holder
-        self._sync: distributed.GradientSync = None  # type: ignore[assignment]  # by prepare()
+        self._module: nn.Module = None  # type: ignore[assignment]  # by prepare()
+        self._sync: distributed.GradientSync = None  # type: ignore[assignment]  # by finish_setup()
 
     def prepare(self, model: nn.Module) -> None:
-        """The DDP wrapper around `model` (DDP's constructor makes rank 0's weights everyone's)."""
-        self._sync = distributed.GradientSync(model, self._device, self._find_unused)
+        """Nothing yet: the wrapper is built in `finish_setup`, over the model as setup leaves
+        it (the trainable parameters final, compiled if trainer.compile)."""
+        self._module = model
 
     def finish_setup(self, val_loader: Any, several: bool) -> None:
-        if several:
-            self._sync.each_optimizer_averages()
+        """The DDP wrapper (its constructor makes rank 0's weights everyone's); `several`:
+        each optimize() averages its own optimizer's gradients."""
+        self._sync = distributed.GradientSync(self._module, self._device, self._find_unused,
+                                              manual=several)
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
