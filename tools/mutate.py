@@ -1307,7 +1307,7 @@ mutation("test stage: the test set is split over the ranks", "saferun/data.py",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
 BESTT = "tests/checkpoint/test_best_model.py::"
 mutation("best: an evaluating trainer resumed from a run knows its best", "saferun/checkpoint/checkpointer.py",
-         '        self.best = _best_record(state["loop"].get("best"))  # Trainer.best, before any fit',
+         '        self.best = _best_record(state["loop"]["best"])  # Trainer.best, before any fit',
          "        pass", BESTT + "test_an_evaluating_trainer_resumed_from_a_run_knows_its_best")
 mutation("test stage: from_run's out_dir is not the run it reads", "saferun/checkpoint/weights.py",
          "    if where.resolve() == Path(run_dir).resolve():", "    if False:",
@@ -1367,6 +1367,10 @@ mutation("several optimizers: unused parameters named per optimizer", MANUAL,
 mutation("several optimizers: unused parameters named in the first step only", MANUAL,
          "        self._unused_pending = False  # checked in the first step only\n", "",
          f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
+
+mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferun/checkpoint/store.py",
+         'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
+         "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 
 
 # ---------------------------------------------------------------- the runner

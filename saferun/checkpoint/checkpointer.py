@@ -32,8 +32,8 @@ from ..version import __version__
 from . import course, rundir
 from .compat import check_resume_config
 from .formats import CheckpointFormat
-from .store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_weights, step_of)
+from .store import (FORMAT_VERSION, CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
+                    load_latest, rotate, save_weights)
 from .superseded import FRESH, evaluated_weights, start_fresh
 from .weights import Best
 
@@ -105,7 +105,7 @@ class Checkpointer:
                                "epoch_start": epoch_start}, torch.device("cpu"))
         per_rank = p.strategy.gather(mine)
         return {
-            "format": 1,
+            "format": FORMAT_VERSION,
             "model": p.model.state_dict(),
             "optimizer": p.optimizer.state_dict(),
             "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None,
@@ -141,7 +141,7 @@ class Checkpointer:
             setattr(o.state, key, loop[key])
         o.state.metrics.update(loop["metrics"])
         self.best = _best_record(loop["best"]) if self._same_best(state) else None
-        o.state.owed = loop.get("owed")  # absent from older checkpoints
+        o.state.owed = loop["owed"]
         o.state.validated_at = loop.get("validated_at", -1)
         if len(state["per_rank"]) != o.ranks.world_size and formatted.reshards:
             self._resharded(len(state["per_rank"]))
@@ -155,11 +155,11 @@ class Checkpointer:
         mine = state["per_rank"][o.ranks.rank]
         p.running.load_state_dict(move_to_device(mine["running"], o.device))
         p.callbacks.load_state_dict(state["callbacks"])
-        spikes = mine.get("spikes", state.get("guards", {}))  # "guards": saferun 0.1's, rank 0's
+        spikes = mine["spikes"]
         for key, detector in (p.spikes or {}).items():
             if key in spikes:
                 detector.load_state_dict(move_to_device(spikes[key], o.device))
-        p.batches.resume(mine["rng"], mine.get("epoch_start"))  # no epoch_start: older checkpoints
+        p.batches.resume(mine["rng"], mine["epoch_start"])
 
     def _resharded(self, saved_world: int) -> None:
         o, p = self._owner, self._parts()
@@ -206,7 +206,7 @@ class Checkpointer:
         self.load_weights(*found)
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, state["loop"][key])
-        self.best = _best_record(state["loop"].get("best"))  # Trainer.best, before any fit
+        self.best = _best_record(state["loop"]["best"])  # Trainer.best, before any fit
         self.pending_resume = found
 
     def begin_run(self) -> None:
@@ -459,11 +459,7 @@ def no_checkpoint_at(resume: str) -> str:
 
 
 def _best_record(saved: Any) -> Optional[tuple[float, str, int]]:
-    """A checkpoint's save_best record: [value, path, step]; [value, path] from saferun before
-    model_best.pt (the step is then the checkpoint's own)."""
+    """A checkpoint's save_best record, [value, path, step], or None."""
     if not saved:
         return None
-    if len(saved) == 2:
-        named = Path(saved[1])
-        return (saved[0], saved[1], step_of(named) if named.name.startswith("step-") else -1)
     return (saved[0], saved[1], int(saved[2]))

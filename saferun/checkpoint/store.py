@@ -39,7 +39,9 @@ from ..errors import SaferunError
 
 log = logging.getLogger("saferun")
 
-FORMAT_VERSION = 1
+# 2: each rank's epoch_start and spike detectors, and a stop's owed step end, always present
+# (format 1 was written only by development versions before 0.1.0)
+FORMAT_VERSION = 2
 # step-NNNNNNNN, or step-NNNNNNNN.replaced-XXXX: the previous copy of a step being saved again.
 _STEP_DIR = re.compile(r"^step-(\d{8,})(\.replaced-[0-9a-f]+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -148,6 +150,13 @@ def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{manifest_path} is unreadable ({e}).") from None
     problem = _manifest_problem(manifest, path.name)
+    if problem is not None and isinstance(manifest, dict) and manifest.get("format") == 1 and \
+            _manifest_problem({**manifest, "format": FORMAT_VERSION}, path.name) is None:
+        raise CheckpointError(
+            f"{path} was written in checkpoint format 1, by a development version of saferun "
+            f"before 0.1.0; this saferun reads format {FORMAT_VERSION} only. Finish that run with "
+            f"the saferun that wrote it, or start over with resume=fresh (its files are moved "
+            f"aside, nothing is deleted).")
     if problem is not None:
         raise CheckpointError(f"{manifest_path} is damaged: {problem}.")
     return manifest["files"]

@@ -236,11 +236,13 @@ def test_every_single_bit_flip_of_a_manifest_loads_the_same_state_or_falls_back(
 
 
 @pytest.mark.parametrize("manifest", [
-    {"format": 1, "step": 2, "files": {"state.pt": {"bytes": 1, "sha25": "0" * 64}}},
-    {"format": 1, "step": 2, "files": {"state.pt": ["not", "an", "object"]}},
-    {"format": 1, "step": 2, "files": []},
+    {"format": 2, "step": 2, "files": {"state.pt": {"bytes": 1, "sha25": "0" * 64}}},
+    {"format": 2, "step": 2, "files": {"state.pt": ["not", "an", "object"]}},
+    {"format": 2, "step": 2, "files": []},
     [1, 2, 3],
-    {"format": 1, "step": 3, "files": {"state.pt": {"bytes": 1, "sha256": "0" * 64}}},
+    {"format": 2, "step": 3, "files": {"state.pt": {"bytes": 1, "sha256": "0" * 64}}},
+    {"format": 1, "step": 2, "files": []},  # format 1, but not in format 1's shape either
+    {"format": 3, "step": 2, "files": {"state.pt": {"bytes": 1, "sha256": "0" * 64}}},
 ])
 def test_a_manifest_of_an_unexpected_shape_counts_as_damaged(tmp_path, manifest):
     save_checkpoint(tmp_path, 1, {"x": torch.ones(2)})
@@ -249,6 +251,24 @@ def test_a_manifest_of_an_unexpected_shape_counts_as_damaged(tmp_path, manifest)
     with pytest.raises(CheckpointError, match="manifest.json is damaged"):
         load_checkpoint(path)
     assert load_latest(tmp_path)[0].name == "step-00000001"
+
+
+def test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost(tmp_path):
+    ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2, keep_last=2)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    for path in list_checkpoints(root):  # as a development version before 0.1.0 wrote them
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    cfg = toy_config(tmp_path, max_steps=8, save_every_n_steps=2)
+    cfg["resume"] = "auto"
+    CountingSteps.steps_run = 0
+    with pytest.raises(CheckpointError) as e:
+        CountingSteps(cfg).fit()
+    message = str(e.value)
+    assert "written in checkpoint format 1, by a development version of saferun" in message
+    assert "resume=fresh" in message and CountingSteps.steps_run == 0
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
 
 
 class CountingSteps(ToyTrainer):
