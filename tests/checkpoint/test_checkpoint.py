@@ -253,24 +253,6 @@ def test_a_manifest_of_an_unexpected_shape_counts_as_damaged(tmp_path, manifest)
     assert load_latest(tmp_path)[0].name == "step-00000001"
 
 
-def test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost(tmp_path):
-    ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2, keep_last=2)).fit()
-    root = tmp_path / "run" / "checkpoints"
-    for path in list_checkpoints(root):  # as a development version before 0.1.0 wrote them
-        manifest = json.loads((path / "manifest.json").read_text())
-        (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
-    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    cfg = toy_config(tmp_path, max_steps=8, save_every_n_steps=2)
-    cfg["resume"] = "auto"
-    CountingSteps.steps_run = 0
-    with pytest.raises(CheckpointError) as e:
-        CountingSteps(cfg).fit()
-    message = str(e.value)
-    assert "written in checkpoint format 1, by a development version of saferun" in message
-    assert "resume=fresh" in message and CountingSteps.steps_run == 0
-    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
-
-
 class CountingSteps(ToyTrainer):
     steps_run = 0
 
@@ -279,24 +261,43 @@ class CountingSteps(ToyTrainer):
         return super().training_step(batch)
 
 
-def test_resume_auto_refuses_when_every_checkpoint_is_damaged(tmp_path):
+def refused_resume(tmp_path, spoil) -> str:
+    """A 4-step run's checkpoints, each spoiled by `spoil(path)`, then resume=auto: its refusal
+    (after no step, with no file on disk changed)."""
     ToyTrainer(toy_config(tmp_path, max_steps=4, save_every_n_steps=2, keep_last=2)).fit()
     root = tmp_path / "run" / "checkpoints"
     for path in list_checkpoints(root):
-        data = (path / "state.pt").read_bytes()
-        (path / "state.pt").write_bytes(data[: len(data) // 2])
+        spoil(path)
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     cfg = toy_config(tmp_path, max_steps=8, save_every_n_steps=2)
     cfg["resume"] = "auto"
     CountingSteps.steps_run = 0
     with pytest.raises(CheckpointError) as e:
         CountingSteps(cfg).fit()
-    message = str(e.value)
+    assert CountingSteps.steps_run == 0  # nothing trained, nothing written
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    return str(e.value)
+
+
+def test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost(tmp_path):
+    def format_1(path):  # as a development version before 0.1.0 wrote them
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+
+    message = refused_resume(tmp_path, format_1)
+    assert "written in checkpoint format 1, by a development version of saferun" in message
+    assert "resume=fresh" in message
+
+
+def test_resume_auto_refuses_when_every_checkpoint_is_damaged(tmp_path):
+    def truncate(path):
+        data = (path / "state.pt").read_bytes()
+        (path / "state.pt").write_bytes(data[: len(data) // 2])
+
+    message = refused_resume(tmp_path, truncate)
     assert "every checkpoint" in message and "damaged" in message
     assert "step-00000002: " in message and "step-00000004: " in message
     assert "set resume=fresh (they are moved aside" in message and "resume=PATH" in message
-    assert CountingSteps.steps_run == 0  # nothing trained, nothing written
-    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
 
 
 def test_falling_back_past_a_damaged_checkpoint_keeps_the_new_ones(tmp_path):
