@@ -502,7 +502,7 @@ class Trainer:
         restore()
         step_fn, calls = self.training_step, [0]
         audit = ModelAudit(self.model, self._params,
-                           check_new_params=self.cfg.trainer.strategy != "fsdp")
+                           check_new_params=not self._strategy.sharded)
         audit.at_setup()
         loss_audit = not self.cfg.trainer.compile  # a function mode inside a compiled forward
 
