@@ -128,7 +128,7 @@ class Checkpointer:
         """Put `assemble()`'s result back (`Trainer.load_state_dict`, after setup)."""
         o, p = self._owner, self._parts()
         self.replaced()  # this state replaces one found by setup
-        formatted = self._format()
+        formatted = p.strategy.checkpoint_format
         formatted.load(state, p.model, p.optimizer)
         if p.scheduler is not None and state["scheduler"] is not None:
             p.scheduler.load_state_dict(state["scheduler"])
@@ -321,7 +321,7 @@ class Checkpointer:
         """The model's weights (and trainer.ema's average) from checkpoint `path` (`state`):
         what evaluation needs of a resume, and what EarlyStopping(restore_best=True) restores."""
         p = self._parts()
-        self._format().load_model(path, state, p.model)
+        p.strategy.checkpoint_format.load_model(path, state, p.model)
         if p.ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
             p.ema.load_state_dict(state.get("ema"))
 
@@ -342,7 +342,7 @@ class Checkpointer:
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
                                        keep=[Path(self.best[1])] if self.best else (), current=done)
-        formatted = self._format()  # rank 0 writes state.pt; sharded: every rank its shards
+        formatted = p.strategy.checkpoint_format  # rank 0 writes state.pt; sharded: every rank its shards
         formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)
         if p.strategy.agreement.stop_agreed(p.stop_signals):  # the ranks exit after this save
             formatted.finish()  # (perhaps written in the background)
@@ -366,7 +366,7 @@ class Checkpointer:
         the model's whole weights, loadable without saferun; model.pt at the end, model_best.pt
         at each new best. Every rank calls it (fsdp gathers the shards); rank 0 writes."""
         o, p = self._owner, self._parts()
-        weights = self._format().export(p.model)  # sharded: gathered from every rank
+        weights = p.strategy.checkpoint_format.export(p.model)  # sharded: gathered from every rank
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
             save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)
             if p.ema is not None:  # loads into the same model class as model.pt
