@@ -65,6 +65,9 @@ class TrainerConfig:
     """Tolerances of the compiled-vs-eager check."""
     frozen_modules: list[str] = field(default_factory=list)
     """Submodule paths (as in named_modules) kept in eval mode with requires_grad=False."""
+    activation_checkpointing: list[str] = field(default_factory=list)
+    """Module class names (e.g. [Block]) whose forward is recomputed in the backward instead of
+    keeping its activations: less memory for more compute. Buffers are updated once per step."""
     num_workers: int = 0
     """DataLoader worker processes."""
     multiprocessing_context: Optional[str] = None

@@ -44,6 +44,7 @@ from .loop.evaluation import Evaluator
 from .loop.logbook import EvalLog, Folded, Logbook
 from .loop.habits import StepHabits, check_step_signatures
 from .loop.components import configured_callbacks, instantiate_node, required_node
+from .loop.activation_checkpointing import apply_activation_checkpointing
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.manual import ManualSteps, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
@@ -199,6 +200,7 @@ class Trainer:
         self._frozen = modes.resolve_modules(model, t.frozen_modules)
         modes.freeze(self._frozen)
         self.model = model.to(self.device)
+        apply_activation_checkpointing(self.model, t.activation_checkpointing)  # before fsdp shards
         self._strategy = strategy_for(t, self.ranks, self.device, self.state, self)
         self._strategy.prepare(self.model)  # before the optimizer: fsdp shards in place
         if self.ranks.world_size > 1:

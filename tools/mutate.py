@@ -1373,6 +1373,24 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 
 
+# issue 35: activation checkpointing
+AC = "saferun/loop/activation_checkpointing.py"
+AC_TESTS = "tests/loop/test_activation_checkpointing.py"
+mutation("activation checkpointing: the recompute updates buffers once", AC,
+         "        checkpoint(module, context_fn=_recompute_keeps_buffers(module))",
+         "        checkpoint(module)",
+         f"{AC_TESTS}::test_checkpointed_blocks_train_exactly_as_without")
+mutation("activation checkpointing: the named modules are checkpointed", AC,
+         "    for _, module in chosen:\n        checkpoint(", "    for _, module in chosen[:0]:\n        checkpoint(",
+         f"{AC_TESTS}::test_checkpointing_keeps_fewer_activations")
+mutation("activation checkpointing: an unknown class is refused", AC,
+         "    if missing:\n        close", "    if False:\n        close",
+         f"{AC_TESTS}::test_an_unknown_class_name_is_refused_with_the_models_classes")
+mutation("activation checkpointing: only the outermost of nested matches", AC,
+         ' and not any(name.startswith(f"{c}.") or c == "" for c, _ in chosen)', "",
+         f"{AC_TESTS}::test_nested_matches_checkpoint_the_outermost_module_once")
+
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

@@ -205,6 +205,36 @@ def test_fsdp_equals_ddp_after_ten_steps(fsdp_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_activation_checkpointed_blocks_shard_and_train_exactly_as_without(fsdp_run, tmp_path):
+    run_dir = tmp_path / "checkpointed"
+    proc = torchrun(job_config(run_dir, activation_checkpointing=["Block"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "activation checkpointing: 3 module(s) of Block" in proc.stdout + proc.stderr
+    plain, checkpointed = load(fsdp_run, "model.pt"), load(run_dir, "model.pt")
+    assert plain.keys() == checkpointed.keys()
+    for k in plain:  # the recompute runs between FSDP's unshard and reshard: the same arithmetic
+        assert torch.equal(checkpointed[k], plain[k]), k
+    for rank in range(2):  # each rank's shards of the optimizer state, and its BatchNorm statistics
+        for name in (f"optim_rank{rank}.pt", f"buffers_rank{rank}.pt"):
+            assert_equal_nested(load(run_dir, name), load(fsdp_run, name), name)
+
+
+def assert_equal_nested(got, want, where):
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            assert_equal_nested(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_equal_nested(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.slow
 def test_four_processes_shard_in_quarters_and_equal_ddp(tmp_path):
     runs = {}
     for strategy in ("fsdp", "ddp"):
