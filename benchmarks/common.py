@@ -1,4 +1,4 @@
-"""What the three benchmark variants share: the job, the two workloads and the step clock.
+"""What the three benchmark variants share: the job, the workloads and the step clock.
 
 Every variant seeds torch with `job.seed`, builds the model from `build_model`, reads the
 datasets from `build_datasets` in the order `epoch_seed` fixes, and trains with AdamW,
@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 class Job:
     """One training run, identical for every variant."""
 
-    workload: str  # "mlp" or "cnn"
+    workload: str  # "mlp", "cnn" or "charlm"
     device: str  # "cpu" or "cuda"
     steps: int
     log_every: int  # read the running loss to the host every this many steps
@@ -45,6 +45,21 @@ class Job:
 
 # Sizes of the synthetic data: (train samples, validation samples).
 SIZES = {"mlp": (8192, 1024), "cnn": (2048, 512)}
+CHARLM_CHARS = 300_000  # the charlm recipe's corpus (Python's standard library), first characters
+
+
+class SequenceLogits(nn.Module):
+    """The charlm recipe's Transformer with its logits as (B, vocab, T): cross_entropy and the
+    accuracy's argmax(1) then read them as they read a classifier's, in every variant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from saferun.recipes.charlm import CharTransformer  # the recipe's model, as configured
+
+        self.lm = CharTransformer(context=64, d_model=96, layers=2, heads=4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids).transpose(1, 2)
 
 
 def build_model(workload: str) -> nn.Module:
@@ -58,11 +73,22 @@ def build_model(workload: str) -> nn.Module:
             nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
         )
-    raise ValueError(f"unknown workload {workload!r}; use mlp or cnn")
+    if workload == "charlm":  # about 230k parameters: attention, LayerNorm, GELU, embeddings
+        return SequenceLogits()
+    raise ValueError(f"unknown workload {workload!r}; use mlp, cnn or charlm")
 
 
 def build_datasets(workload: str) -> tuple[TensorDataset, TensorDataset]:
-    """Learnable synthetic classification data held in memory, from a private generator."""
+    """Learnable synthetic classification data held in memory, from a private generator; for
+    charlm, the recipe's corpus in consecutive windows (no random draws: every variant sees the
+    same samples without sharing a Python RNG)."""
+    if workload == "charlm":
+        from saferun.recipes.charlm import CharDataset, encode, read_corpus
+
+        ids = encode(read_corpus(None, CHARLM_CHARS))
+        n_val = len(ids) // 10
+        return (CharDataset(ids[:-n_val], context=64, samples=None),  # type: ignore[return-value]
+                CharDataset(ids[-n_val:], context=64, samples=None))
     n_train, n_val = SIZES[workload]
     g = torch.Generator().manual_seed(1234)  # private: leaves the global RNG to the model
     if workload == "mlp":

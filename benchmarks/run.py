@@ -36,6 +36,8 @@ REPO = os.path.dirname(HERE)
 SCHEDULES = {
     "mlp": {"steps": 2000, "log_every": 50, "val_every": 500, "warmup": 200},
     "cnn": {"steps": 300, "log_every": 50, "val_every": 100, "warmup": 30},
+    # the charlm recipe's model and batch size: a small Transformer, where kernels dominate
+    "charlm": {"steps": 300, "log_every": 50, "val_every": 100, "warmup": 30, "batch_size": 32},
 }
 SMOKE = {"steps": 20, "log_every": 5, "val_every": 10, "warmup": 5}
 VARIANTS = ("hand", "saferun", "lightning", "hand+anomaly")
@@ -52,23 +54,23 @@ GUARD_VARIANTS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each variant (default 3)")
-    p.add_argument("--workloads", default="mlp,cnn", help="comma-separated: mlp, cnn")
+    p.add_argument("--workloads", help="comma-separated: mlp, cnn, charlm (default: all; --smoke: mlp)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, in run order: " + ", ".join(VARIANTS + tuple(GUARD_VARIANTS)))
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: the CPU, then CUDA when available (default)")
     p.add_argument("--smoke", action="store_true",
-                   help=f"{SMOKE['steps']} steps, one repetition, mlp only, no anomaly variant")
+                   help=f"{SMOKE['steps']} steps, one repetition, no anomaly variant")
     p.add_argument("--report-dir", default=os.path.join(REPO, ".bench"))
     args = p.parse_args()
 
     variants = args.variants.split(",")
-    workloads = args.workloads.split(",")
+    workloads = (args.workloads or ("mlp" if args.smoke else ",".join(SCHEDULES))).split(",")
     unknown = set(variants) - set(VARIANTS) - set(GUARD_VARIANTS) or set(workloads) - set(SCHEDULES)
     if unknown:
         p.error(f"unknown: {', '.join(sorted(unknown))}")
     if args.smoke:
-        args.repeats, workloads = 1, ["mlp"]
+        args.repeats = 1
         variants = [v for v in variants if v != "hand+anomaly"]
     if "lightning" in variants and importlib.util.find_spec("lightning") is None:
         print("lightning is not installed (pip install -e '.[bench]'): its variant is skipped")
@@ -88,7 +90,7 @@ def main() -> None:
     started = time.perf_counter()
     for device in devices:
         for workload in workloads:
-            schedule = SMOKE if args.smoke else SCHEDULES[workload]
+            schedule = {**SCHEDULES[workload], **SMOKE} if args.smoke else SCHEDULES[workload]
             for rep in range(args.repeats):
                 for variant in variants:
                     r = run_one(variant, workload, device, schedule, rep, args.report_dir)

@@ -31,6 +31,22 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
     assert runs[0]["metrics"] == runs[1]["metrics"]
 
 
+@pytest.mark.slow  # 25 s of subprocesses
+def test_the_charlm_workload_does_the_same_work_in_both_loops(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--smoke", "--device", "cpu",
+           "--variants", "hand,saferun", "--workloads", "charlm", "--report-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["variant"], r["job"]["workload"], r["job"]["batch_size"]) for r in runs] == [
+        ("hand", "charlm", 32), ("saferun", "charlm", 32)]
+    # the recipe's Transformer, the same steps; saferun divides the batch-weighted sums in
+    # float64 and the hand loop in float32, which shows in the 7th digit here
+    hand, saferun = runs[0]["metrics"], runs[1]["metrics"]
+    assert saferun == pytest.approx(hand, rel=1e-6)
+    assert all(r["host"]["plain_step_syncs"] == 0 for r in runs)
+
+
 def test_step_micro_benchmark_runs_and_reports(tmp_path, monkeypatch, capsys):
     # A few pairs, in this process (a subprocess would spend seconds importing torch again):
     # the in-process comparison runs, both steps did the same arithmetic (the script exits
