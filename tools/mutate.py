@@ -1061,11 +1061,11 @@ mutation("an on_evaluate callback is checked by the purity guard", "saferun/loop
          "        before = None\n        # preserved_rng",
          "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_that_changes_the_model_is_caught_by_the_purity_guard")
 mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/trackers.py",
-         "        if self._client is None or step <= self._held:", "        if self._client is None:",
+         "               if step > self._held.get(k, -1)]", "               if True]",
          "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
-mutation("MLflow: a resume continues the checkpoint's run", "saferun/trackers.py",
+mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/trackers.py",
          '        return {"run_id": self.run_id}', "        return {}",
-         "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
+         "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
          "        if self._run is None or step < self.sent or step <= self._held:",
          "        if self._run is None or step < self.sent:",
