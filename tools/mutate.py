@@ -1371,6 +1371,50 @@ mutation("several optimizers: unused parameters named in the first step only", M
 mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferun/checkpoint/store.py",
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
+# issue 31: trackers
+TRK, LIFE = "saferun/trackers.py", "tests/logging/test_tracker_lifecycle.py"
+mutation("trackers: MLflow continues the run its run directory names, not the checkpoint's", TRK,
+         "        mine = _run_id(view.run_dir, MLFLOW_RUN)\n", "        mine = self.run_id\n",
+         f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
+mutation("trackers: MLflow's new course holds its past up to the resumed step", TRK,
+         "            self._copy_past(previous, view.step)", "            pass",
+         f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
+mutation("trackers: MLflow skips what the store holds metric by metric", TRK,
+         "               if step > self._held.get(k, -1)]",
+         "               if step > max(self._held.values(), default=-1)]",
+         f"{LIFE}::test_mlflow_after_a_kill_inside_a_validation_holds_that_validation")
+mutation("trackers: MLflow ends the RUNNING run of a course set aside", TRK,
+         "            self._end_superseded()", "            pass",
+         f"{LIFE}::test_mlflow_after_a_kill_before_the_first_checkpoint_leaves_no_running_run")
+mutation("trackers: MLflow keeps each same-name text and histogram of one step", TRK,
+         '(f"-{n}" if n else "")', '""',
+         f"{LIFE}::test_mlflow_keeps_every_text_and_histogram_of_one_name_at_one_log_point")
+mutation("trackers: W&B starts a new run where its run directory names none", TRK,
+         "        mine = _run_id(view.run_dir, WANDB_RUN)\n", "        mine = self.run_id\n",
+         f"{LIFE}::test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_change")
+mutation("trackers: MLflow does not send again the images a resumed run's store holds", TRK,
+         '                if m.step > self._held_images.get(m.name.replace("/", "~"), -1):',
+         "                if True:",
+         "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
+mutation("lifecycle: run_files that are not plain names are refused", "saferun/callbacks.py",
+         "            if isinstance(owned, str) or not all(", "            if False and not all(",
+         f"{LIFE}::test_run_files_that_are_not_plain_names_are_refused")
+mutation("lifecycle: a fresh start sets the callbacks' run_files aside", "saferun/checkpoint/superseded.py",
+         "tuple(n for n in owned if n not in RUN_FILES)", "()",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",
+         f"{LIFE}::test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_change")
+mutation("lifecycle: a change of course sets the callbacks' run_files aside", "saferun/checkpoint/course.py",
+         "    files = [p.name for p in earlier_files(run_dir, owned)]",
+         "    files = [p.name for p in earlier_files(run_dir)]",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",
+         f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
+mutation("lifecycle: the callbacks hear of a fresh start", CKPTR,
+         "                callbacks.on_fresh_start(o.view, aside)\n", "",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",
+         f"{LIFE}::test_mlflow_after_a_kill_before_the_first_checkpoint_leaves_no_running_run")
+mutation("lifecycle: the callbacks hear of a change of course", CKPTR,
+         "            p.callbacks.on_course_change(o.view,", "            (lambda *a: None)(o.view,",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside")
 
 
 # ---------------------------------------------------------------- the runner

@@ -258,3 +258,18 @@ def test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside(tmp_pat
     # each course's own file went aside with it, into the folder the callback was told of
     assert (run_dir / heard[1][1] / "owned.txt").read_text() == "1"
     assert (run_dir / heard[2][1] / "owned.txt").read_text() == "2"
+
+
+@pytest.mark.parametrize("owned", ["owned.txt", ("logs/owned.txt",), ("..",)])
+def test_run_files_that_are_not_plain_names_are_refused(tmp_path, owned):
+    """A string (its letters would be the names) or a path is refused, naming the callback,
+    before anything is moved or trained."""
+    from saferun import SaferunError
+    from saferun.callbacks import Callback
+
+    class Owner(Callback):
+        run_files = owned
+
+    with pytest.raises(SaferunError, match=r"Owner\.run_files is .*plain names"):
+        ToyTrainer(config(tmp_path / "run", {}, max_steps=2), callbacks=[Owner()]).fit()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -67,6 +67,8 @@ def test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_cont
     assert got["val/acc"][-1][1] == pytest.approx(final["val/acc"])
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"model.pt", "summary.json", "texts", "images"} <= artifacts
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
+    assert sorted(int(path.split("+step+")[1].split("+")[0]) for path in images) == [3, 6, 9]  # 6 once
     texts = {a.path for a in client.list_artifacts(run.info.run_id, "texts/train/note")}
     assert texts == {f"texts/train/note/step_{s:08d}.txt" for s in (3, 6, 9)}
     local = client.download_artifacts(run.info.run_id, "model.pt", str(tmp_path / "dl"))
