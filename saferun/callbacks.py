@@ -258,19 +258,17 @@ class CallbackList(Callback):
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
-
-    def owned_run_files(self) -> list[str]:
-        """Every callback's `run_files`."""
-        names: list[str] = []
-        for cb in self.callbacks:
+        for cb in self.callbacks:  # (at setup: before anything is moved aside)
             owned = getattr(cb, "run_files", ())
             if isinstance(owned, str) or not all(
                     isinstance(n, str) and n not in ("", ".", "..") and "/" not in n for n in owned):
                 raise SaferunError(f"{type(cb).__name__}.run_files is {owned!r}: it names entries "
                                    f"of the run directory, a tuple of plain names (files or "
                                    f"folders, no '/'), e.g. (\"wandb\",).")
-            names += owned
-        return names
+
+    def owned_run_files(self) -> list[str]:
+        """Every callback's `run_files`."""
+        return [name for cb in self.callbacks for name in getattr(cb, "run_files", ())]
 
     def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
         for cb in self.callbacks:

@@ -284,9 +284,11 @@ class WandbLogger(Callback):
     mode="online".
 
     The W&B run belongs to the run directory (<run_dir>/wandb/saferun-run.json): a resume=auto
-    continues it; a fresh start or a change of course sets wandb/ aside with the course it
-    belongs to and starts a new run (after a change of course its config names the previous
-    run, saferun.previous_run_id, and the resumed step: it holds the steps after it).
+    continues it, sending again what W&B may not hold (a process killed before W&B finished
+    loses what W&B's service buffered: said at the resume); a fresh start or a change of course
+    sets wandb/ aside with the course it belongs to and starts a new run (after a change of
+    course its config names the previous run, saferun.previous_run_id, and the resumed step: it
+    holds the steps after it).
 
     Args:
         project: the W&B project; default: the config's `name`, else "saferun".
@@ -307,7 +309,9 @@ class WandbLogger(Callback):
         self.sent = -1  # the latest step sent (checkpointed: after a resume, not sent again)
         self._run: Any = None
         self._wandb: Any = None
-        self._held = -1  # after a resume: the latest step the interrupted run had sent
+        self._held = -1  # after a resume: the latest step the W&B run holds for sure
+        self._held_keys: set[str] = set()  # and what it holds of that step
+        self._at_sent: list[str] = []  # what this run sent at its latest step
         self._own = ""
 
     def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
@@ -322,7 +326,14 @@ class WandbLogger(Callback):
         if mine is not None:  # this run directory's course: continue its run
             self.run_id = mine
             with open(self._own) as f:  # the steps an interrupted run sent after its checkpoint
-                self._held = max(self._held, int(json.load(f).get("sent", -1)))
+                record = json.load(f)
+            self._held, self._held_keys = int(record.get("sent", -1)), set(record.get("keys", ()))
+            if self.sent > self._held:  # the checkpoint's process was killed before W&B finished
+                log.warning("W&B: the process that saved the checkpoint was killed before W&B "
+                            "had written what it was sent (W&B buffers it): W&B run %s may lack "
+                            "steps %d to %d; metrics.jsonl and TensorBoard hold them. From step "
+                            "%d on it gets every step.", self.run_id, self._held + 1, self.sent,
+                            self.sent + 1)
         else:  # a new course (a fresh start, a change of course, a branch): a new run
             if self.run_id is not None:
                 config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}
@@ -354,22 +365,39 @@ class WandbLogger(Callback):
 
     def _send(self, step: int, row: dict[str, Any]) -> None:
         # W&B takes steps in order only (a lower one is dropped); an equal one joins its row
-        if self._run is None or step < self.sent or step <= self._held:
+        if self._run is None or step < self.sent:
+            return
+        if step <= self._held:
+            if step == self._held and set(row) - self._held_keys:
+                self._unsendable(step, sorted(set(row) - self._held_keys))
             return
         self._run.log(row, step=step)
-        if step != self.sent:
-            _write_json(self._own, {"run_id": self.run_id, "sent": step})
+        self._at_sent = (self._at_sent if step == self.sent else []) + list(row)
         self.sent = step
+
+    def _unsendable(self, step: int, keys: list[str]) -> None:
+        """The killed run began step `step` in W&B and did not finish it (a kill inside its
+        validation): W&B's steps only go forward, so the rest cannot join that step."""
+        log.warning("W&B: the interrupted run had sent part of step %d to W&B run %s; W&B takes "
+                    "no more of a step once a later process has resumed the run, so %s of step "
+                    "%d are not in it (metrics.jsonl and TensorBoard hold them).", step,
+                    self.run_id, ", ".join(keys), step)
+        self._held_keys.update(keys)
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         if self._run is not None:
             self._run.summary.update(dict(metrics))
-            self._run.finish()
-            self._run = None
+            self._finish(0)
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         if self._run is not None:
-            self._run.finish(exit_code=1)
-            self._run = None
+            self._finish(1)
+
+    def _finish(self, exit_code: int) -> None:
+        """W&B's service writes what it was sent once the run finishes (a process killed
+        before loses what it buffered): only then is what was sent recorded as held."""
+        self._run.finish(exit_code=exit_code)
+        self._run = None
+        _write_json(self._own, {"run_id": self.run_id, "sent": self.sent, "keys": self._at_sent})
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "sent": self.sent}

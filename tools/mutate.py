@@ -1067,8 +1067,7 @@ mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferu
          '        return {"run_id": self.run_id}', "        return {}",
          "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
-         "        if self._run is None or step < self.sent or step <= self._held:",
-         "        if self._run is None or step < self.sent:",
+         "        if step <= self._held:\n", "        if False:\n",
          "tests/logging/test_trackers.py::test_wandb_offline_writes_locally_and_a_resume_continues_the_same_run",
          known="its test is slow (W&B's service, twice): run by hand with -m slow")
 mutation("on_evaluate may not log a name validation_step reports", "saferun/loop/logbook.py",
@@ -1399,6 +1398,17 @@ mutation("trackers: MLflow does not send again the images a resumed run's store 
 mutation("lifecycle: run_files that are not plain names are refused", "saferun/callbacks.py",
          "            if isinstance(owned, str) or not all(", "            if False and not all(",
          f"{LIFE}::test_run_files_that_are_not_plain_names_are_refused")
+mutation("trackers: W&B says which metrics of a step a killed run began it cannot add", TRK,
+         "            if step == self._held and set(row) - self._held_keys:",
+         "            if False:",
+         f"{LIFE}::test_wandb_after_a_stop_inside_a_validation_says_what_it_cannot_add")
+mutation("trackers: W&B records as held only what a finished W&B run wrote", TRK,
+         "        self.sent = step\n",
+         '        self.sent = step\n        _write_json(self._own, {"run_id": self.run_id, "sent": step, "keys": []})\n',
+         f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
+mutation("trackers: W&B says which steps a killed process may have lost", TRK,
+         "            if self.sent > self._held:", "            if False:",
+         f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
 mutation("lifecycle: a fresh start sets the callbacks' run_files aside", "saferun/checkpoint/superseded.py",
          "tuple(n for n in owned if n not in RUN_FILES)", "()",
          f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",

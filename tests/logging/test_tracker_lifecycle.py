@@ -146,11 +146,14 @@ def test_mlflow_keeps_every_text_and_histogram_of_one_name_at_one_log_point(tmp_
 
 
 def killed(run_dir, logger, plant, max_steps=12):
-    """Run the toy in a subprocess that SIGKILLs itself where `plant` says."""
+    """Run the toy in a subprocess that signals itself where `plant` says, then resume=auto."""
     cfg = config(run_dir, logger, max_steps=max_steps)
     proc = subprocess.run([sys.executable, TOYS_PATH, json.dumps(cfg), json.dumps(plant)],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stdout + proc.stderr
+    if plant["signum"] == 9:
+        assert proc.returncode == -9, proc.stdout + proc.stderr
+    else:  # a stop: the checkpoint saved, the exit non-zero
+        assert proc.returncode not in (0, -plant["signum"]), proc.stdout + proc.stderr
     again = config(run_dir, logger, max_steps=max_steps, resume="auto")
     again["force_resume"] = False
     return SelfSignalling(again).fit()
@@ -227,6 +230,40 @@ def test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_chang
         jsonl = {k: v for k, v in jsonl.items() if v}
     assert after == jsonl
     assert run_id not in from_wandb(aside)  # a new W&B run
+
+
+def test_wandb_after_a_stop_inside_a_validation_says_what_it_cannot_add(tmp_path, caplog):
+    """SIGTERM inside the validation of step 6: the W&B run already holds step 6's training
+    metrics, and W&B's steps only go forward, so the resumed run's val/* of step 6 cannot join
+    it. The one W&B run equals metrics.jsonl step by step but for them, and the resumed run
+    says so, naming them."""
+    os.environ["WANDB_SILENT"] = "true"
+    run_dir = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="saferun"):
+        killed(run_dir, {"wandb": {"project": "toy"}}, {"signal_at": 6, "signum": 15, "in_validation": True})
+    [history] = from_wandb(run_dir).values()  # one W&B run id (a folder per process)
+    jsonl = {k: [(s, v) for s, v in points if not (s == 6 and k.startswith("val/"))]
+             for k, points in from_jsonl(run_dir).items()}
+    assert history == jsonl
+    [said] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("W&B")]
+    assert "val/acc, val/loss of step 6 are not in it" in said
+
+
+def test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack(
+        tmp_path, caplog):
+    """SIGKILL inside the validation of step 6 (checkpoint: step 4): W&B's service had not
+    written what the killed process sent, so the resumed run sends every step after the
+    checkpoint (step 6's training metrics and val/* included) and says which steps W&B may
+    lack; after the checkpoint the W&B run equals metrics.jsonl step by step."""
+    os.environ["WANDB_SILENT"] = "true"
+    run_dir = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="saferun"):
+        killed(run_dir, {"wandb": {"project": "toy"}}, {"signal_at": 6, "signum": 9, "in_validation": True})
+    [history] = from_wandb(run_dir).values()
+    after = {k: [(s, v) for s, v in points if s > 4] for k, points in history.items()}
+    assert after == {k: [(s, v) for s, v in points if s > 4] for k, points in from_jsonl(run_dir).items()}
+    [said] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("W&B")]
+    assert "may lack steps 0 to 4;" in said
 
 
 def test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside(tmp_path):
