@@ -1409,6 +1409,10 @@ mutation("trackers: W&B records as held only what a finished W&B run wrote", TRK
 mutation("trackers: W&B says which steps a killed process may have lost", TRK,
          "            if self.sent > self._held:", "            if False:",
          f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
+mutation("trackers: W&B's new course names the previous run in its config", TRK,
+         '                config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}',
+         "                pass",
+         f"{LIFE}::test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_change")
 mutation("lifecycle: a fresh start sets the callbacks' run_files aside", "saferun/checkpoint/superseded.py",
          "tuple(n for n in owned if n not in RUN_FILES)", "()",
          f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",

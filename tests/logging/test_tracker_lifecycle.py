@@ -229,7 +229,23 @@ def test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_chang
         jsonl = {k: [(s, v) for s, v in points if s > 4] for k, points in jsonl.items()}
         jsonl = {k: v for k, v in jsonl.items() if v}
     assert after == jsonl
-    assert run_id not in from_wandb(aside)  # a new W&B run
+    [old_id] = from_wandb(aside)
+    assert run_id != old_id  # a new W&B run
+    link = wandb_config(run_dir).get("saferun")
+    assert link == (None if event == "fresh" else {"previous_run_id": old_id, "resumed_step": 4})
+
+
+def wandb_config(run_dir):
+    """The config of the offline W&B run under <run_dir>/wandb, from its run record."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    for raw in wandb_records(path.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "run":
+            return {i.key: json.loads(i.value_json) for i in record.run.config.update}
+    raise AssertionError(f"no run record in {path}")
 
 
 def test_wandb_after_a_stop_inside_a_validation_says_what_it_cannot_add(tmp_path, caplog):
