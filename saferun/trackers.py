@@ -121,11 +121,12 @@ class MLflowLogger(Callback):
             name, artifact_location=f"file://{root}/mlartifacts")
         tags = {"saferun.run_dir": view.run_dir, **self.tags}
         if previous is not None:  # a new course: linked to the run its checkpoint logged to
-            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(view.step),
-                         "saferun.resumed_from": self._resumed_from})
+            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(view.step)})
+            if self._resumed_from:  # (told by on_course_change)
+                tags["saferun.resumed_from"] = self._resumed_from
         run = self._client.create_run(experiment, run_name=self.run_name or os.path.basename(
             os.path.abspath(view.run_dir)), tags=tags)
-        self.run_id = run.info.run_id
+        self.run_id, self._held, self._held_images = run.info.run_id, {}, {}
         params = [Param(k, str(v)[:6000]) for k, v in hparam_values(view.config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
             self._client.log_batch(self.run_id, params=params[i:i + 100])
@@ -166,6 +167,7 @@ class MLflowLogger(Callback):
                                     for m in self._client.get_metric_history(self.run_id, key)])
         images = (a.path.rsplit("/", 1)[-1].split("+") for a in
                   self._client.list_artifacts(self.run_id, "images"))  # KEY+step+N+timestamp+...
+        self._held_images = {}
         for name, _, step, *_ in (i for i in images if len(i) > 3 and i[1] == "step"):
             self._held_images[name] = max(self._held_images.get(name, -1), int(step))
         changed = {k: v for k, v in hparam_values(view.config).items()
@@ -337,7 +339,7 @@ class WandbLogger(Callback):
         else:  # a new course (a fresh start, a change of course, a branch): a new run
             if self.run_id is not None:
                 config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}
-            self.run_id, self.sent = uuid.uuid4().hex[:12], -1
+            self.run_id, self.sent, self._held, self._held_keys = uuid.uuid4().hex[:12], -1, -1, set()
             _write_json(self._own, {"run_id": self.run_id, "sent": -1})
         self._run = wandb.init(
             project=self.project or view.config.get("name") or "saferun", entity=self.entity,

@@ -92,6 +92,7 @@ def test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_i
     assert {old.info.status, new.info.status} == {"FINISHED"}
     assert new.data.tags["saferun.previous_run_id"] == old.info.run_id
     assert new.data.tags["saferun.resumed_step"] == "4"
+    assert new.data.tags["saferun.resumed_from"] == str(first / "checkpoints" / "step-00000004")
     assert from_mlflow(client, new.info.run_id) == from_jsonl(run_dir)  # its past up to 4, then its own
     assert from_mlflow(client, old.info.run_id) == old_history  # untouched
     assert same_weights(artifact(client, new.info.run_id, "model.pt", tmp_path),
