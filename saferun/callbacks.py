@@ -4,7 +4,12 @@ The loop, with the events marked where they fire (tests/test_event_order.py
 pins this order)::
 
     setup()                  seed; build model, datasets, loaders, optimizer, scheduler
-    resume                   if cfg.resume: load the checkpoint, replay the data position
+    from step 0: an earlier run's files (with each callback's run_files) set aside;
+                 on_fresh_start(view, aside)
+    resume                   if cfg.resume: load the checkpoint (load_state_dict), replay
+                             the data position
+    resume=PATH: the superseded course (with each callback's run_files) set aside;
+                 on_course_change(view, aside, resumed, step)
     on_fit_start(view)
     if the checkpoint was saved by a stop during a validation: finish that step first
                              (validate, on_validation_end, save_best, a due save, a stop)
@@ -57,6 +62,15 @@ In a single process every request acts at once.
 `on_train_step_end` receives device tensors: reading their values (`.item()`,
 `float()`, `if t:`) forces a host sync every step; use `on_log`, whose
 metrics are already Python floats.
+
+The lifecycle of a run directory, for a callback with state of its own (a tracker's run, a
+file it writes): `state_dict`/`load_state_dict` carry what travels with a checkpoint; the
+entries of the run directory it names in `run_files` belong to the course that wrote them and
+move aside with it, as the checkpoints and logs do, on a fresh start (`on_fresh_start`) and a
+change of course (`on_course_change`), which tell it where they went. So a tracker keeps its
+run id in a file of the run directory (a run belongs to a run directory, never to a checkpoint
+that travels): a resume=auto finds it and continues that run; a fresh start or a change of
+course finds none and starts a new run (linked to the checkpoint's, for a course).
 """
 
 from __future__ import annotations
@@ -168,6 +182,23 @@ class TrainerView:
 class Callback(Protocol):
     """The events a callback may implement. Subclass it to inherit no-op defaults."""
 
+    run_files: Sequence[str] = ()
+    """Entries of the run directory this callback owns (names, e.g. "wandb"): they move aside
+    with the course that wrote them (a fresh start, a change of course)."""
+
+    def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
+        """fit() starts from step 0 (no checkpoint resumed); an earlier run's files, this
+        callback's `run_files` among them, were moved into the folder `aside` (None: there were
+        none). Before on_fit_start."""
+        return None
+
+    def on_course_change(self, view: TrainerView, aside: str, resumed: str, step: int) -> None:
+        """resume=PATH changed course: the run continues from checkpoint `resumed` (step
+        `step`, its state loaded), and the course it supersedes in this run directory, this
+        callback's `run_files` among it, was moved into the folder `aside`. A branch into
+        another run directory is one too. Before on_fit_start."""
+        return None
+
     def on_fit_start(self, view: TrainerView) -> None:
         """Training is about to start; everything is built."""
         return None
@@ -227,6 +258,27 @@ class CallbackList(Callback):
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
+        for cb in self.callbacks:  # (at setup: before anything is moved aside)
+            owned = getattr(cb, "run_files", ())
+            if isinstance(owned, str) or not all(
+                    isinstance(n, str) and n not in ("", ".", "..") and "/" not in n for n in owned):
+                raise SaferunError(f"{type(cb).__name__}.run_files is {owned!r}: it names entries "
+                                   f"of the run directory, a tuple of plain names (files or "
+                                   f"folders, no '/'), e.g. (\"wandb\",).")
+
+    def owned_run_files(self) -> list[str]:
+        """Every callback's `run_files`."""
+        return [name for cb in self.callbacks for name in getattr(cb, "run_files", ())]
+
+    def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
+        for cb in self.callbacks:
+            if getattr(cb, "on_fresh_start", None) is not None:  # (a callback not subclassing Callback)
+                cb.on_fresh_start(view, aside)
+
+    def on_course_change(self, view: TrainerView, aside: str, resumed: str, step: int) -> None:
+        for cb in self.callbacks:
+            if getattr(cb, "on_course_change", None) is not None:
+                cb.on_course_change(view, aside, resumed, step)
 
     def on_fit_start(self, view: TrainerView) -> None:
         for cb in self.callbacks:

@@ -3,15 +3,19 @@ default). Optional extras, imported only when chosen: `pip install saferun[mlflo
 `saferun[wandb]`. Like every logger they exist on rank 0 only and act at log points and
 validation ends, where the metrics are host floats already.
 
-A resumed run continues the same tracker run (its id is in the logger's checkpointed state).
-The steps the tracker already holds are not sent again: a resume is exact, so what the
-interrupted run sent for them is what the resumed run computes.
+A tracker run belongs to a run directory: its id is in a file of the run directory
+(`run_files`), which moves aside with the course it belongs to. A resume=auto continues that
+run; the steps the tracker already holds are not sent again (a resume is exact, so what the
+interrupted run sent for them is what the resumed run computes). A fresh start or a change of
+course (resume=PATH, here or into another run directory) starts a new run, linked to the run
+the checkpoint's course logged to; nothing of the old run is changed.
 """
 
 from __future__ import annotations
 
 import html
 import importlib
+import json
 import logging
 import os
 import time
@@ -49,9 +53,18 @@ def _histogram(value: Any, bins: int = 64) -> dict[str, list[float]]:
     return {"edges": edges.tolist(), "counts": counts.tolist()}
 
 
+MLFLOW_RUN = "mlflow-run.json"  # <run_dir>/: the MLflow run this run directory's course logs to
+
+
 class MLflowLogger(Callback):
     """Metrics with their steps, the run's config as params (flattened, dotted keys), images,
     texts and histograms as artifacts, and at the end model.pt (model_ema.pt) and summary.json.
+
+    The MLflow run belongs to the run directory (its id in <run_dir>/mlflow-run.json), never
+    to a checkpoint that travels: a resume=auto continues it; a change of course (resume=PATH
+    here or into another run directory) starts a new run, tagged saferun.previous_run_id with
+    the checkpoint's run, holding that run's metrics up to the resumed step, then its own. A
+    fresh start starts a new run and ends an earlier attempt's run left RUNNING (KILLED).
 
     Args:
         tracking_uri: where the runs go; default: sqlite:///<run_dir>/../mlflow.db, one store
@@ -61,13 +74,25 @@ class MLflowLogger(Callback):
         tags: tags set on the run.
     """
 
+    run_files = (MLFLOW_RUN,)
+
     def __init__(self, tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
                  run_name: Optional[str] = None, tags: Optional[Mapping[str, str]] = None) -> None:
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.tags = dict(tags or {})
-        self.run_id: Optional[str] = None  # checkpointed: a resume continues this run
+        self.run_id: Optional[str] = None  # checkpointed: the run a course change links to
         self._client: Any = None
-        self._held = -1  # the latest step the store holds for this run (after a resume)
+        self._held: dict[str, int] = {}  # per metric: the latest step the store holds (a resume)
+        self._held_images: dict[str, int] = {}
+        self._superseded: Optional[str] = None  # the run of a course set aside
+        self._resumed_from = ""
+        self._media_at: tuple[int, dict[str, int]] = (-1, {})  # same-name media at one step
+
+    def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
+        self.run_id, self._superseded = None, _run_id(aside, MLFLOW_RUN)
+
+    def on_course_change(self, view: TrainerView, aside: str, resumed: str, step: int) -> None:
+        self._superseded, self._resumed_from = _run_id(aside, MLFLOW_RUN), resumed
 
     def on_fit_start(self, view: TrainerView) -> None:
         require("mlflow", "mlflow")
@@ -76,41 +101,91 @@ class MLflowLogger(Callback):
         root = os.path.dirname(os.path.abspath(view.run_dir))
         os.makedirs(root, exist_ok=True)
         self._client = MlflowClient(self.tracking_uri or f"sqlite:///{root}/mlflow.db")
-        if self.run_id is None:
-            self._start(view, root)
-        else:
+        mine = _run_id(view.run_dir, MLFLOW_RUN)
+        if mine is not None:  # this run directory's course: continue its run
+            self.run_id = mine
             self._continue(view)
+        else:  # a new course (a fresh start, a change of course, a branch): a new run
+            self._start(view, root, previous=self.run_id)
+            _write_json(os.path.join(view.run_dir, MLFLOW_RUN),
+                        {"run_id": self.run_id, "tracking_uri": self._client.tracking_uri})
+        if self._superseded is not None and self._superseded != self.run_id:
+            self._end_superseded()
 
-    def _start(self, view: TrainerView, root: str) -> None:
+    def _start(self, view: TrainerView, root: str, previous: Optional[str]) -> None:
         from mlflow.entities import Param
 
         name = self.experiment or view.config.get("name") or "saferun"
         found = self._client.get_experiment_by_name(name)
         experiment = found.experiment_id if found is not None else self._client.create_experiment(
             name, artifact_location=f"file://{root}/mlartifacts")
+        tags = {"saferun.run_dir": view.run_dir, **self.tags}
+        if previous is not None:  # a new course: linked to the run its checkpoint logged to
+            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(view.step)})
+            if self._resumed_from:  # (told by on_course_change)
+                tags["saferun.resumed_from"] = self._resumed_from
         run = self._client.create_run(experiment, run_name=self.run_name or os.path.basename(
-            os.path.abspath(view.run_dir)), tags={"saferun.run_dir": view.run_dir, **self.tags})
-        self.run_id = run.info.run_id
+            os.path.abspath(view.run_dir)), tags=tags)
+        self.run_id, self._held, self._held_images = run.info.run_id, {}, {}
         params = [Param(k, str(v)[:6000]) for k, v in hparam_values(view.config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
             self._client.log_batch(self.run_id, params=params[i:i + 100])
+        if previous is not None:
+            self._copy_past(previous, view.step)
+
+    def _copy_past(self, previous: str, step: int) -> None:
+        """The course's past, `previous`'s metrics up to `step`, into the new run (as
+        metrics.jsonl gets its past lines): its history is then the run directory's."""
+        from mlflow.entities import Metric
+
+        try:
+            keys = list(self._client.get_run(previous).data.metrics)
+        except Exception as e:
+            log.warning("MLflow: the checkpoint's run %s is not in %s (%s): the new run %s holds "
+                        "this course from step %d only.", previous, self._client.tracking_uri,
+                        e, self.run_id, step)
+            return
+        past = [Metric(m.key, m.value, m.timestamp, m.step) for key in keys
+                for m in self._client.get_metric_history(previous, key) if m.step <= step]
+        for i in range(0, len(past), 1000):  # MLflow takes at most 1000 metrics per call
+            self._client.log_batch(self.run_id, metrics=past[i:i + 1000])
+        self._held = _latest_steps(past)
 
     def _continue(self, view: TrainerView) -> None:
         assert self.run_id is not None
         try:
             run = self._client.get_run(self.run_id)
         except Exception as e:
-            raise ConfigError(f"logger.mlflow: the checkpoint's MLflow run {self.run_id} is not "
-                              f"in {self._client.tracking_uri} ({e}). Resume with the same "
+            raise ConfigError(f"logger.mlflow: this run directory's MLflow run {self.run_id} "
+                              f"({os.path.join(view.run_dir, MLFLOW_RUN)}) is not in "
+                              f"{self._client.tracking_uri} ({e}). Resume with the same "
                               f"logger.mlflow.tracking_uri.") from None
-        self._held = max((m.step for key in run.data.metrics
-                          for m in self._client.get_metric_history(self.run_id, key)), default=-1)
+        # What the interrupted run sent after its checkpoint, metric by metric (a kill inside a
+        # validation leaves that step's training metrics held and its val/* not): sent again,
+        # a resume being exact, they would be the same values twice.
+        self._held = _latest_steps([m for key in run.data.metrics
+                                    for m in self._client.get_metric_history(self.run_id, key)])
+        images = (a.path.rsplit("/", 1)[-1].split("+") for a in
+                  self._client.list_artifacts(self.run_id, "images"))  # KEY+step+N+timestamp+...
+        self._held_images = {}
+        for name, _, step, *_ in (i for i in images if len(i) > 3 and i[1] == "step"):
+            self._held_images[name] = max(self._held_images.get(name, -1), int(step))
         changed = {k: v for k, v in hparam_values(view.config).items()
                    if k in run.data.params and run.data.params[k] != str(v)[:6000]}
         if changed:  # MLflow refuses to change a param: the run keeps the values it started with
             log.warning("MLflow run %s keeps its params; the resumed config differs in %s.",
                         self.run_id, ", ".join(sorted(changed)))
         self._client.update_run(self.run_id, status="RUNNING")
+
+    def _end_superseded(self) -> None:
+        """The run of a course set aside, left RUNNING by a killed process: ended (KILLED)."""
+        try:
+            if self._client.get_run(self._superseded).info.status == "RUNNING":
+                self._client.set_terminated(self._superseded, "KILLED")
+        except Exception as e:  # another store: nothing of it here to end
+            log.warning("MLflow: the run %s of the course set aside is not in %s (%s).",
+                        self._superseded, self._client.tracking_uri, e)
+        self._superseded = None
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._metrics(view.step, metrics)
@@ -121,20 +196,30 @@ class MLflowLogger(Callback):
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
-        if self._client is None or step <= self._held:
+        if self._client is None:
             return
         now = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                                     for k, v in metrics.items()])
+        new = [Metric(k, float(v), now, step) for k, v in metrics.items()
+               if step > self._held.get(k, -1)]
+        if new:
+            self._client.log_batch(self.run_id, metrics=new)
 
     def on_media(self, view: TrainerView, media: Sequence[Media]) -> None:
-        if self._client is None or view.step <= self._held:
+        if self._client is None:
             return
         for m in media:
-            path = f"{m.kind}s/{m.name}/step_{m.step:08d}"
             if m.kind == "image":
-                self._client.log_image(self.run_id, _image_hwc(m.value), key=m.name, step=m.step)
-            elif m.kind == "histogram":
+                if m.step > self._held_images.get(m.name.replace("/", "~"), -1):
+                    self._client.log_image(self.run_id, _image_hwc(m.value), key=m.name, step=m.step)
+                continue
+            # one file each, also several of one name at one step; named by the step and the
+            # order (the same again after a resume: what it rewrites is the same file)
+            if self._media_at[0] != m.step:
+                self._media_at = (m.step, {})
+            seen = self._media_at[1]
+            n = seen[m.kind + m.name] = seen.get(m.kind + m.name, -1) + 1
+            path = f"{m.kind}s/{m.name}/step_{m.step:08d}" + (f"-{n}" if n else "")
+            if m.kind == "histogram":
                 self._client.log_dict(self.run_id, _histogram(m.value), path + ".json")
             else:
                 self._client.log_text(self.run_id, m.value, path + ".txt")
@@ -163,16 +248,57 @@ class MLflowLogger(Callback):
         self.run_id = state.get("run_id") or self.run_id
 
 
+def _latest_steps(metrics: Sequence[Any]) -> dict[str, int]:
+    latest: dict[str, int] = {}
+    for m in metrics:
+        latest[m.key] = max(latest.get(m.key, -1), m.step)
+    return latest
+
+
+def _run_id(folder: Optional[str], name: str) -> Optional[str]:
+    """The tracker run id recorded in `folder`/`name` (a run directory, or a course set
+    aside), or None."""
+    path = os.path.join(folder, name) if folder is not None else ""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return str(json.load(f)["run_id"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} (the tracker run of this run directory's course) is "
+                          f"unreadable ({e}). Move it aside to start a new tracker run.") from None
+
+
+def _write_json(path: str, record: Mapping[str, Any]) -> None:
+    """`record` into `path`, whole or not at all (a kill mid-write leaves the earlier one)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+WANDB_RUN = os.path.join("wandb", "saferun-run.json")  # the W&B run id, the latest step sent
+
+
 class WandbLogger(Callback):
     """Weights & Biases: metrics with their steps, the config, images, histograms and texts.
     Offline by default (<run_dir>/wandb/, upload later with `wandb sync`); online only with
     mode="online".
+
+    The W&B run belongs to the run directory (<run_dir>/wandb/saferun-run.json): a resume=auto
+    continues it, sending again what W&B may not hold (a process killed before W&B finished
+    loses what W&B's service buffered: said at the resume); a fresh start or a change of course
+    sets wandb/ aside with the course it belongs to and starts a new run (after a change of
+    course its config names the previous run, saferun.previous_run_id, and the resumed step: it
+    holds the steps after it).
 
     Args:
         project: the W&B project; default: the config's `name`, else "saferun".
         mode: "offline" (default), "online" or "disabled".
         entity, name, tags: as wandb.init takes them.
     """
+
+    run_files = ("wandb",)
 
     def __init__(self, project: Optional[str] = None, mode: str = "offline",
                  entity: Optional[str] = None, name: Optional[str] = None,
@@ -181,27 +307,45 @@ class WandbLogger(Callback):
             raise ConfigError(f"logger.wandb.mode is {mode!r}: offline, online or disabled.")
         self.project, self.mode, self.entity, self.name = project, mode, entity, name
         self.tags = list(tags or [])
-        self.run_id: Optional[str] = None  # checkpointed: a resume continues this run
+        self.run_id: Optional[str] = None  # checkpointed: the run a course change links to
         self.sent = -1  # the latest step sent (checkpointed: after a resume, not sent again)
         self._run: Any = None
         self._wandb: Any = None
-        self._held = -1  # after a resume: the latest step the interrupted run had sent
-        self._sent_file = ""
+        self._held = -1  # after a resume: the latest step the W&B run holds for sure
+        self._held_keys: set[str] = set()  # and what it holds of that step
+        self._at_sent: list[str] = []  # what this run sent at its latest step
+        self._own = ""
+
+    def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
+        self.run_id, self.sent = None, -1
 
     def on_fit_start(self, view: TrainerView) -> None:
         wandb = self._wandb = require("wandb", "wandb")
-        os.makedirs(view.run_dir, exist_ok=True)
-        self.run_id = self.run_id or uuid.uuid4().hex[:12]
+        self._own = os.path.join(view.run_dir, WANDB_RUN)
+        os.makedirs(os.path.dirname(self._own), exist_ok=True)
+        config = dict(view.config)
+        mine = _run_id(view.run_dir, WANDB_RUN)
+        if mine is not None:  # this run directory's course: continue its run
+            self.run_id = mine
+            with open(self._own) as f:  # the steps an interrupted run sent after its checkpoint
+                record = json.load(f)
+            self._held, self._held_keys = int(record.get("sent", -1)), set(record.get("keys", ()))
+            if self.sent > self._held:  # the checkpoint's process was killed before W&B finished
+                log.warning("W&B: the process that saved the checkpoint was killed before W&B "
+                            "had written what it was sent (W&B buffers it): W&B run %s may lack "
+                            "steps %d to %d; metrics.jsonl and TensorBoard hold them. From step "
+                            "%d on it gets every step.", self.run_id, self._held + 1, self.sent,
+                            self.sent + 1)
+        else:  # a new course (a fresh start, a change of course, a branch): a new run
+            if self.run_id is not None:
+                config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}
+            self.run_id, self.sent, self._held, self._held_keys = uuid.uuid4().hex[:12], -1, -1, set()
+            _write_json(self._own, {"run_id": self.run_id, "sent": -1})
         self._run = wandb.init(
             project=self.project or view.config.get("name") or "saferun", entity=self.entity,
             name=self.name or os.path.basename(os.path.abspath(view.run_dir)), tags=self.tags,
             id=self.run_id, resume="allow", mode=self.mode, dir=view.run_dir,
-            config=dict(view.config), settings=wandb.Settings(silent=True))
-        # The steps an interrupted run sent after its checkpoint: offline, W&B cannot say.
-        self._sent_file = os.path.join(view.run_dir, "wandb", "saferun-sent-step")
-        if os.path.isfile(self._sent_file):
-            with open(self._sent_file) as f:
-                self._held = max(self._held, int(f.read() or -1))
+            config=config, settings=wandb.Settings(silent=True))
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         self._send(view.step, dict(metrics))
@@ -223,24 +367,39 @@ class WandbLogger(Callback):
 
     def _send(self, step: int, row: dict[str, Any]) -> None:
         # W&B takes steps in order only (a lower one is dropped); an equal one joins its row
-        if self._run is None or step < self.sent or step <= self._held:
+        if self._run is None or step < self.sent:
+            return
+        if step <= self._held:
+            if step == self._held and set(row) - self._held_keys:
+                self._unsendable(step, sorted(set(row) - self._held_keys))
             return
         self._run.log(row, step=step)
-        if step != self.sent:
-            with open(self._sent_file, "w") as f:
-                f.write(str(step))
+        self._at_sent = (self._at_sent if step == self.sent else []) + list(row)
         self.sent = step
 
+    def _unsendable(self, step: int, keys: list[str]) -> None:
+        """The killed run began step `step` in W&B and did not finish it (a kill inside its
+        validation): W&B's steps only go forward, so the rest cannot join that step."""
+        log.warning("W&B: the interrupted run had sent part of step %d to W&B run %s; W&B takes "
+                    "no more of a step once a later process has resumed the run, so %s of step "
+                    "%d are not in it (metrics.jsonl and TensorBoard hold them).", step,
+                    self.run_id, ", ".join(keys), step)
+        self._held_keys.update(keys)
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         if self._run is not None:
             self._run.summary.update(dict(metrics))
-            self._run.finish()
-            self._run = None
+            self._finish(0)
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         if self._run is not None:
-            self._run.finish(exit_code=1)
-            self._run = None
+            self._finish(1)
+
+    def _finish(self, exit_code: int) -> None:
+        """W&B's service writes what it was sent once the run finishes (a process killed
+        before loses what it buffered): only then is what was sent recorded as held."""
+        self._run.finish(exit_code=exit_code)
+        self._run = None
+        _write_json(self._own, {"run_id": self.run_id, "sent": self.sent, "keys": self._at_sent})
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "sent": self.sent}

@@ -1061,14 +1061,13 @@ mutation("an on_evaluate callback is checked by the purity guard", "saferun/loop
          "        before = None\n        # preserved_rng",
          "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_that_changes_the_model_is_caught_by_the_purity_guard")
 mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/trackers.py",
-         "        if self._client is None or step <= self._held:", "        if self._client is None:",
+         "               if step > self._held.get(k, -1)]", "               if True]",
          "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
-mutation("MLflow: a resume continues the checkpoint's run", "saferun/trackers.py",
+mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/trackers.py",
          '        return {"run_id": self.run_id}', "        return {}",
-         "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
+         "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
-         "        if self._run is None or step < self.sent or step <= self._held:",
-         "        if self._run is None or step < self.sent:",
+         "        if step <= self._held:\n", "        if False:\n",
          "tests/logging/test_trackers.py::test_wandb_offline_writes_locally_and_a_resume_continues_the_same_run",
          known="its test is slow (W&B's service, twice): run by hand with -m slow")
 mutation("on_evaluate may not log a name validation_step reports", "saferun/loop/logbook.py",
@@ -1371,6 +1370,65 @@ mutation("several optimizers: unused parameters named in the first step only", M
 mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferun/checkpoint/store.py",
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
+# issue 31: trackers
+TRK, LIFE = "saferun/trackers.py", "tests/logging/test_tracker_lifecycle.py"
+mutation("trackers: MLflow continues the run its run directory names, not the checkpoint's", TRK,
+         "        mine = _run_id(view.run_dir, MLFLOW_RUN)\n", "        mine = self.run_id\n",
+         f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
+mutation("trackers: MLflow's new course holds its past up to the resumed step", TRK,
+         "            self._copy_past(previous, view.step)", "            pass",
+         f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
+mutation("trackers: MLflow skips what the store holds metric by metric", TRK,
+         "               if step > self._held.get(k, -1)]",
+         "               if step > max(self._held.values(), default=-1)]",
+         f"{LIFE}::test_mlflow_after_a_kill_inside_a_validation_holds_that_validation")
+mutation("trackers: MLflow ends the RUNNING run of a course set aside", TRK,
+         "            self._end_superseded()", "            pass",
+         f"{LIFE}::test_mlflow_after_a_kill_before_the_first_checkpoint_leaves_no_running_run")
+mutation("trackers: MLflow keeps each same-name text and histogram of one step", TRK,
+         '(f"-{n}" if n else "")', '""',
+         f"{LIFE}::test_mlflow_keeps_every_text_and_histogram_of_one_name_at_one_log_point")
+mutation("trackers: W&B starts a new run where its run directory names none", TRK,
+         "        mine = _run_id(view.run_dir, WANDB_RUN)\n", "        mine = self.run_id\n",
+         f"{LIFE}::test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_change")
+mutation("trackers: MLflow does not send again the images a resumed run's store holds", TRK,
+         '                if m.step > self._held_images.get(m.name.replace("/", "~"), -1):',
+         "                if True:",
+         "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
+mutation("lifecycle: run_files that are not plain names are refused", "saferun/callbacks.py",
+         "            if isinstance(owned, str) or not all(", "            if False and not all(",
+         f"{LIFE}::test_run_files_that_are_not_plain_names_are_refused")
+mutation("trackers: W&B says which metrics of a step a killed run began it cannot add", TRK,
+         "            if step == self._held and set(row) - self._held_keys:",
+         "            if False:",
+         f"{LIFE}::test_wandb_after_a_stop_inside_a_validation_says_what_it_cannot_add")
+mutation("trackers: W&B records as held only what a finished W&B run wrote", TRK,
+         "        self.sent = step\n",
+         '        self.sent = step\n        _write_json(self._own, {"run_id": self.run_id, "sent": step, "keys": []})\n',
+         f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
+mutation("trackers: W&B says which steps a killed process may have lost", TRK,
+         "            if self.sent > self._held:", "            if False:",
+         f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
+mutation("trackers: W&B's new course names the previous run in its config", TRK,
+         '                config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}',
+         "                pass",
+         f"{LIFE}::test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_change")
+mutation("lifecycle: a fresh start sets the callbacks' run_files aside", "saferun/checkpoint/superseded.py",
+         "tuple(n for n in owned if n not in RUN_FILES)", "()",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",
+         f"{LIFE}::test_wandb_offline_logs_the_new_course_after_a_fresh_start_or_a_course_change")
+mutation("lifecycle: a change of course sets the callbacks' run_files aside", "saferun/checkpoint/course.py",
+         "    files = [p.name for p in earlier_files(run_dir, owned)]",
+         "    files = [p.name for p in earlier_files(run_dir)]",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",
+         f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
+mutation("lifecycle: the callbacks hear of a fresh start", CKPTR,
+         "                callbacks.on_fresh_start(o.view, aside)\n", "",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside",
+         f"{LIFE}::test_mlflow_after_a_kill_before_the_first_checkpoint_leaves_no_running_run")
+mutation("lifecycle: the callbacks hear of a change of course", CKPTR,
+         "            p.callbacks.on_course_change(o.view,", "            (lambda *a: None)(o.view,",
+         f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside")
 
 
 # issue 35: activation checkpointing

@@ -220,7 +220,9 @@ class Checkpointer:
             if unfinished is not None and (found is None or str(found[0].resolve()) != unfinished["resumed"]):
                 course.refuse_other_start(o.state.run_dir, o.cfg.resume, unfinished)
             if self.pending_resume is None and o.state.step == 0:
-                start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main)  # an earlier run: aside
+                callbacks = self._parts().callbacks  # an earlier run's files, theirs too: aside
+                aside = start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main, callbacks.owned_run_files())
+                callbacks.on_fresh_start(o.view, aside)
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
@@ -247,8 +249,12 @@ class Checkpointer:
         o.load_state_dict(state)  # in memory (it may refuse): the files are untouched so far
         # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
         # (auto alone took the newest checkpoint: nothing is newer)
-        changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main) \
+        changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main,
+                                       p.callbacks.owned_run_files()) \
             if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) else None
+        if changed is not None:  # (before ensure_one: its checkpoint holds what they make of it)
+            p.callbacks.on_course_change(o.view, str(Path(o.state.run_dir) / changed["aside"]),
+                                         changed["resumed"], changed["step"])
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies

@@ -3,7 +3,8 @@ checkpoint of another run directory.
 
 What the superseded course left in this run directory (its checkpoints after PATH, or, when PATH
 lies elsewhere, every one; its metrics.jsonl, TensorBoard events and HParams entry, model.pt,
-summary.json, config.yaml, .hydra/ and text log) moves into `<run dir>/superseded-<time>/`,
+summary.json, config.yaml, .hydra/, text log and the entries the callbacks own, `run_files`:
+a tracker's run id and offline files) moves into `<run dir>/superseded-<time>/`,
 nothing deleted. The continued course then gets the logs of its own past, PATH's course up to
 PATH's step (metrics.jsonl lines, TensorBoard events), so its curves run on without a gap and a
 run directory never holds two courses.
@@ -25,7 +26,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..errors import SaferunError
 from ..parallel import distributed
@@ -64,15 +65,16 @@ def refuse_other_start(run_dir: str, resume: Optional[str], record: dict[str, An
         f"{record['resumed']}; then start what you meant.")
 
 
-def change_course(run_dir: str, resumed: Path, step: int, main: bool) -> Optional[dict[str, Any]]:
-    """Set aside what a run resumed from `resumed` (step `step`) supersedes in `run_dir`, or
-    finish an interrupted change; return the record (None: nothing supersedes). Rank 0 moves;
-    every rank gets the record or the error. The caller calls `finished` once the run
-    directory holds a checkpoint of the continued course."""
+def change_course(run_dir: str, resumed: Path, step: int, main: bool,
+                  owned: Sequence[str] = ()) -> Optional[dict[str, Any]]:
+    """Set aside what a run resumed from `resumed` (step `step`) supersedes in `run_dir` (the
+    callbacks' `owned` entries too), or finish an interrupted change; return the record
+    (None: nothing supersedes). Rank 0 moves; every rank gets the record or the error. The
+    caller calls `finished` once the run directory holds a checkpoint of the continued course."""
     record, error = None, None
     if main:
         try:
-            record = interrupted(run_dir) or _plan(Path(run_dir), resumed, step)
+            record = interrupted(run_dir) or _plan(Path(run_dir), resumed, step, owned)
             if record is not None:
                 _write_record(Path(run_dir), record)
                 _kill_point("course-intent")
@@ -96,11 +98,11 @@ def finished(run_dir: str, record: Optional[dict[str, Any]], main: bool) -> None
         fsync_dir(Path(run_dir))
 
 
-def _plan(run_dir: Path, resumed: Path, step: int) -> Optional[dict[str, Any]]:
+def _plan(run_dir: Path, resumed: Path, step: int, owned: Sequence[str]) -> Optional[dict[str, Any]]:
     root = run_dir / "checkpoints"
     resumed = resumed.resolve()
     inside = resumed.parent == root.resolve()
-    files = [p.name for p in earlier_files(run_dir)]
+    files = [p.name for p in earlier_files(run_dir, owned)]
     if inside:
         later = [f"checkpoints/{p.name}" for p in list_checkpoints(root)
                  if p.resolve() != resumed and step_of(p) > step]

@@ -8,6 +8,10 @@ deleted: `move_aside` is the one place that moves it, into `<dir>/superseded-<ti
   naming what is there. With `resume=fresh`, or when the earlier run left only logs (it crashed
   before its first checkpoint), that run's checkpoints and logs are moved aside, so this run's
   metrics.jsonl, TensorBoard events and text log hold this run alone.
+
+Besides RUN_FILES, the entries a callback declares in its `run_files` (a tracker's run id, its
+offline files) move aside with the course they belong to; the callback then hears where they
+went (`on_fresh_start`, `on_course_change`; see saferun/callbacks.py).
 """
 
 from __future__ import annotations
@@ -78,14 +82,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def start_fresh(run_dir: str, resume: Optional[str], main: bool) -> None:
+def start_fresh(run_dir: str, resume: Optional[str], main: bool,
+                owned: Sequence[str] = ()) -> Optional[str]:
     """This run starts from step 0 in `run_dir`: refuse it over another run's checkpoints
-    unless `resume` is `fresh`; move an earlier run's files aside. Rank 0 decides and moves
-    (under the run directory's lock); every rank gets the verdict before any writes."""
-    error, cause = None, None
+    unless `resume` is `fresh`; move an earlier run's files (RUN_FILES and the callbacks'
+    `owned` entries) aside and return the folder they went to (None: nothing there). Rank 0
+    decides and moves (under the run directory's lock); every rank gets the verdict before
+    any writes."""
+    error, cause, aside = None, None, None
     if main:
         try:
-            _clear(Path(run_dir), resume)
+            aside = _clear(Path(run_dir), resume, owned)
         except SaferunError as e:
             error = str(e)
         except OSError as e:
@@ -94,12 +101,13 @@ def start_fresh(run_dir: str, resume: Optional[str], main: bool) -> None:
                      f"permissions or use another run directory.")
         except Exception as e:  # anything else: every rank still gets the verdict, none waits
             error, cause = f"checking the run directory {run_dir} failed: {type(e).__name__}: {e}", e
-    error = distributed.broadcast(error)
+    error, aside = distributed.broadcast((error, aside))
     if error is not None:
         raise SaferunError(error) from cause
+    return aside
 
 
-def _clear(path: Path, resume: Optional[str]) -> None:
+def _clear(path: Path, resume: Optional[str], owned: Sequence[str]) -> Optional[str]:
     found = list_checkpoints(path / "checkpoints")
     if found and resume != FRESH:
         raise SaferunError(
@@ -110,7 +118,7 @@ def _clear(path: Path, resume: Optional[str]) -> None:
             f"resume=auto. To start over here, set resume=fresh: its checkpoints and logs are "
             f"moved into {path}/superseded-<time>/ (nothing is deleted). Or use another run "
             f"directory (hydra.run.dir=... on the command line, trainer.run_dir in Python).")
-    earlier = earlier_files(path)
+    earlier = earlier_files(path, owned)
     aside = move_aside(path, earlier)
     if aside is not None:
         why = "resume=fresh" if resume == FRESH else \
@@ -119,12 +127,14 @@ def _clear(path: Path, resume: Optional[str]) -> None:
         log.warning("Starting from step 0 (%s): the earlier run's %s moved to %s, nothing "
                     "deleted; this run's logs start empty.", why,
                     ", ".join(p.name for p in earlier), aside)
+    return None if aside is None else str(aside)
 
 
-def earlier_files(path: Path) -> list[Path]:
-    """The files an earlier run left in the run directory `path` (RUN_FILES, and .hydra/
-    where this run writes its own)."""
-    names = RUN_FILES + ((".hydra",) if rundir.writes_hydra_dir(str(path)) else ())
+def earlier_files(path: Path, owned: Sequence[str] = ()) -> list[Path]:
+    """The files an earlier run left in the run directory `path` (RUN_FILES, the callbacks'
+    `owned` entries, and .hydra/ where this run writes its own)."""
+    names = RUN_FILES + tuple(n for n in owned if n not in RUN_FILES) + \
+        ((".hydra",) if rundir.writes_hydra_dir(str(path)) else ())
     # (a log file this process opened empty, Hydra's saferun.log in a new directory, is this run's)
     return [p for p in (path / name for name in names)
             if p.exists() and log_starts.get(str(p.absolute())) != 0]

@@ -190,7 +190,7 @@ def test_an_unexpected_failure_while_clearing_is_the_verdict_every_rank_gets(tmp
     # error instead of waiting for a verdict that never comes); here, one process
     from saferun.checkpoint import superseded
 
-    def broken(path, resume):
+    def broken(path, resume, owned):
         raise KeyError("planted")
 
     monkeypatch.setattr(superseded, "_clear", broken)

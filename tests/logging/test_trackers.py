@@ -67,6 +67,8 @@ def test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_cont
     assert got["val/acc"][-1][1] == pytest.approx(final["val/acc"])
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"model.pt", "summary.json", "texts", "images"} <= artifacts
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
+    assert sorted(int(path.split("+step+")[1].split("+")[0]) for path in images) == [3, 6, 9]  # 6 once
     texts = {a.path for a in client.list_artifacts(run.info.run_id, "texts/train/note")}
     assert texts == {f"texts/train/note/step_{s:08d}.txt" for s in (3, 6, 9)}
     local = client.download_artifacts(run.info.run_id, "model.pt", str(tmp_path / "dl"))
@@ -75,7 +77,7 @@ def test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_cont
 
 
 @pytest.mark.slow
-def test_mlflow_from_the_command_line_and_a_resume_continues_its_run(tmp_path):
+def test_mlflow_from_the_command_line_and_a_resume_elsewhere_gets_a_new_linked_run(tmp_path):
     from mlflow import MlflowClient
 
     def run(*overrides):
@@ -87,13 +89,17 @@ def test_mlflow_from_the_command_line_and_a_resume_continues_its_run(tmp_path):
         return proc.stdout.strip().splitlines()[-1].split("run directory ")[1]
 
     first = run("trainer.max_steps=6")
-    run("trainer.max_steps=9", f"resume={first}", "force_resume=true")  # a finished run, continued
+    second = run("trainer.max_steps=9", f"resume={first}", "force_resume=true")  # continued elsewhere
     (store,) = (tmp_path / "runs").glob("*/mlflow.db")  # beside the run directories
     client = MlflowClient(f"sqlite:///{store}")
-    (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert found.data.params["trainer.max_steps"] == "6"  # MLflow keeps a run's first params
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")] == [3, 6, 9]
-    assert (Path(first) / "metrics.jsonl").is_file()
+    old, new = sorted(client.search_runs([e.experiment_id for e in client.search_experiments()]),
+                      key=lambda r: r.info.start_time)
+    # the new run directory's own MLflow run, linked to the first, holding its past to step 6
+    assert new.data.tags["saferun.previous_run_id"] == old.info.run_id
+    assert old.data.params["trainer.max_steps"] == "6" and new.data.params["trainer.max_steps"] == "9"
+    assert [m.step for m in client.get_metric_history(old.info.run_id, "train/loss")] == [3, 6]
+    assert [m.step for m in client.get_metric_history(new.info.run_id, "train/loss")] == [3, 6, 9]
+    assert (Path(first) / "metrics.jsonl").is_file() and (Path(second) / "metrics.jsonl").is_file()
 
 
 def test_a_missing_tracker_package_says_how_to_install_it(tmp_path, monkeypatch):
