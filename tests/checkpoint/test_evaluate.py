@@ -31,8 +31,10 @@ def test_validate_and_predict_use_the_run_or_checkpoint_named_by_resume(tmp_path
     assert metrics == pytest.approx({k: v for k, v in trained.state.metrics.items()
                                      if k.startswith("val/")}, rel=1e-6)
     assert t.state.step == 6
-    assert torch.equal(t.predict(TensorDataset(x, y)), trained.predict(TensorDataset(x, y)))
+    # the same weights, bitwise; the predictions in batches of 8 against 32 may round apart in
+    # the last bit (which matmul kernel runs depends on the rows, on AVX-512 machines among others)
     assert all(torch.equal(a, b) for a, b in zip(weights(t).values(), weights(trained).values()))
+    torch.testing.assert_close(t.predict(TensorDataset(x, y)), trained.predict(TensorDataset(x, y)))
     # one checkpoint
     step4 = tmp_path / "run" / "checkpoints" / "step-00000004"
     t4 = ToyTrainer(config(tmp_path, resume=str(step4)))
