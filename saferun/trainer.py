@@ -10,6 +10,7 @@ override point; callbacks observe it (see `saferun.callbacks`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer, StatefulParts
+from .checkpoint.compat import check_second_fit
+from .checkpoint.store import checkpoint_root, list_checkpoints
 from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
@@ -77,6 +80,9 @@ class Trainer:
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
                  callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = load_config(cfg)
+        # as given (a Config is resolved already): a second fit() resolves it with its limits
+        self._given = None if cfg is None or isinstance(cfg, Config) else copy.deepcopy(cfg)
+        self._built_config: dict[str, Any] = {}  # the config setup() built the run with
         self.ranks = distributed.ranks_from_env()
         self.device = resolve_device(self.cfg.trainer.device, self.ranks.local_rank)
         self.model: nn.Module = None  # type: ignore[assignment]  # built by setup()
@@ -190,6 +196,7 @@ class Trainer:
             return
         t = self.cfg.trainer
         ensure_log_handler()
+        self._built_config = dataclasses.asdict(self.cfg)
         distributed.start(self.ranks, self.device, t.collective_timeout)
         seed_everything(self.cfg.seed)  # the same on every rank: identical initial weights
         model = self.build_model()
@@ -550,6 +557,10 @@ class Trainer:
                 f"trainer.cfg.trainer.max_steps = {2 * state.step}), then call fit(): it "
                 f"continues from step {state.step} as one longer run would. For a new run, build "
                 f"a new Trainer.")
+        if self._fitted is not None:  # what the run was built with must still hold
+            found = list_checkpoints(checkpoint_root(state.run_dir))
+            check_second_fit(self._given, self._built_config, dataclasses.asdict(self.cfg),
+                             state.step, found[-1] if found else None)
         per_epoch = self._batches.steps_per_epoch()
         by_epochs = None if t.max_epochs is None or per_epoch is None else t.max_epochs * per_epoch
         state.max_steps = t.max_steps if t.max_steps is not None else by_epochs

@@ -1372,6 +1372,16 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 
+# issue 31: checkpoints
+SCHED_TESTS = "tests/unit/test_schedules.py"
+mutation("issue 31: a second fit() re-resolves a schedule sized by the run's limits", "saferun/checkpoint/compat.py",
+         "    if given is not None:\n        first, later", "    if False:\n        first, later",
+         f"{SCHED_TESTS}::test_a_second_fit_with_a_schedule_sized_for_the_first_is_refused_as_a_resume_is")
+mutation("issue 31: a second fit() is checked as a resume is", T,
+         "        if self._fitted is not None:  # what the run was built with must still hold",
+         "        if False:  # what the run was built with must still hold",
+         f"{SCHED_TESTS}::test_a_second_fit_with_a_schedule_sized_for_the_first_is_refused_as_a_resume_is")
+
 
 # ---------------------------------------------------------------- the runner
 
