@@ -101,6 +101,7 @@ class Trainer:
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
         self._manual: Optional[ManualSteps] = None  # several optimizers: their step (setup)
+        self._tested: Optional[dict[str, Any]] = None  # from_run: the weights' provenance
 
     # ------------------------------------------------------------------ task hooks
 
@@ -446,10 +447,17 @@ class Trainer:
                 self._evaluator, lambda: False, "test", loader)).items()}
         finally:
             self.test_loader = None
+        if self._tested is not None and self.ranks.is_main:
+            log.info("test: the weights of %s (%s, step %s, epoch %s, sha256 %s).",
+                     self._tested["run"], self._tested["checkpoint"], self._tested["step"],
+                     self._tested["epoch"], self._tested["sha256"])
         self._callbacks.on_test_end(self.view, metrics)
         self._write_media(self._logbook.take()[1])
         if self.ranks.is_main:
-            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})
+            # from_run: which weights of which run these metrics are of
+            tested = {"tested": self._tested} if self._tested is not None else {}
+            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,
+                                                **tested})
         return metrics
 
     def _test_loader(self, data: Dataset | DataLoader | None) -> DataLoader:
@@ -718,6 +726,7 @@ class Trainer:
         trainer = cls(config, callbacks, **kwargs)
         trainer.setup()
         trainer._load_exported(weights)
+        trainer._tested = weights.provenance(run_dir)  # what test() records it evaluated
         return trainer
 
     def _load_exported(self, weights: Weights) -> None:
@@ -733,6 +742,7 @@ class Trainer:
             elif self._ema is not None:  # no average kept: val_ema/ would be the raw weights
                 self._ema.load_state_dict(None)
         self.state.step = weights.step or 0
+        self.state.epoch = weights.epoch or 0
 
     # ------------------------------------------------------------------ logging API
 

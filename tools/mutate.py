@@ -429,8 +429,8 @@ mutation("save_best keeps the best", CKPTR,
          "keep=[Path(self.best[1])] if self.best else (), current=done)", "keep=(), current=done)",
          f"{CKPT}::test_keep_last_and_best")
 mutation("model.pt holds the final weights", CKPTR,
-         '            save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)\n',
-         "            pass\n",
+         '            files = {f"model{suffix}.pt": weights}\n',
+         "            files = {}\n",
          f"{CKPT}::test_a_checkpoint_holds_the_whole_training_state")
 mutation("resume=auto starts fresh without a checkpoint", T,
          '            if resume != "auto":\n', "            if True:\n",
@@ -1292,8 +1292,8 @@ mutation("test stage: test metrics in metrics.jsonl", "saferun/loggers.py",
          """            f.write(self._line("test", view, metrics))""", """            pass""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
 mutation("test stage: test metrics in summary.json", "saferun/trainer.py",
-         """            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})""",
-         """            pass""",
+         """            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,""",
+         """            (lambda *_: None)(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
 mutation("test stage: build_datasets' third set is the test set", "saferun/data.py",
          """sets[2] if len(sets) == 3 else None""", """None""",
@@ -1381,6 +1381,27 @@ mutation("issue 31: a second fit() is checked as a resume is", T,
          "        if self._fitted is not None:  # what the run was built with must still hold",
          "        if False:  # what the run was built with must still hold",
          f"{SCHED_TESTS}::test_a_second_fit_with_a_schedule_sized_for_the_first_is_refused_as_a_resume_is")
+WEIGHTS = "saferun/checkpoint/weights.py"
+mutation("issue 31: a run's weights file is verified against its recorded digest", WEIGHTS,
+         "    record = next((r for r in records if (r.get(\"bytes\"), r.get(\"sha256\")) == (size, digest)), None)",
+         "    record = next(iter(records), None)",
+         BESTM + "test_a_flipped_bit_in_a_weights_file_is_refused_by_load_model_and_from_run")
+mutation("issue 31: a weights file's new record is pending before the file is replaced", WEIGHTS,
+         "        update_summary(str(run), {PENDING: {**_summary(run).get(PENDING, {}), **entries}})\n", "",
+         BESTM + "test_after_a_kill_model_best_and_its_recorded_step_agree")
+mutation("issue 31: a missing model_best.pt is reported missing", WEIGHTS,
+         '    if checkpoint == "best" and (isinstance(best, dict) or', '    if False and (isinstance(best, dict) or',
+         BESTM + "test_a_missing_model_best_is_reported_missing")
+mutation("issue 31: test() records the weights it tested in summary.json", T,
+         '            tested = {"tested": self._tested} if self._tested is not None else {}',
+         "            tested = {}",
+         BESTM + "test_a_test_records_the_run_the_weights_file_its_step_epoch_and_sha256")
+mutation("issue 31: test() logs the weights it tested", T,
+         "        if self._tested is not None and self.ranks.is_main:", "        if False:",
+         BESTM + "test_a_test_records_the_run_the_weights_file_its_step_epoch_and_sha256")
+mutation("issue 31: from_run's weights are at their epoch", T,
+         "        self.state.epoch = weights.epoch or 0\n", "",
+         BESTM + "test_a_test_records_the_run_the_weights_file_its_step_epoch_and_sha256")
 
 
 # ---------------------------------------------------------------- the runner

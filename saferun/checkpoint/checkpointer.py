@@ -33,9 +33,9 @@ from . import course, rundir
 from .compat import check_resume_config
 from .formats import CheckpointFormat
 from .store import (FORMAT_VERSION, CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_weights)
+                    load_latest, rotate)
 from .superseded import FRESH, evaluated_weights, start_fresh
-from .weights import Best
+from .weights import Best, publish_weights
 
 log = logging.getLogger("saferun")
 
@@ -368,13 +368,16 @@ class Checkpointer:
         o, p = self._owner, self._parts()
         weights = p.strategy.checkpoint_format.export(p.model)  # sharded: gathered from every rank
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
-            save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)
+            files = {f"model{suffix}.pt": weights}
             if p.ema is not None:  # loads into the same model class as model.pt
-                save_weights(Path(o.state.run_dir) / f"model_ema{suffix}.pt",
-                             p.ema.module.state_dict())
-            best = self.best_record()
-            if suffix == "_best" and best is not None:  # summary.json names them: metric, value, step
-                rundir.update_summary(o.state.run_dir, {"best": dataclasses.asdict(best)})
+                files[f"model_ema{suffix}.pt"] = p.ema.module.state_dict()
+            record: dict[str, Any] = {"step": o.state.step, "epoch": o.state.epoch}
+            best = self.best_record() if suffix == "_best" else None
+            if best is not None:  # its record and summary.json's "best": metric, value, step
+                record.update(metric=best.metric, value=best.value)
+            # each file with its digest in summary.json, crash-consistently with "best"
+            publish_weights(o.state.run_dir, files, record,
+                            {"best": dataclasses.asdict(best)} if best is not None else {})
 
     def best_record(self) -> Optional[Best]:
         """save_best's best so far as a `Best`, or None (no save_best, or no finite value yet)."""
