@@ -337,6 +337,9 @@ class Checkpointer:
         if not p.guard.window_good():
             return list_checkpoints(root)[-1]  # rolled back to it
         path = root / f"step-{o.state.step:08d}"
+        # nor a non-finite parameter, buffer or optimizer state (an update under a finite loss)
+        if not p.guard.state_good(path):
+            return list_checkpoints(root)[-1]  # rolled back (this step has no checkpoint)
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
             self.best = (best, str(path), o.state.step)
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
