@@ -466,3 +466,40 @@ def test_the_save_check_costs_one_host_read_and_nothing_per_step(tmp_path):
     with HostSyncCounter() as counter:
         assert nonfinite_state(t.model, t.optimizer) is None
     assert counter.count == 1
+
+
+def test_the_save_check_names_which_of_several_optimizers_holds_the_non_finite_state(tmp_path):
+    import torch.nn.functional as F
+
+    class EncOverflows(ToyTrainer):
+        """Two optimizers (the head, the encoder), each stepped by training_step; the encoder's
+        AdamW second moment overflows at step 4."""
+
+        def build_model(self):
+            return nn.ModuleDict({"enc": nn.Sequential(nn.Linear(8, 16), nn.ReLU()),
+                                  "head": nn.Linear(16, 3)})
+
+        def build_optimizer(self, params):
+            enc = torch.optim.AdamW(self.model["enc"].parameters(), lr=1e-2)
+
+            def overflow(optimizer, *_):
+                if self.state.step + 1 == 4:
+                    first = optimizer.param_groups[0]["params"][0]
+                    optimizer.state[first]["exp_avg_sq"].view(-1)[0] = float("inf")
+
+            enc.register_step_post_hook(overflow)
+            return {"head": torch.optim.SGD(self.model["head"].parameters(), lr=0.1), "enc": enc}
+
+        def training_step(self, batch):
+            x, y = batch
+            h = self.model["enc"](x)
+            self.optimize("head", F.cross_entropy(self.model["head"](h.detach()), y))
+            self.optimize("enc", F.cross_entropy(self.model["head"](h), y))
+            return {}
+
+    t = EncOverflows(toy_config(tmp_path, max_steps=8, log_every_n_steps=8, save_every_n_steps=2))
+    with pytest.raises(NonFiniteError, match="not finite at step 4, where a checkpoint was due: "
+                                             "optimizer 'enc' state exp_avg_sq of enc.0.weight"):
+        t.fit()
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+
