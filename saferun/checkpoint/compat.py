@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ..config import GuardsConfig, TrainerConfig
+from ..config import GuardsConfig, TrainerConfig, resolved_with_limits
 from ..errors import ConfigError
 
 
@@ -56,7 +56,8 @@ def check_second_fit(given: Any, built: Mapping[str, Any], current: Mapping[str,
     limits (a schedule sized by `${trainer.max_steps}`) resolves anew with the raised limits."""
     now = dict(current)
     if given is not None:
-        first, later = _resolved(given, built["trainer"]), _resolved(given, current["trainer"])
+        first, later = resolved_with_limits(given, built["trainer"]), \
+            resolved_with_limits(given, current["trainer"])
         now.update({k: v for k, v in later.items()
                     if k not in ("trainer", "guards") and v != first[k]})
     limits = ", ".join(f"trainer.{k}={current['trainer'][k]}" for k in ("max_steps", "max_epochs")
@@ -72,17 +73,6 @@ def check_second_fit(given: Any, built: Mapping[str, Any], current: Mapping[str,
                         remedy=f"The steps so far ({step}) followed those values. For one run with "
                                f"{limits or 'the new limits'} from the start, build a new Trainer; "
                                f"to go on from step {step} with the new values, {resume}.")
-
-
-def _resolved(given: Any, trainer: Mapping[str, Any]) -> dict[str, Any]:
-    """`given` as load_config resolves it with `trainer`'s limits."""
-    from omegaconf import OmegaConf
-
-    from ..config import load_config
-
-    limits = {k: trainer[k] for k in ("max_steps", "max_epochs")}
-    node = OmegaConf.merge(OmegaConf.create(given), {"trainer": limits})
-    return dataclasses.asdict(load_config(node))
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
