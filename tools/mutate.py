@@ -1418,6 +1418,10 @@ mutation("issue 31: a refused save rolls back under rollback", BADSTEP,
          "        self.nonfinite_policy.on_bad_window(self, BadStep(step, \"non-finite\", report, False, True))",
          "        self.raise_bad(BadStep(step, \"non-finite\", report, False, True))",
          NONFINITE_T + "test_rollback_after_a_refused_save_goes_to_the_newest_clean_checkpoint_and_trains_on")
+mutation("issue 31: a final save rolled back is not passed off as the run's end", CKPTR,
+         "        if self._owner.state.step != step:  # not finite, nothing saved: rolled back",
+         "        if False:  # not finite, nothing saved: rolled back",
+         NONFINITE_T + "test_a_final_state_rolled_back_is_not_passed_off_as_the_run_s_end")
 mutation("issue 31: the error says whether the newest checkpoint was checked", BADSTEP,
          "                   if str(newest.resolve()) in self._checked else",
          "                   if False else",

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
 from ..parallel import distributed
@@ -357,7 +357,14 @@ class Checkpointer:
         """The run's last checkpoint and model.pt; with `restore_best` (an
         EarlyStopping(restore_best=True) among the callbacks), then the best weights back."""
         # Always: the final validation may have changed callback state since the last save.
+        step = self._owner.state.step
         self.save()
+        if self._owner.state.step != step:  # not finite, nothing saved: rolled back
+            raise NonFiniteError(
+                f"the run's final state (step {step}) was not finite, so neither its checkpoint "
+                f"nor model.pt was written; guards.nonfinite=rollback went back to step "
+                f"{self._owner.state.step}, and the run ended there. To train the remaining "
+                f"steps, continue with resume=auto (or call fit() again on this Trainer).")
         self._format().finish()  # the run's last checkpoint is complete before it ends
         self.write_weights("")
         if restore_best:

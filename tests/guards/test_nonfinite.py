@@ -503,3 +503,20 @@ def test_the_save_check_names_which_of_several_optimizers_holds_the_non_finite_s
         t.fit()
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
 
+
+
+def test_a_final_state_rolled_back_is_not_passed_off_as_the_run_s_end(tmp_path):
+    # the last step's update overflows: the final save is refused and a rollback goes back;
+    # model.pt is not written and the run says how to train the remaining steps
+    cfg = toy_config(tmp_path, max_steps=6, log_every_n_steps=3)  # the final save only
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = OverflowsAt(cfg)
+    t.at = 6
+    with pytest.raises(NonFiniteError, match=r"the run's final state \(step 6\) was not finite, so "
+                       r"neither its checkpoint nor model.pt was written.*back to step 0.*resume=auto"):
+        t.fit()
+    assert not (tmp_path / "run" / "model.pt").exists() and all_checkpoints_finite(tmp_path / "run")
+    cfg["resume"] = "auto"
+    resumed = ToyTrainer(cfg)
+    resumed.fit()  # the remaining steps, from the newest clean checkpoint
+    assert resumed.state.step == 6 and (tmp_path / "run" / "model.pt").exists()
