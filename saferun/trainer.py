@@ -28,6 +28,7 @@ from .checkpoint.compat import check_second_fit
 from .checkpoint.store import checkpoint_root, list_checkpoints
 from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
+from .schedules import check_schedule_length
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
 from .data import (check_datasets, check_evaluation_limit, check_training_loader,
                    evaluation_loader, loader_options, make_loaders, set_loader_epoch,
@@ -572,6 +573,7 @@ class Trainer:
         per_epoch = self._batches.steps_per_epoch()
         by_epochs = None if t.max_epochs is None or per_epoch is None else t.max_epochs * per_epoch
         state.max_steps = t.max_steps if t.max_steps is not None else by_epochs
+        check_schedule_length(self.scheduler, state.max_steps)  # OneCycleLR: before any step
         if (by_epochs is not None and t.max_steps is not None and t.max_steps < by_epochs
                 and self._fitted is None and self.ranks.is_main):
             log.warning("trainer.max_steps=%d ends this run after %.3g of the trainer.max_epochs=%d "

@@ -1374,6 +1374,9 @@ mutation("issue 31: a second fit() is checked as a resume is", T,
          "        if self._fitted is not None:  # what the run was built with must still hold",
          "        if False:  # what the run was built with must still hold",
          f"{SCHED_TESTS}::test_a_second_fit_with_a_schedule_sized_for_the_first_is_refused_as_a_resume_is")
+mutation("issue 31: a schedule with fewer steps than the run is refused before the first", T,
+         "        check_schedule_length(self.scheduler, state.max_steps)  # OneCycleLR: before any step\n", "",
+         f"{SCHED_TESTS}::test_a_schedule_with_fewer_steps_than_the_run_is_refused_before_the_first_step")
 WEIGHTS = "saferun/checkpoint/weights.py"
 mutation("issue 31: a run's weights file is verified against its recorded digest", WEIGHTS,
          "    record = next((r for r in records if (r.get(\"bytes\"), r.get(\"sha256\")) == (size, digest)), None)",

@@ -186,3 +186,20 @@ def test_a_second_fit_with_a_schedule_sized_for_the_first_is_refused_as_a_resume
     cfg["resume"] = "auto"
     with pytest.raises(saferun.ConfigError, match=key):
         ToyTrainer(cfg).fit()
+
+
+def test_a_schedule_with_fewer_steps_than_the_run_is_refused_before_the_first_step(tmp_path):
+    # OneCycleLR with a literal total_steps: torch's bare ValueError at step 5 otherwise, in one
+    # fit of 12 steps as in a second fit raised to 12
+    sched = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "max_lr": 0.1, "total_steps": 4}
+    words = (r"sched \(OneCycleLR\) has total_steps=4, fewer than the run's 12 steps.*"
+             r"sched.total_steps: \$\{trainer.max_steps\}")
+    with pytest.raises(saferun.ConfigError, match=words):
+        ToyTrainer(sched_config(tmp_path / "a", 12, sched)).fit()
+    assert not (tmp_path / "a" / "run" / "metrics.jsonl").exists()  # nothing trained
+    t = ToyTrainer(sched_config(tmp_path / "b", 4, sched))
+    t.fit()
+    t.cfg.trainer.max_steps = 12
+    with pytest.raises(saferun.ConfigError, match=words):
+        t.fit()
+    assert t.state.step == 4
