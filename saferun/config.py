@@ -301,6 +301,16 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
     return result
 
 
+def resolved_with_limits(given: Any, trainer: Mapping[str, Any]) -> dict[str, Any]:
+    """The config `given` (as a Trainer was given it: a mapping or an OmegaConf node) resolved
+    by `load_config` with `trainer`'s max_steps and max_epochs, as plain data: what its
+    interpolations of the run's limits (`${trainer.max_steps}`) become with those."""
+    from omegaconf import OmegaConf
+
+    limits = {k: trainer[k] for k in ("max_steps", "max_epochs")}
+    return dataclasses.asdict(load_config(OmegaConf.merge(OmegaConf.create(given), {"trainer": limits})))
+
+
 def _describe_omegaconf_error(e: Exception) -> str:
     key = getattr(e, "full_key", None) or "?"
     first_line = str(e).splitlines()[0]

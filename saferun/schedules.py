@@ -114,6 +114,24 @@ class Schedule:
         return out
 
 
+def check_schedule_length(scheduler: Any, max_steps: Optional[int]) -> None:
+    """A schedule with a fixed number of steps (OneCycleLR's total_steps) must cover the run's
+    `max_steps`: torch raises a bare ValueError at the first step past it. Several by name:
+    each."""
+    named = scheduler.items() if isinstance(scheduler, Mapping) else [("", scheduler)]
+    for name, sched in named:
+        total = getattr(sched, "total_steps", None)
+        if max_steps is None or not isinstance(total, int) or total >= max_steps:
+            continue
+        which = f"the scheduler of optimizer {name!r} ({type(sched).__name__})" if name else \
+            f"sched ({type(sched).__name__})"
+        raise ConfigError(
+            f"{which} has total_steps={total}, fewer than the run's {max_steps} steps "
+            f"(trainer.max_steps, or max_epochs times the steps per epoch): it cannot step past "
+            f"step {total}. Size it by the run, sched.total_steps: ${{trainer.max_steps}} (then a "
+            f"longer run is a new run or a forced resume), or lower the run's limits.")
+
+
 Hyperparameters = tuple[list[dict[str, Any]], Optional[dict[str, Any]]]
 
 

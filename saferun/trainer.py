@@ -10,6 +10,7 @@ override point; callbacks observe it (see `saferun.callbacks`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -23,8 +24,11 @@ from torch.utils.data import DataLoader, Dataset
 from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer, StatefulParts
+from .checkpoint.compat import check_second_fit
+from .checkpoint.store import checkpoint_root, list_checkpoints
 from .checkpoint.rundir import default_run_dir, update_summary
 from .config import Config, load_config
+from .schedules import check_schedule_length
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
 from .data import (check_datasets, check_evaluation_limit, check_training_loader,
                    evaluation_loader, loader_options, make_loaders, set_loader_epoch,
@@ -78,6 +82,9 @@ class Trainer:
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
                  callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = load_config(cfg)
+        # as given (a Config is resolved already): a second fit() resolves it with its limits
+        self._given = None if cfg is None or isinstance(cfg, Config) else copy.deepcopy(cfg)
+        self._built_config: dict[str, Any] = {}  # the config setup() built the run with
         self.ranks = distributed.ranks_from_env()
         self.device = resolve_device(self.cfg.trainer.device, self.ranks.local_rank)
         self.model: nn.Module = None  # type: ignore[assignment]  # built by setup()
@@ -96,6 +103,7 @@ class Trainer:
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
         self._manual: Optional[ManualSteps] = None  # several optimizers: their step (setup)
+        self._tested: Optional[dict[str, Any]] = None  # from_run: the weights' provenance
 
     # ------------------------------------------------------------------ task hooks
 
@@ -191,6 +199,7 @@ class Trainer:
             return
         t = self.cfg.trainer
         ensure_log_handler()
+        self._built_config = dataclasses.asdict(self.cfg)
         distributed.start(self.ranks, self.device, t.collective_timeout)
         seed_everything(self.cfg.seed)  # the same on every rank: identical initial weights
         model = self.build_model()
@@ -441,10 +450,17 @@ class Trainer:
                 self._evaluator, lambda: False, "test", loader)).items()}
         finally:
             self.test_loader = None
+        if self._tested is not None and self.ranks.is_main:
+            log.info("test: the weights of %s (%s, step %s, epoch %s, sha256 %s).",
+                     self._tested["run"], self._tested["checkpoint"], self._tested["step"],
+                     self._tested["epoch"], self._tested["sha256"])
         self._callbacks.on_test_end(self.view, metrics)
         self._write_media(self._logbook.take()[1])
         if self.ranks.is_main:
-            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})
+            # from_run: which weights of which run these metrics are of
+            tested = {"tested": self._tested} if self._tested is not None else {}
+            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,
+                                                **tested})
         return metrics
 
     def _test_loader(self, data: Dataset | DataLoader | None) -> DataLoader:
@@ -552,9 +568,14 @@ class Trainer:
                 f"trainer.cfg.trainer.max_steps = {2 * state.step}), then call fit(): it "
                 f"continues from step {state.step} as one longer run would. For a new run, build "
                 f"a new Trainer.")
+        if self._fitted is not None:  # what the run was built with must still hold
+            found = list_checkpoints(checkpoint_root(state.run_dir))
+            check_second_fit(self._given, self._built_config, dataclasses.asdict(self.cfg),
+                             state.step, found[-1] if found else None)
         per_epoch = self._batches.steps_per_epoch()
         by_epochs = None if t.max_epochs is None or per_epoch is None else t.max_epochs * per_epoch
         state.max_steps = t.max_steps if t.max_steps is not None else by_epochs
+        check_schedule_length(self.scheduler, state.max_steps)  # OneCycleLR: before any step
         if (by_epochs is not None and t.max_steps is not None and t.max_steps < by_epochs
                 and self._fitted is None and self.ranks.is_main):
             log.warning("trainer.max_steps=%d ends this run after %.3g of the trainer.max_epochs=%d "
@@ -709,6 +730,7 @@ class Trainer:
         trainer = cls(config, callbacks, **kwargs)
         trainer.setup()
         trainer._load_exported(weights)
+        trainer._tested = weights.provenance(run_dir)  # what test() records it evaluated
         return trainer
 
     def _load_exported(self, weights: Weights) -> None:
@@ -724,6 +746,7 @@ class Trainer:
             elif self._ema is not None:  # no average kept: val_ema/ would be the raw weights
                 self._ema.load_state_dict(None)
         self.state.step = weights.step or 0
+        self.state.epoch = weights.epoch or 0
 
     # ------------------------------------------------------------------ logging API
 

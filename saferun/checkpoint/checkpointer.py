@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
 from ..parallel import distributed
@@ -33,9 +33,9 @@ from . import course, rundir
 from .compat import check_resume_config
 from .formats import CheckpointFormat
 from .store import (FORMAT_VERSION, CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate, save_weights)
+                    load_latest, rotate)
 from .superseded import FRESH, evaluated_weights, start_fresh
-from .weights import Best
+from .weights import Best, publish_weights
 
 log = logging.getLogger("saferun")
 
@@ -343,6 +343,9 @@ class Checkpointer:
         if not p.guard.window_good():
             return list_checkpoints(root)[-1]  # rolled back to it
         path = root / f"step-{o.state.step:08d}"
+        # nor a non-finite parameter, buffer or optimizer state (an update under a finite loss)
+        if not p.guard.state_good(path):
+            return list_checkpoints(root)[-1]  # rolled back (this step has no checkpoint)
         if best is not None:  # before state_dict(): the checkpoint records itself as the best
             self.best = (best, str(path), o.state.step)
         state = o.state_dict()  # under torchrun, a collective: every rank calls it
@@ -360,7 +363,14 @@ class Checkpointer:
         """The run's last checkpoint and model.pt; with `restore_best` (an
         EarlyStopping(restore_best=True) among the callbacks), then the best weights back."""
         # Always: the final validation may have changed callback state since the last save.
+        step = self._owner.state.step
         self.save()
+        if self._owner.state.step != step:  # not finite, nothing saved: rolled back
+            raise NonFiniteError(
+                f"the run's final state (step {step}) was not finite, so neither its checkpoint "
+                f"nor model.pt was written; guards.nonfinite=rollback went back to step "
+                f"{self._owner.state.step}, and the run ended there. To train the remaining "
+                f"steps, continue with resume=auto (or call fit() again on this Trainer).")
         self._format().finish()  # the run's last checkpoint is complete before it ends
         self.write_weights("")
         if restore_best:
@@ -374,13 +384,16 @@ class Checkpointer:
         o, p = self._owner, self._parts()
         weights = p.strategy.checkpoint_format.export(p.model)  # sharded: gathered from every rank
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
-            save_weights(Path(o.state.run_dir) / f"model{suffix}.pt", weights)
+            files = {f"model{suffix}.pt": weights}
             if p.ema is not None:  # loads into the same model class as model.pt
-                save_weights(Path(o.state.run_dir) / f"model_ema{suffix}.pt",
-                             p.ema.module.state_dict())
-            best = self.best_record()
-            if suffix == "_best" and best is not None:  # summary.json names them: metric, value, step
-                rundir.update_summary(o.state.run_dir, {"best": dataclasses.asdict(best)})
+                files[f"model_ema{suffix}.pt"] = p.ema.module.state_dict()
+            record: dict[str, Any] = {"step": o.state.step, "epoch": o.state.epoch}
+            best = self.best_record() if suffix == "_best" else None
+            if best is not None:  # its record and summary.json's "best": metric, value, step
+                record.update(metric=best.metric, value=best.value)
+            # each file with its digest in summary.json, crash-consistently with "best"
+            publish_weights(o.state.run_dir, files, record,
+                            {"best": dataclasses.asdict(best)} if best is not None else {})
 
     def best_record(self) -> Optional[Best]:
         """save_best's best so far as a `Best`, or None (no save_best, or no finite value yet)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ..config import GuardsConfig, TrainerConfig
+from ..config import GuardsConfig, TrainerConfig, resolved_with_limits
 from ..errors import ConfigError
 
 
@@ -23,14 +23,15 @@ EXACTNESS_KEYS = ("seed", "model", "data", "collate_fn", "task", "optim", "sched
                   "trainer.val_batch_size")
 # Under a spike policy that drops steps (skip, rollback), which steps are spikes.
 SPIKE_KEYS = ("guards.spike_window", "guards.spike_threshold", "guards.spike_warmup")
+_FORCE = "Restore those values, or set force_resume=true to continue anyway."
 
 
 def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], force: bool,
-                        keys: tuple[str, ...] = EXACTNESS_KEYS, purpose: str = "resume exactly"
-                        ) -> None:
+                        keys: tuple[str, ...] = EXACTNESS_KEYS, purpose: str = "resume exactly",
+                        against: str = "the checkpoint's", remedy: str = _FORCE) -> None:
     """Refuse to resume when `current` differs from the checkpoint's config in `keys`
     (and in SPIKE_KEYS when the guards' spike policy is checked and either config skips or
-    rolls back spikes)."""
+    rolls back spikes). `against` names whose config `saved` is, `remedy` what to do."""
     # a trainer or guards key the checkpoint's saferun did not know yet had its default there
     known = {"trainer": dataclasses.asdict(TrainerConfig()), "guards": dataclasses.asdict(GuardsConfig())}
     old = {**_flatten(known), **_flatten(saved)}
@@ -43,8 +44,35 @@ def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], fo
     if not changed or force:
         return
     listed = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed)
-    raise ConfigError(f"cannot {purpose}: the config differs from the checkpoint's in {listed}. "
-                      f"Restore those values, or set force_resume=true to continue anyway.")
+    raise ConfigError(f"cannot {purpose}: the config differs from {against} in {listed}. {remedy}")
+
+
+def check_second_fit(given: Any, built: Mapping[str, Any], current: Mapping[str, Any],
+                     step: int, checkpoint: Any) -> None:
+    """A second fit() on a Trainer continues the first's run: refused, as a resume through
+    `checkpoint` (the newest, or None) would be, when the config it would build now differs
+    from the one the first fit() `built` the run with. `given` is the config as the Trainer was
+    given it (None: a Config, nothing left to resolve): a node that interpolates the run's
+    limits (a schedule sized by `${trainer.max_steps}`) resolves anew with the raised limits."""
+    now = dict(current)
+    if given is not None:
+        first, later = resolved_with_limits(given, built["trainer"]), \
+            resolved_with_limits(given, current["trainer"])
+        now.update({k: v for k, v in later.items()
+                    if k not in ("trainer", "guards") and v != first[k]})
+    limits = ", ".join(f"trainer.{k}={current['trainer'][k]}" for k in ("max_steps", "max_epochs")
+                       if current["trainer"][k] is not None)
+    resume = (f"resume from its newest checkpoint ({checkpoint}) in a new Trainer configured so, "
+              f"with force_resume=true (the configured values apply from step {step}, the "
+              f"optimizer's moments are the checkpoint's)" if checkpoint is not None else
+              "save checkpoints (trainer.save_every_n_steps) to continue a run on new values")
+    # A schedule sized for the run's length cannot be stretched exactly: the steps taken so far
+    # used the shorter schedule's rates, so only one run of the new length from step 0 equals it.
+    check_resume_config(built, now, force=False, purpose="continue the run in a second fit()",
+                        against="the one the first fit() built the run with",
+                        remedy=f"The steps so far ({step}) followed those values. For one run with "
+                               f"{limits or 'the new limits'} from the start, build a new Trainer; "
+                               f"to go on from step {step} with the new values, {resume}.")
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

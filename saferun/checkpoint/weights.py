@@ -1,11 +1,26 @@
 """A finished run's weights: model.pt (the last), model_best.pt (trainer.save_best's best), a
 checkpoint; which file a `checkpoint=` argument names, the run's saved config, and loading the
 weights into a model with the mismatch named (`Trainer.from_run`, `saferun.load_model`,
-`saferun test`)."""
+`saferun test`).
+
+Each weights file of a run directory (model.pt, model_best.pt, their model_ema*.pt) has a
+record in the run's summary.json under "weights": its size and SHA-256, the step and epoch
+its weights are from (model_best.pt: also the metric and value; summary.json's "best" is
+written with it). A reader verifies the file against its record, so a flipped bit is refused
+as a checkpoint's is. The record and the file cannot be replaced in one atomic step, so the
+new record is written first as "weights_pending", then the file is renamed into place, then
+the record moves to "weights" (with "best"): after a kill at any point the file matches one
+of the two records, and the reader takes the one it matches.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
+import json
+import os
+import secrets
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -13,10 +28,13 @@ import torch
 from torch import nn
 
 from ..errors import SaferunError
-from .store import CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint, step_of
+from .rundir import update_summary
+from .store import (CheckpointError, _fsync_dir, _read_manifest, _write_failure, _write_tensor_file,
+                    checkpoint_root, list_checkpoints, load_checkpoint)
 
 FILES = {"best": "model_best.pt", "last": "model.pt"}  # checkpoint= names -> the exported file
 EMA_FILES = {"best": "model_ema_best.pt", "last": "model_ema.pt"}
+RECORDS, PENDING = "weights", "weights_pending"  # summary.json: {file name: its record}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +78,76 @@ class Weights:
     step: Optional[int]
     source: Path
     state: Optional[Mapping[str, Any]] = None  # a checkpoint directory's whole state
+    epoch: Optional[int] = None
+    sha256: str = ""  # of the file (a checkpoint directory: of its state.pt)
+
+    def provenance(self, run_dir: str | Path) -> dict[str, Any]:
+        """What an evaluation of these weights records: the source run, the file, its step,
+        epoch and SHA-256 (summary.json's "tested", the log)."""
+        return {"run": str(Path(run_dir).resolve()), "checkpoint": str(self.source.resolve()),
+                "step": self.step, "epoch": self.epoch, "sha256": self.sha256}
+
+
+def publish_weights(run_dir: str | Path, files: Mapping[str, Mapping[str, torch.Tensor]],
+                    record: Mapping[str, Any], summary: Mapping[str, Any] = {}) -> None:
+    """Write the weights `files` ({name: state_dict}) into `run_dir`, each with `record` (step,
+    epoch, ...) and its digest in summary.json, crash-consistently (see the module's doc);
+    `summary`: more summary.json entries that go with them (model_best.pt's "best")."""
+    run = Path(run_dir)
+    temps = {name: run / f".tmp-{name}-{secrets.token_hex(4)}" for name in files}
+    try:
+        entries = {name: {**_write_tensor_file(temps[name], sd), **record} for name, sd in files.items()}
+        update_summary(str(run), {PENDING: {**_summary(run).get(PENDING, {}), **entries}})
+        for name in files:
+            os.replace(temps[name], run / name)
+        _fsync_dir(run)
+        now = _summary(run)
+        update_summary(str(run), {RECORDS: {**now.get(RECORDS, {}), **entries},
+                             PENDING: {k: v for k, v in now.get(PENDING, {}).items() if k not in files},
+                             **summary})
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(_write_failure(run / next(iter(files)), e)) from None
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as e:
+        raise CheckpointError(f"{path} is unreadable ({e}): it holds the digests of the run's "
+                              f"weights files.") from None
+    return summary if isinstance(summary, dict) else {}
+
+
+def recorded(path: Path) -> list[dict[str, Any]]:
+    """The records summary.json holds for the weights file `path` (written, then pending)."""
+    summary = _summary(path.parent)
+    found = [summary.get(key, {}).get(path.name) for key in (RECORDS, PENDING)]
+    return [r for r in found if isinstance(r, dict)]
+
+
+def load_verified(path: Path) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    """A run's weights file (model.pt, model_best.pt, ...) and the record it matches, after
+    checking its size and SHA-256; refused when it matches none."""
+    data = path.read_bytes()  # read once: what is hashed is what is loaded
+    size, digest = len(data), hashlib.sha256(data).hexdigest()
+    records = recorded(path)
+    record = next((r for r in records if (r.get("bytes"), r.get("sha256")) == (size, digest)), None)
+    if record is None and not records:
+        raise CheckpointError(
+            f"{path} has no digest recorded in {path.parent / 'summary.json'} (a run directory's "
+            f"weights files are written with one), so it cannot be verified. If you trust the "
+            f"file, name it as a file of weights: checkpoint={path} (loaded unverified).")
+    if record is None:
+        said = "; ".join(f"{r.get('bytes')} bytes, sha256 {r.get('sha256')}" for r in records)
+        raise CheckpointError(
+            f"{path} does not match the digest recorded for it in summary.json (corrupted or "
+            f"replaced: {size} bytes, sha256 {digest}; recorded: {said}). Use a checkpoint "
+            f"directory instead (verified by its manifest), e.g. the one of that step.")
+    return _load_file(path, data), {**record, "sha256": digest}
 
 
 def check_out_dir(run_dir: str | Path, out_dir: Optional[str]) -> None:
@@ -90,9 +178,10 @@ def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]
         path = where / FILES[checkpoint]
         if not path.is_file():
             raise SaferunError(_missing(where, checkpoint, config))
+        model, record = load_verified(path)
         ema = where / EMA_FILES[checkpoint]
-        return Weights(_load_file(path), _load_file(ema) if ema.is_file() else None,
-                       _step(where, checkpoint), path)
+        return Weights(model, load_verified(ema)[0] if ema.is_file() else None,
+                       record.get("step"), path, epoch=record.get("epoch"), sha256=record["sha256"])
     path = Path(checkpoint)
     if (path / "manifest.json").is_file():
         state = load_checkpoint(path)
@@ -101,9 +190,12 @@ def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]
                 f"checkpoint={checkpoint} holds the weights sharded by trainer.strategy=fsdp; "
                 f"use checkpoint=best or checkpoint=last (whole weights, model_best.pt or "
                 f"model.pt).")
-        return Weights(state["model"], None, state["loop"]["step"], path, state)
-    if path.is_file():
-        return Weights(_load_file(path), None, None, path)
+        return Weights(state["model"], None, state["loop"]["step"], path, state,
+                       state["loop"]["epoch"], _read_manifest(path)["state.pt"]["sha256"])
+    if path.is_file():  # a file the user names: loaded as it is, its digest recorded
+        data = path.read_bytes()
+        return Weights(_load_file(path, data), None, None, path,
+                       sha256=hashlib.sha256(data).hexdigest())
     what = ("does not exist" if not path.exists() else
             "is neither a file nor a checkpoint directory (it has no manifest.json)")
     raise SaferunError(
@@ -120,6 +212,13 @@ def _missing(where: Path, checkpoint: str, config: Mapping[str, Any]) -> str:
                 f"no best model. Set trainer.save_best to a validation metric (e.g. "
                 f"trainer.save_best=val/acc trainer.save_best_mode=max) when training; for this "
                 f"run use checkpoint=last (model.pt) or a checkpoint directory{latest}.")
+    best = _summary(where).get("best")
+    if checkpoint == "best" and (isinstance(best, dict) or FILES["best"] in _summary(where).get(RECORDS, {})):
+        named = (f" ({best.get('metric')} {best.get('value')} at step {best.get('step')})"
+                 if isinstance(best, dict) else "")
+        return (f"{where} has no model_best.pt, although its summary.json records a best"
+                f"{named}: the file was moved or deleted. Use that step's checkpoint directory "
+                f"if it is kept{latest}, or checkpoint=last.")
     if checkpoint == "best":
         return (f"{where} has no model_best.pt although trainer.save_best="
                 f"{trainer.get('save_best')}: no validation has reported a finite value yet. "
@@ -128,22 +227,9 @@ def _missing(where: Path, checkpoint: str, config: Mapping[str, Any]) -> str:
             f"ended (or crashed). Name a checkpoint instead{latest}, or checkpoint=best.")
 
 
-def _step(where: Path, checkpoint: str) -> Optional[int]:
-    """The step of model.pt (the run's last checkpoint, saved with it) or model_best.pt (the
-    run's summary.json names it); None if unknown."""
-    import json
-
-    if checkpoint == "best":
-        summary = where / "summary.json"
-        best = json.loads(summary.read_text()).get("best") if summary.is_file() else None
-        return best["step"] if best else None
-    found = list_checkpoints(checkpoint_root(where))
-    return step_of(found[-1]) if found else None
-
-
-def _load_file(path: Path) -> Mapping[str, torch.Tensor]:
+def _load_file(path: Path, data: bytes) -> Mapping[str, torch.Tensor]:
     try:
-        weights = torch.load(path, map_location="cpu", weights_only=True)
+        weights = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"could not read {path} as weights saved by torch.save "
                               f"(a state_dict; torch said: {e}). Name model_best.pt, model.pt, "

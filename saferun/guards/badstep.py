@@ -5,7 +5,9 @@ off), with guards.max_consecutive and guards.anomaly_replay. Under a skip policy
 `bad_now` (one host sync per step; `loop/update.py` then drops the update) and the step ends
 with `skipped`; otherwise the loop checks the window since the last check at log points
 (`log_point_good`), validations and saves (`window_good`), with no host sync per step, and a
-bad window raises or rolls back (`on_bad`).
+bad window raises or rolls back (`on_bad`). A save also checks what it would write
+(`state_good`: the parameters, buffers and optimizer state, one host read per save), so that
+no checkpoint holds a non-finite value: an update can make them so under a finite loss.
 
 It is handed what it works with: the log window's running metrics, the batch stream and the
 step's forward and backward (at construction); of the Trainer it uses only public parts: a
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Mapping, Optional, Protocol
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
 from ..callbacks import StepOutput
-from ..checkpoint.store import CheckpointError, checkpoint_root, load_latest
+from ..checkpoint.store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
+                                load_latest, step_of)
 from ..errors import NonFiniteError
 from ..loop.steps import short
 from ..parallel import distributed
@@ -42,6 +46,7 @@ class LoopOwner(Protocol):
 
     cfg: Any
     model: torch.nn.Module
+    optimizer: Any  # an Optimizer, or several by name
     state: Any  # LoopState
     ranks: distributed.Ranks
     train_loader: Any
@@ -85,6 +90,7 @@ class BadStepPolicy:
                            for k in ("loss", "grad_norm")}
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
+        self._checked: set[str] = set()  # the checkpoints this process checked finite at save
 
     # ------------------------------------------------------------------ per step (hot path)
 
@@ -161,6 +167,45 @@ class BadStepPolicy:
         self.on_bad()  # raises, or rolls back
         return False
 
+    def state_good(self, path: Path) -> bool:
+        """At a save of checkpoint `path`, after `window_good`: are the parameters, buffers and
+        optimizer state finite (each rank its own shards, the verdict agreed)? One host read.
+        If not, nothing is saved: the policy raises, or rolls back to the newest clean
+        checkpoint (False)."""
+        if not self.nonfinite_policy.checked:
+            return True
+        tr = self._trainer
+        bad = nonfinite_state(tr.model, tr.optimizer)
+        if distributed.on_every_rank(bad is None):
+            self._checked.add(str(path.resolve()))
+            return True
+        on = f"rank {tr.ranks.rank}: " if tr.ranks.world_size > 1 else ""
+        found = distributed.union([on + bad] if bad else [])  # every rank's, on every rank
+        step = tr.state.step
+        report = (f"the parameters, buffers or optimizer state are not finite at step {step}, "
+                  f"where a checkpoint was due: {'; '.join(found)}. The losses and gradients "
+                  f"checked before were finite, so an update made them so (a learning rate too "
+                  f"large, an overflow in the optimizer, code that writes into the weights). "
+                  f"Nothing was saved at step {step} ({path.name}; at the run's end also "
+                  f"model.pt): a checkpoint never holds a non-finite value.")
+        self.nonfinite_policy.on_bad_window(self, BadStep(step, "non-finite", report, False, True))
+        return False
+
+    def _checkpoints_said(self, bad_step: int) -> str:
+        """What the newest checkpoint is to this failure: where to go on from, and whether it
+        was checked finite (never a claim the files do not bear out)."""
+        found = list_checkpoints(checkpoint_root(self._trainer.state.run_dir))
+        if not found:
+            return "There is no checkpoint yet."
+        newest, step = found[-1], step_of(found[-1])
+        when = (f"saved before step {bad_step}" if step < bad_step else
+                f"saved at step {step}, after the bad step {bad_step} (its values were checked)")
+        checked = ("checked finite when saved (parameters, buffers, optimizer state)"
+                   if str(newest.resolve()) in self._checked else
+                   "saved before this process started (a saferun save checks it unless "
+                   "guards.nonfinite=off)")
+        return f"The newest checkpoint, {newest}, was {when} and {checked}: resume={newest} continues from it."
+
     def on_bad(self) -> None:
         """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
         tr, g = self._trainer, self._g
@@ -203,12 +248,18 @@ class BadStepPolicy:
         """The raise policy (and a bad step a skip policy could not drop): the error, after an
         anomaly replay of a non-finite step if asked for."""
         key = "guards.nonfinite" if bad.kind == "non-finite" else "guards.spikes"
+        said = self._checkpoints_said(bad.step)
+        if bad.in_state:
+            raise NonFiniteError(
+                f"{bad.report} {said} What to do: lower optim.lr or set trainer.max_grad_norm; "
+                f"look for code that writes into the weights or the optimizer state; or set "
+                f"{key}=rollback to go back to the newest clean checkpoint and train on.")
         replayed = ("\n" + self._anomaly_replay(bad.step) if self._g.anomaly_replay
                     and bad.kind == "non-finite" and not bad.bad_input else "")
         raise NonFiniteError(
             f"{bad.report} The check runs at log points, validations and saves (no host sync per "
-            f"step), so that update and any after it were applied; the last checkpoint predates "
-            f"them. What to do: inspect those samples; lower optim.lr or set "
+            f"step), so that update and any after it were applied. {said} What to do: inspect "
+            f"those samples; lower optim.lr or set "
             f"trainer.max_grad_norm; set guards.anomaly_replay=true to name the operation that "
             f"produced a NaN; or set {key}=skip or {key}=rollback to train past such "
             f"steps.{replayed}")
@@ -219,25 +270,46 @@ class BadStepPolicy:
         """The rollback policy: restore the newest checkpoint, keep going with new data."""
         tr, report, bad_step = self._trainer, bad.report, bad.step
         self._rollbacks += 1
-        try:
-            found, damaged = load_latest(checkpoint_root(tr.state.run_dir)), ""
-        except CheckpointError as e:
-            found, damaged = None, f" ({e})"
-        if found is None or self._rollbacks > self._g.max_consecutive:
-            why = (f"there is no checkpoint to roll back to{damaged}" if found is None else
-                   f"{self._rollbacks} rollbacks without a clean log point in between "
-                   f"(guards.max_consecutive={self._g.max_consecutive})")
-            raise NonFiniteError(f"{report} Cannot roll back: {why}. Lower optim.lr, set "
-                                 f"trainer.max_grad_norm, or check the data.")
-        path, state = found
+        if self._rollbacks > self._g.max_consecutive:
+            raise NonFiniteError(
+                f"{report} Cannot roll back: {self._rollbacks} rollbacks without a clean log point "
+                f"in between (guards.max_consecutive={self._g.max_consecutive}). Lower optim.lr, "
+                f"set trainer.max_grad_norm, or check the data.")
         epoch, position = tr.state.epoch, tr.state.batches_in_epoch
-        tr.load_state_dict(state)
-        # Go on with the data after the bad step: replaying it would fail the same way.
-        tr.state.epoch, tr.state.batches_in_epoch = epoch, position
-        self._batches.resume(None, None)
-        self._running.reset()
-        log.warning("%s Rolled back to %s (step %d); training continues with the data after "
-                    "step %d.", report, path, tr.state.step, bad_step)
+        skipped: list[str] = []
+        for path in self._clean_checkpoints(skipped):  # loaded into the Trainer, newest first
+            # Go on with the data after the bad step: replaying it would fail the same way.
+            tr.state.epoch, tr.state.batches_in_epoch = epoch, position
+            self._batches.resume(None, None)
+            self._running.reset()
+            passed = f"; skipped, newer but not clean: {', '.join(skipped)}" if skipped else ""
+            log.warning("%s Rolled back to %s (step %d), the newest clean checkpoint%s; training "
+                        "continues with the data after step %d.", report, path, tr.state.step,
+                        passed, bad_step)
+            return
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise NonFiniteError(f"{report} Cannot roll back: there is no clean checkpoint to roll "
+                             f"back to{why}. Lower optim.lr, set trainer.max_grad_norm, or check "
+                             f"the data.")
+
+    def _clean_checkpoints(self, skipped: list[str]) -> Iterator[Path]:
+        """The run's checkpoints, newest first, each loaded into the Trainer, that verify and
+        hold finite parameters, buffers and optimizer state (one saved without the check, by
+        an earlier saferun or with guards.nonfinite=off, may not); the others are named in
+        `skipped`, with why."""
+        tr = self._trainer
+        for path in reversed(list_checkpoints(checkpoint_root(tr.state.run_dir))):
+            try:
+                state = load_checkpoint(path)
+            except CheckpointError as e:
+                skipped.append(f"{path.name} (damaged: {e})")
+                continue
+            tr.load_state_dict(state)
+            bad = nonfinite_state(tr.model, tr.optimizer)
+            if distributed.on_every_rank(bad is None):
+                yield path
+                return
+            skipped.append(f"{path.name} (not finite: {bad or 'on another rank'})")
 
     def _anomaly_replay(self, bad_step: int) -> str:
         """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
@@ -256,3 +328,20 @@ class BadStepPolicy:
                 return str(replay(lambda: self._forward_backward(micro_batches)[0], tr.model))  # noqa: B023
             tr.train_step(micro_batches)
         return "Anomaly replay: the data ended before the bad step."
+
+
+def nonfinite_state(model: torch.nn.Module, optimizer: Any) -> Optional[str]:
+    """The first parameter, floating-point buffer or optimizer state tensor holding a NaN or
+    Inf, named, or None: one host read (`first_nonfinite`). Sharded (FSDP), this rank's own
+    shards; a GradScaler's state is not looked at (an inf there is its normal signal)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in model.named_parameters()]
+    tensors += [(f"buffer {n}", b) for n, b in model.named_buffers() if b.is_floating_point()]
+    several = isinstance(optimizer, Mapping)  # several optimizers by name
+    for name, opt in (optimizer.items() if several else [("", optimizer)]):
+        which = f"optimizer {name!r}" if several else "optimizer"
+        for param, values in opt.state.items():
+            tensors += [(f"{which} state {key} of {names.get(id(param), '?')}", v)
+                        for key, v in values.items()
+                        if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return first_nonfinite((n, t.to_local() if hasattr(t, "to_local") else t) for n, t in tensors)

@@ -20,6 +20,7 @@ class BadStep:
     kind: str  # "non-finite" or "spike"
     report: str
     bad_input: bool  # the batch itself held NaN/Inf (no layer to blame, no replay)
+    in_state: bool = False  # found at a save in the parameters, buffers or optimizer state
 
 
 class Recovery(Protocol):

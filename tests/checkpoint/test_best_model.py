@@ -177,14 +177,14 @@ def test_weights_that_do_not_fit_name_the_keys(finished, tmp_path):
     planted = load(finished / "model.pt")
     planted["extra.weight"] = planted.pop("head.weight")
     planted["backbone.0.bias"] = torch.zeros(3)
-    torch.save(planted, run / "model.pt")
+    torch.save(planted, run / "model.pt")  # named as a file (a run's model.pt must verify)
     with pytest.raises(SaferunError) as e:
-        saferun.load_model(str(run), "last")
+        saferun.load_model(str(run), str(run / "model.pt"))
     said = str(e.value)
     assert "missing from the weights: head.weight" in said and "not in the model: extra.weight" in said
     assert "backbone.0.bias (3,) vs the model's (16,)" in said
     with pytest.raises(SaferunError, match="head.weight"):
-        Scored.from_run(str(run), "last", out_dir=str(tmp_path / "o"))
+        Scored.from_run(str(run), str(run / "model.pt"), out_dir=str(tmp_path / "o"))
 
 
 # ---------------------------------------------------------------- EarlyStopping(restore_best)
@@ -265,3 +265,131 @@ def test_a_resume_that_changes_save_best_tracks_the_best_anew(tmp_path, caplog):
     assert any("save_best changed on resume" in r.getMessage() for r in caplog.records)
     assert resumed.best.metric == "val/acc" and resumed.best.step >= 12  # not step 8's val/score
     assert 0.0 <= resumed.best.value <= 1.0  # an accuracy, not the score 3.0
+
+
+# ---------------------------------------------------------------- the weights files' digests
+
+
+def copy_of(run, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(run, tmp_path / "copy"))
+
+
+def flip_a_bit(path):
+    """One bit of the last weight's bytes flipped: still a loadable file of other weights."""
+    data = bytearray(path.read_bytes())
+    data[len(data) - 1000] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name, checkpoint", [("model_best.pt", "best"), ("model.pt", "last"),
+                                              ("model_ema_best.pt", "best")])
+def test_a_flipped_bit_in_a_weights_file_is_refused_by_load_model_and_from_run(
+        finished, tmp_path, name, checkpoint):
+    run = copy_of(finished, tmp_path)
+    if name.startswith("model_ema"):
+        cfg = config(tmp_path, ema={"decay": 0.5}, max_steps=8, run_dir=str(tmp_path / "ema"))
+        Scored(cfg).fit()
+        run = tmp_path / "ema"
+    else:
+        saferun.load_model(str(run), checkpoint)  # unflipped: verified and loaded
+    flip_a_bit(run / name)
+    with pytest.raises(saferun.SaferunError, match=rf"{name} does not match the digest recorded "
+                                                   rf"for it in summary.json"):
+        Scored.from_run(str(run), checkpoint, out_dir=str(tmp_path / "eval"))
+    if not name.startswith("model_ema"):
+        with pytest.raises(saferun.SaferunError, match="corrupted or replaced"):
+            saferun.load_model(str(run), checkpoint)
+
+
+def test_a_missing_model_best_is_reported_missing(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    (run / "model_best.pt").unlink()
+    with pytest.raises(SaferunError) as e:
+        Scored.from_run(str(run), "best", out_dir=str(tmp_path / "eval"))
+    said = str(e.value)
+    assert "has no model_best.pt, although its summary.json records a best (val/score 3.0 at " \
+           "step 8): the file was moved or deleted" in said
+    assert "no validation has reported" not in said
+
+
+KILLED = """
+import os, signal, sys
+from pathlib import Path
+
+sys.path.insert(0, {tests!r})
+from test_best_model import Scored, config
+
+real, count = os.replace, [0]
+
+
+def replace(src, dst, *args, **kwargs):  # a real SIGKILL right after the K-th such write
+    real(src, dst, *args, **kwargs)
+    if os.path.basename(dst) in ("model_best.pt", "summary.json"):
+        count[0] += 1
+        if count[0] == {k}:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.replace = replace
+Scored(config(Path({tmp!r}), save_every_n_steps=None, max_steps=8)).fit()
+"""
+
+
+# the k-th write of model_best.pt or summary.json: bests at steps 4 and 8, then model.pt's record
+@pytest.mark.parametrize("k", [pytest.param(k, marks=[] if k in (3, 5) else pytest.mark.slow)
+                               for k in range(1, 8)])
+def test_after_a_kill_model_best_and_its_recorded_step_agree(tmp_path, k):
+    import subprocess
+    import sys
+
+    script = KILLED.format(tests=str(Path(__file__).parent.parent), k=k, tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr  # killed there
+    run = tmp_path / "run"
+    if not (run / "model_best.pt").exists():  # killed before the first best's file
+        with pytest.raises(SaferunError, match="no model_best.pt"):
+            Scored.from_run(str(run), "best", out_dir=str(tmp_path / "eval"))
+        return
+    t = Scored.from_run(str(run), "best", out_dir=str(tmp_path / "eval"))
+    # the weights are those of the step from_run (and summary.json's record it read) names
+    assert t.state.step in (4, 8)
+    assert_same(t.model.state_dict(), checkpoint_model(run, t.state.step))
+    metrics = t.test(t.val_loader.dataset)
+    tested = json.loads((tmp_path / "eval" / "summary.json").read_text())["tested"]
+    assert tested["step"] == t.state.step and metrics
+
+
+# ---------------------------------------------------------------- what an evaluation tested
+
+
+@pytest.mark.parametrize("checkpoint", ["best", "last", "step"])
+def test_a_test_records_the_run_the_weights_file_its_step_epoch_and_sha256(
+        finished, tmp_path, checkpoint, caplog):
+    import hashlib
+    import logging
+
+    if checkpoint == "step":
+        named = finished / "checkpoints" / "step-00000012"
+        file, digest = str(named), json.loads((named / "manifest.json").read_text())[
+            "files"]["state.pt"]["sha256"]
+        step = 12
+    else:
+        file = str(finished / ("model_best.pt" if checkpoint == "best" else "model.pt"))
+        digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+        step = 8 if checkpoint == "best" else 16
+    epoch = load_checkpoint(finished / "checkpoints" / f"step-{step:08d}")["loop"]["epoch"]
+    t = Scored.from_run(str(finished), file if checkpoint == "step" else checkpoint,
+                        out_dir=str(tmp_path / "eval"))
+    with caplog.at_level(logging.INFO, logger="saferun"):
+        t.test(t.val_loader.dataset)
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["tested"] == {"run": str(finished.resolve()), "checkpoint": file,
+                                 "step": step, "epoch": epoch, "sha256": digest}
+    assert f"{file}, step {step}, epoch {epoch}, sha256 {digest}" in caplog.text
+    line = json.loads((tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (line["kind"], line["step"], line["epoch"]) == ("test", step, epoch)
+    if checkpoint == "last":
+        assert epoch == 1  # (the log said epoch 0)

@@ -34,7 +34,19 @@ def test_saferun_test_evaluates_the_best_model_on_the_test_split(tmp_path):
 
     expected = TabularTrainer.from_run(str(tmp_path / "r"), "best", out_dir=str(tmp_path / "o")).test()
     assert shown == pytest.approx(expected, rel=1e-5)
-    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["test"] == pytest.approx(expected)
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["test"] == pytest.approx(expected)
+    # which weights of which run: the file, its step and epoch (those of model_best.pt's
+    # record), its sha256; the log line says the same
+    import hashlib
+
+    best = json.loads((tmp_path / "r" / "summary.json").read_text())["weights"]["model_best.pt"]
+    file = tmp_path / "r" / "model_best.pt"
+    assert summary["tested"] == {"run": str((tmp_path / "r").resolve()), "checkpoint": str(file.resolve()),
+                                 "step": best["step"], "epoch": best["epoch"],
+                                 "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+    assert (f"{file.resolve()}, step {best['step']}, epoch {best['epoch']}, sha256 "
+            f"{summary['tested']['sha256']}") in proc.stdout + proc.stderr
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before  # the run is not written
     proc = saferun("test", "r", "checkpoint=latest", cwd=tmp_path)
     assert proc.returncode == 1 and "checkpoint='latest' is unknown" in proc.stderr

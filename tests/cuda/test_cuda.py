@@ -179,3 +179,19 @@ def test_tensor_created_in_forward_without_device_names_the_module(tmp_path):
     assert "different devices" in message and "'1' (_ZerosOnTheCpu)" in message
     assert "torch.zeros(3)" in message and "device=x.device" in message
     assert "batch[0]: float32 (32, 8) cuda:0" in message
+
+
+def test_fp16_a_save_after_a_step_the_grad_scaler_skipped_goes_ahead(tmp_path):
+    # the GradScaler's inf gradients at step 2 are its normal signal, not a non-finite state:
+    # the save at step 2 checks the parameters, buffers and optimizer state (finite) only
+    from saferun.checkpoint import list_checkpoints, load_checkpoint
+
+    cfg = toy_config(tmp_path, device="cuda", precision="fp16", max_steps=4, save_every_n_steps=2)
+    t = PlantedAt(cfg)
+    t.overflow_at = 2
+    t.fit()
+    found = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in found] == ["step-00000002", "step-00000004"]
+    for path in found:
+        state = load_checkpoint(path)
+        assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())

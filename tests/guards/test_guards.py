@@ -86,7 +86,7 @@ def test_eval_purity_adds_no_host_sync(tmp_path):
             ToyTrainer(cfg).fit()
         return counter.count
 
-    assert count(True) == count(False) == 2 + 2  # log points + validations
+    assert count(True) == count(False) == 2 + 2 + 1  # log points + validations + the final save
 
 
 # ---------------------------------------------------------------------- declared modes
@@ -320,7 +320,7 @@ def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):
     cfg = spike_config(tmp_path, "raise", val_every_n_steps=10)
     with HostSyncCounter() as counter:
         ToyTrainer(cfg).fit()  # no spike planted: no false alarm
-    assert counter.count == 4 + 4  # 4 log points, 4 validations
+    assert counter.count == 4 + 4 + 1  # 4 log points, 4 validations, the final save
 
 
 # ---------------------------------------------------------------------- parameter checks

@@ -98,7 +98,8 @@ def test_skip_costs_one_host_read_per_step_and_the_buffer_snapshot_none(tmp_path
     cfg["guards"] = {"nonfinite": "skip"}
     with HostSyncCounter() as counter:
         ToyTrainer(cfg).fit()
-    assert counter.count == 10 + 2 + 1, counter.sites  # steps, log points, validation
+    # steps, log points, validation, the final save's check of the parameters and optimizer
+    assert counter.count == 10 + 2 + 1 + 1, counter.sites
 
 
 class PoisonedWithValidation(ToyTrainer):
@@ -334,8 +335,11 @@ def test_non_finite_parameters_are_named_when_check_params_is_on(tmp_path):
     cfg["guards"] = {"check_params": True}
     with pytest.raises(NonFiniteError, match="parameters are not finite at step 4.*scale"):
         CorruptsAParameter(cfg).fit()
-    cfg["guards"] = {"check_params": False}
-    CorruptsAParameter(cfg).fit()  # off: not checked (the loss never sees it)
+    cfg["guards"] = {"check_params": False}  # off: the log points do not look; a save does
+    with pytest.raises(NonFiniteError, match="not finite at step 8, where a checkpoint was due: "
+                                             "parameter scale"):
+        CorruptsAParameter(cfg).fit()
+    assert not (tmp_path / "run" / "model.pt").exists()
 
 
 def test_a_non_finite_gradient_under_a_finite_loss_is_caught(tmp_path):
@@ -355,3 +359,164 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught(tmp_path):
     with pytest.raises(NonFiniteError, match=r"at step 1: loss [\d.]+, gradient norm nan"):
         NanGradient(toy_config(tmp_path, max_steps=8, log_every_n_steps=4,
                                max_grad_norm=None)).fit()
+
+
+# ---------------------------------------------------------------- no checkpoint holds a NaN
+
+
+class OverflowsAt(ToyTrainer):
+    """SGD with momentum whose update at step `at` (once) leaves an Inf in a parameter, or in the
+    optimizer's momentum: what an overflowing update does while that step's loss and gradients
+    are finite, so only the next step's loss shows it."""
+
+    at, where = 4, "parameter"
+
+    def build_optimizer(self, params):
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        done = []
+
+        def overflow(optimizer, *_):
+            if self.state.step + 1 == self.at and not done:  # (the step counts after its update)
+                done.append(True)
+                first = optimizer.param_groups[0]["params"][0]
+                target = first if self.where == "parameter" else optimizer.state[first]["momentum_buffer"]
+                with torch.no_grad():
+                    target.view(-1)[0] = float("inf")
+
+        opt.register_step_post_hook(overflow)
+        return opt
+
+
+def all_checkpoints_finite(run_dir):
+    """Every checkpoint's parameters, buffers and optimizer state, each checked."""
+    for path in list_checkpoints(run_dir / "checkpoints"):
+        state = load_checkpoint(path)
+        tensors = [*state["model"].values()] + [v for s in state["optimizer"]["state"].values()
+                                                 for v in s.values()]
+        assert all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()), path.name
+    return True
+
+
+@pytest.mark.parametrize("where, named", [("parameter", "parameter backbone.0.weight"),
+                                          ("optimizer", "optimizer state momentum_buffer of "
+                                                        "backbone.0.weight")])
+def test_a_save_never_writes_a_non_finite_parameter_or_optimizer_state(tmp_path, where, named):
+    # default guards; the step-4 update overflows, a checkpoint is due at step 4, the log point at 5
+    t = OverflowsAt(toy_config(tmp_path, max_steps=12, log_every_n_steps=5, save_every_n_steps=2))
+    t.where = where
+    with pytest.raises(NonFiniteError) as e:
+        t.fit()
+    said = str(e.value)
+    assert f"not finite at step 4, where a checkpoint was due: {named}: 0 NaN and 1 Inf" in said
+    assert "Nothing was saved at step 4 (step-00000004" in said
+    newest = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert (f"The newest checkpoint, {newest}, was saved before step 4 and checked finite when "
+            f"saved") in said and f"resume={newest}" in said
+    assert "predates" not in said
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+    assert not (tmp_path / "run" / "model.pt").exists()
+    assert all_checkpoints_finite(tmp_path / "run")
+
+
+def test_rollback_after_a_refused_save_goes_to_the_newest_clean_checkpoint_and_trains_on(
+        tmp_path, caplog):
+    cfg = toy_config(tmp_path, max_steps=12, log_every_n_steps=5, save_every_n_steps=2)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = OverflowsAt(cfg)
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    rolled = [r.getMessage() for r in caplog.records if "Rolled back" in r.getMessage()]
+    assert len(rolled) == 1 and "not finite at step 4" in rolled[0]
+    assert "step-00000002 (step 2), the newest clean checkpoint" in rolled[0]
+    assert t.state.step == 12 and all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert all_checkpoints_finite(tmp_path / "run")
+    assert torch.isfinite(torch.stack([v.float().sum() for v in
+                                       torch.load(tmp_path / "run" / "model.pt").values()])).all()
+
+
+def test_rollback_skips_a_newer_checkpoint_that_holds_non_finite_values(tmp_path, caplog):
+    # a checkpoint saved without the check (an earlier saferun, guards.nonfinite=off) is the
+    # newest: a rollback passes it, saying so, for the newest clean one
+    from saferun.checkpoint import save_checkpoint
+
+    cfg = toy_config(tmp_path, max_steps=4, log_every_n_steps=2, save_every_n_steps=2)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    ToyTrainer(cfg).fit()
+    root = tmp_path / "run" / "checkpoints"
+    state = load_checkpoint(root / "step-00000004")
+    next(iter(state["model"].values())).view(-1)[0] = float("nan")
+    save_checkpoint(root, 4, state)
+    cfg = toy_config(tmp_path, max_steps=10, log_every_n_steps=2, save_every_n_steps=2)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    cfg["resume"] = "auto"
+    t = ToyTrainer(cfg)
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    rolled = [r.getMessage() for r in caplog.records if "Rolled back" in r.getMessage()]
+    assert len(rolled) == 1 and "step-00000002 (step 2), the newest clean checkpoint; skipped, " \
+        "newer but not clean: step-00000004 (not finite: parameter backbone.0.weight" in rolled[0]
+    assert t.state.step == 10 and all_checkpoints_finite(tmp_path / "run")  # step 4 saved anew
+
+
+def test_the_save_check_costs_one_host_read_and_nothing_per_step(tmp_path):
+    from saferun.guards.badstep import nonfinite_state
+
+    t = ToyTrainer(toy_config(tmp_path, max_steps=3))
+    t.fit()
+    with HostSyncCounter() as counter:
+        assert nonfinite_state(t.model, t.optimizer) is None
+    assert counter.count == 1
+
+
+def test_the_save_check_names_which_of_several_optimizers_holds_the_non_finite_state(tmp_path):
+    import torch.nn.functional as F
+
+    class EncOverflows(ToyTrainer):
+        """Two optimizers (the head, the encoder), each stepped by training_step; the encoder's
+        AdamW second moment overflows at step 4."""
+
+        def build_model(self):
+            return nn.ModuleDict({"enc": nn.Sequential(nn.Linear(8, 16), nn.ReLU()),
+                                  "head": nn.Linear(16, 3)})
+
+        def build_optimizer(self, params):
+            enc = torch.optim.AdamW(self.model["enc"].parameters(), lr=1e-2)
+
+            def overflow(optimizer, *_):
+                if self.state.step + 1 == 4:
+                    first = optimizer.param_groups[0]["params"][0]
+                    optimizer.state[first]["exp_avg_sq"].view(-1)[0] = float("inf")
+
+            enc.register_step_post_hook(overflow)
+            return {"head": torch.optim.SGD(self.model["head"].parameters(), lr=0.1), "enc": enc}
+
+        def training_step(self, batch):
+            x, y = batch
+            h = self.model["enc"](x)
+            self.optimize("head", F.cross_entropy(self.model["head"](h.detach()), y))
+            self.optimize("enc", F.cross_entropy(self.model["head"](h), y))
+            return {}
+
+    t = EncOverflows(toy_config(tmp_path, max_steps=8, log_every_n_steps=8, save_every_n_steps=2))
+    with pytest.raises(NonFiniteError, match="not finite at step 4, where a checkpoint was due: "
+                                             "optimizer 'enc' state exp_avg_sq of enc.0.weight"):
+        t.fit()
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+
+
+
+def test_a_final_state_rolled_back_is_not_passed_off_as_the_run_s_end(tmp_path):
+    # the last step's update overflows: the final save is refused and a rollback goes back;
+    # model.pt is not written and the run says how to train the remaining steps
+    cfg = toy_config(tmp_path, max_steps=6, log_every_n_steps=3)  # the final save only
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = OverflowsAt(cfg)
+    t.at = 6
+    with pytest.raises(NonFiniteError, match=r"the run's final state \(step 6\) was not finite, so "
+                       r"neither its checkpoint nor model.pt was written.*back to step 0.*resume=auto"):
+        t.fit()
+    assert not (tmp_path / "run" / "model.pt").exists() and all_checkpoints_finite(tmp_path / "run")
+    cfg["resume"] = "auto"
+    resumed = ToyTrainer(cfg)
+    resumed.fit()  # the remaining steps, from the newest clean checkpoint
+    assert resumed.state.step == 6 and (tmp_path / "run" / "model.pt").exists()

@@ -136,7 +136,8 @@ def test_logs_name_each_optimizer_and_steps_read_nothing_from_the_device(tmp_pat
     t = TwoOptimizers(config(tmp_path), callbacks=[Logged()])
     with HostSyncCounter() as counter:
         t.fit()
-    assert counter.count == STEPS // 4, counter.sites  # one read per log point, none per step
+    # one read per log point and one for the final save's check of the state, none per step
+    assert counter.count == STEPS // 4 + 1, counter.sites
     last = logged[-1]
     for name in ("head", "enc"):
         assert math.isfinite(last[f"train/loss/{name}"]) and last[f"train/grad_norm/{name}"] > 0

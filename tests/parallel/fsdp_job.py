@@ -11,7 +11,8 @@ configured strategy (fsdp or ddp), then write each rank's view of the result int
 PLANT_JSON holds SelfSignalling's keyword arguments (tests/toys.py), plus `submodules: true`
 for a training_step that calls the model's submodules instead of the model, and
 `val_samples` (64) for the validation set's size, and `die_in_save: true` for rank 1 to die
-while it writes its first checkpoint's shards.
+while it writes its first checkpoint's shards, and `overflow_at: N` for rank 1's update at step
+N to leave an Inf in its shard of the first parameter (the loss and gradients stay finite).
 """
 
 from __future__ import annotations
@@ -95,7 +96,17 @@ def main() -> None:
         from torch.distributed.checkpoint import FileSystemWriter
 
         FileSystemWriter.write_data = lambda *a, **kw: os._exit(9)  # type: ignore[method-assign]
+    overflow_at = plant.pop("overflow_at", None)
     trainer = StackTrainer(cfg, **plant)
+    if overflow_at is not None:
+        trainer.setup()  # the optimizer, to hook
+
+        def overflow(optimizer: Any, *_: Any) -> None:
+            if trainer.state.step + 1 == overflow_at and trainer.ranks.rank == 1:
+                with torch.no_grad():
+                    local(optimizer.param_groups[0]["params"][0]).view(-1)[0] = float("inf")
+
+        trainer.optimizer.register_step_post_hook(overflow)
     calls = [0]
     reduce_scatter = torch.distributed.reduce_scatter_single  # FSDP2 looks it up at each call
 

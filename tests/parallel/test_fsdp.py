@@ -431,3 +431,17 @@ def test_the_charlm_recipe_runs_sharded_from_the_command_line(tmp_path):
     from saferun.recipes.charlm import CharTransformer
 
     CharTransformer().load_state_dict(load(run_dir, "model.pt"))  # the recipe's default model
+
+
+@pytest.mark.slow
+def test_a_non_finite_shard_on_one_rank_refuses_the_save_on_every_rank_without_a_hang(tmp_path):
+    # rank 1's update at step 5 leaves an Inf in its own shard; the save due at step 5 checks
+    # each rank's shards and agrees: every rank refuses (none waits in the save's collectives)
+    run_dir = tmp_path / "run"
+    proc = torchrun(job_config(run_dir), {"overflow_at": 5})
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert said.count("not finite at step 5, where a checkpoint was due: rank 1: parameter "
+                      "inp.weight: 0 NaN and 1 Inf") >= 2, said  # the error on both ranks
+    assert "Nothing was saved at step 5" in said
+    assert list_checkpoints(run_dir / "checkpoints") == [] and not (run_dir / "model.pt").exists()

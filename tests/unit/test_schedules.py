@@ -116,3 +116,90 @@ def test_a_sched_metric_validation_does_not_report_is_named(tmp_path):
     with pytest.raises(saferun.ConfigError, match="sched_metric='val/acc', but validation "
                                                   "reports only val/loss"):
         ScoredValidation(cfg).fit()
+
+
+# ---------------------------------------------------------------- a second fit()
+
+def fit_state(t):
+    """Parameters and buffers, optimizer and scheduler state, the loop's counters and the
+    logged curve (metrics.jsonl: each step's train/ and val/ values, perf/ timings aside)."""
+    import json
+    from pathlib import Path
+
+    curve = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/") and k != "time"}
+             for line in (Path(t.state.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return (weights(t), str(t.optimizer.state_dict()), str(t.scheduler.state_dict()),
+            (t.state.step, t.state.epoch, t.state.batches_in_epoch, t.state.samples_seen), curve)
+
+
+def assert_same_fit(a, b):
+    assert a[0].keys() == b[0].keys() and [k for k in a[0] if not torch.equal(a[0][k], b[0][k])] == []
+    assert a[1:4] == b[1:4]
+    assert a[4] == b[4]
+
+
+def sched_config(run_dir, max_steps, sched):
+    cfg = toy_config(run_dir, max_steps=max_steps, log_every_n_steps=1, val_every_n_steps=4)
+    cfg["logger"] = {"jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
+    cfg["sched"] = sched
+    return cfg
+
+
+# a schedule whose rates do not depend on the run's length: a second fit is one longer run
+@pytest.mark.parametrize("sched", [
+    {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 3, "gamma": 0.5},
+    {"_target_": "saferun.schedules.warmup_cosine", "warmup_steps": 2, "total_steps": 30},
+])
+def test_a_second_fit_with_a_length_independent_schedule_equals_one_longer_run(tmp_path, sched):
+    straight = ToyTrainer(sched_config(tmp_path / "a", 12, sched))
+    straight.fit()
+    twice = ToyTrainer(sched_config(tmp_path / "b", 4, sched))
+    twice.fit()
+    twice.cfg.trainer.max_steps = 12
+    twice.fit()
+    assert_same_fit(fit_state(twice), fit_state(straight))
+
+
+# sized for the run's length (conf/sched/cosine.yaml): the steps already taken used the
+# shorter schedule's rates, so no second fit can equal one longer run; refused as a resume
+# with the changed length is, before any step
+@pytest.mark.parametrize("sched, key", [
+    ({"_target_": "saferun.schedules.warmup_cosine", "warmup_steps": 1,
+      "total_steps": "${trainer.max_steps}"}, "sched.total_steps: 4 -> 12"),
+    ({"_target_": "torch.optim.lr_scheduler.OneCycleLR", "max_lr": 0.1,
+      "total_steps": "${trainer.max_steps}"}, "sched.total_steps: 4 -> 12"),
+])
+def test_a_second_fit_with_a_schedule_sized_for_the_first_is_refused_as_a_resume_is(
+        tmp_path, sched, key):
+    t = ToyTrainer(sched_config(tmp_path, 4, sched))
+    t.fit()
+    before = fit_state(t)
+    t.cfg.trainer.max_steps = 12
+    with pytest.raises(saferun.ConfigError) as refused:
+        t.fit()
+    said = str(refused.value)
+    assert "second fit()" in said and key in said and "trainer.max_steps=12" in said
+    assert "force_resume=true" in said and "step-00000004" in said
+    assert_same_fit(fit_state(t), before)  # nothing trained, nothing logged
+    # the same change through the checkpoint is refused by the same check
+    cfg = sched_config(tmp_path, 12, sched)
+    cfg["resume"] = "auto"
+    with pytest.raises(saferun.ConfigError, match=key):
+        ToyTrainer(cfg).fit()
+
+
+def test_a_schedule_with_fewer_steps_than_the_run_is_refused_before_the_first_step(tmp_path):
+    # OneCycleLR with a literal total_steps: torch's bare ValueError at step 5 otherwise, in one
+    # fit of 12 steps as in a second fit raised to 12
+    sched = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "max_lr": 0.1, "total_steps": 4}
+    words = (r"sched \(OneCycleLR\) has total_steps=4, fewer than the run's 12 steps.*"
+             r"sched.total_steps: \$\{trainer.max_steps\}")
+    with pytest.raises(saferun.ConfigError, match=words):
+        ToyTrainer(sched_config(tmp_path / "a", 12, sched)).fit()
+    assert not (tmp_path / "a" / "run" / "metrics.jsonl").exists()  # nothing trained
+    t = ToyTrainer(sched_config(tmp_path / "b", 4, sched))
+    t.fit()
+    t.cfg.trainer.max_steps = 12
+    with pytest.raises(saferun.ConfigError, match=words):
+        t.fit()
+    assert t.state.step == 4
