@@ -274,8 +274,10 @@ class Trainer:
                     control = None
                     if micro_batches:  # (none: a stream ran out, ending the epoch after its last step)
                         output = self.train_step(micro_batches)
-                        self._running.add(output, where, self._logbook.take())
-                        control = self._strategy.agreement.rank_local(cbs.on_train_step_end(self.view, output))
+                        self._running.add(output, where, self._logbook.take_step())
+                        control = cbs.on_train_step_end(self.view, output)
+                        if control is not None:  # (under torchrun: agreed at the next log point)
+                            control = self._strategy.agreement.rank_local(control)
                         if state.step % t.log_every_n_steps == 0:
                             control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)

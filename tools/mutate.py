@@ -1373,6 +1373,19 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 
 
+# issues 35/37: speed
+COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_per_step"
+mutation("loop cost: nothing built per step for a step that logged only means", T,
+         "self._running.add(output, where, self._logbook.take_step())",
+         "self._running.add(output, where, self._logbook.take())", COST)
+mutation("loop cost: the per-step event skips the callbacks that do not implement it",
+         "saferun/callbacks.py",
+         'self._on_step_end = [cb for cb in self.callbacks if _implements(cb, "on_train_step_end")]',
+         "self._on_step_end = list(self.callbacks)", COST)
+mutation("loop cost: the batch stream asks the index recorder nothing it need not", BATCHES,
+         "if recorder is not None else None", "if recorder else None", COST)
+
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:
