@@ -183,6 +183,10 @@ class CharLMTrainer(saferun.Trainer):
         self.sample_prompt = sample_prompt
         self.temperature = temperature
 
+    def tokens_per_sample(self) -> Optional[int]:
+        """A window's characters: each is a next-character prediction (perf/tokens_per_sec)."""
+        return getattr(self.train_loader.dataset if self.train_loader else None, "context", None)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch  # (B, T) each
         logits = self.model(inputs)  # (B, T, V)
