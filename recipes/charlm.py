@@ -5,8 +5,9 @@ Expected: validation loss about 2.0 bits per character (val/bpc below 2.15)
           after 1500 steps, 3-5 minutes on one CPU core; then it prints a
           200-character sample that looks like Python (indentation, `def`,
           `return`, names, docstrings), though not like working code.
-          On a busy machine with few cores, OMP_NUM_THREADS=1 can be several
-          times faster than torch's default of one thread per core.
+          On a busy machine with few cores, trainer.num_threads=1 can be several
+          times faster than one thread per core (saferun's auto plan sees the
+          cores this process may use, not the other work on them).
 
 Everything specific to the task is in this file: the corpus (the sources of a
 fixed list of standard-library modules, read from this Python's installation,
@@ -182,6 +183,10 @@ class CharLMTrainer(saferun.Trainer):
         self.sample_chars = sample_chars
         self.sample_prompt = sample_prompt
         self.temperature = temperature
+
+    def tokens_per_sample(self) -> Optional[int]:
+        """A window's characters: each is a next-character prediction (perf/tokens_per_sec)."""
+        return getattr(self.train_loader.dataset if self.train_loader else None, "context", None)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch  # (B, T) each

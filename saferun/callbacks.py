@@ -258,6 +258,9 @@ class CallbackList(Callback):
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
+        # The per-step event goes only to the callbacks that implement it (the inherited no-op
+        # would cost a call per callback and step). The list is fixed here, as `callbacks` is.
+        self._on_step_end = [cb for cb in self.callbacks if _implements(cb, "on_train_step_end")]
         for cb in self.callbacks:  # (at setup: before anything is moved aside)
             owned = getattr(cb, "run_files", ())
             if isinstance(owned, str) or not all(
@@ -286,8 +289,10 @@ class CallbackList(Callback):
 
     def on_train_step_end(self, view: TrainerView, output: StepOutput) -> Optional[Control]:
         control = None
-        for cb in self.callbacks:
-            control = _merge(control, cb.on_train_step_end(view, output))
+        for cb in self._on_step_end:
+            asked = cb.on_train_step_end(view, output)
+            if asked is not None:
+                control = asked if control is None else control | asked
         return control
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> Optional[Control]:
@@ -347,6 +352,13 @@ class CallbackList(Callback):
         for i, cb in enumerate(self.callbacks):
             if _key(i, cb) in state:
                 cb.load_state_dict(state[_key(i, cb)])
+
+
+def _implements(cb: Any, event: str) -> bool:
+    """Does `cb` do anything on `event`: not Callback's inherited no-op (a callback that does
+    not subclass Callback, or sets the method on the instance, always counts)."""
+    method = getattr(cb, event, None)  # (missing: the call fails as it always did)
+    return getattr(method, "__func__", None) is not getattr(Callback, event)
 
 
 def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:

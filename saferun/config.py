@@ -70,6 +70,11 @@ class TrainerConfig:
     keeping its activations: less memory for more compute. Buffers are updated once per step."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    num_threads: Any = "auto"
+    """Threads torch computes with (intra- and inter-op): auto (this process's share of the
+    cores it may use, os.sched_getaffinity, among the processes of the job on the node, less
+    the loader workers; at least 1, never more than torch has) or a number. The environment's
+    OMP_NUM_THREADS wins over auto. The plan is logged once at start-up (docs/speed.md)."""
     multiprocessing_context: Optional[str] = None
     """Worker start method: fork, spawn, forkserver (None: Python's default)."""
     pin_memory: Optional[bool] = None
@@ -127,6 +132,9 @@ class TrainerConfig:
         if unknown or not {"SIGTERM", "SIGINT"} <= set(self.stop_signals):
             raise ConfigError(f"trainer.stop_signals must hold SIGTERM and SIGINT, and may add "
                               f"{', '.join(STOP_SIGNALS[2:])}; got {list(self.stop_signals)}.")
+        if self.num_threads != "auto" and (type(self.num_threads) is not int or self.num_threads < 1):
+            raise ConfigError(f"trainer.num_threads must be auto or a number of threads >= 1, got "
+                              f"{self.num_threads!r}.")
         if isinstance(self.num_workers, int) and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers must be >= 0, got {self.num_workers}.")
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):

@@ -3,7 +3,7 @@
 Users subclass `Trainer` and override the task hooks (`build_model`,
 `build_datasets`, `training_step`, `validation_step`, and optionally
 `build_collate_fn`, `build_dataloaders`, `build_optimizer`, `build_scheduler`, `finish_validation`,
-`after_fit`, `predict_step`, `test_step`, `batch_size`, `build_metrics`). The loop itself (`fit`,
+`after_fit`, `predict_step`, `test_step`, `batch_size`, `build_metrics`, `tokens_per_sample`). The loop itself (`fit`,
 `train_step`, `validate`, `test`) is not an
 override point; callbacks observe it (see `saferun.callbacks`).
 """
@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -55,6 +56,8 @@ from .loop.metrics import RunningTrainMetrics
 from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
+from .loop.threads import apply_plan, plan_threads, usable_cores
+from .loop.throughput import Throughput
 from .loop.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
 from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
@@ -191,6 +194,12 @@ class Trainer:
         """Samples in `batch`: the first dimension of its first tensor. Override if not."""
         return batch_size_of(batch)
 
+    def tokens_per_sample(self) -> Optional[int]:
+        """Tokens in one training sample (a language model's sequence length), for
+        perf/tokens_per_sec; None (the default): the task has no tokens. Asked once, in setup,
+        after the loaders are built."""
+        return None
+
     # ------------------------------------------------------------------ the loop
 
     def setup(self) -> None:
@@ -218,6 +227,7 @@ class Trainer:
         check_datasets(train_set, val_set, self.ranks.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
+        self._plan_threads()
         check_evaluation_limit(self.val_loader, t, self.ranks.world_size)  # same samples on any
         setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
         self._params = trainable_parameters(model)
@@ -239,6 +249,9 @@ class Trainer:
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
             self.cfg, self.ranks.is_main, self.device.type))
         self._running = RunningTrainMetrics()
+        self._perf = Throughput(self.device, t.precision, self.tokens_per_sample(),
+                                countable=not t.compile and not self._strategy.sharded,
+                                say=self.ranks.is_main)
         self._stop_signals = StopSignals(t.stop_signals)
         self._setup_guards()
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
@@ -256,6 +269,16 @@ class Trainer:
             autocast=self._autocast, non_blocking=self._non_blocking) if several else None
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
+
+    def _plan_threads(self) -> None:
+        """trainer.num_threads: torch's threads for this process's share of the cores, said
+        once (loop/threads.py)."""
+        workers = getattr(self.train_loader, "num_workers", 0)
+        plan = plan_threads(self.cfg.trainer.num_threads, os.environ, usable_cores(), workers,
+                            torch.get_num_threads())
+        said = apply_plan(plan)
+        if self.ranks.is_main:
+            log.info("%s", said)
 
     def _setup_guards(self) -> None:
         g = self.cfg.guards
@@ -285,8 +308,10 @@ class Trainer:
                     control = None
                     if micro_batches:  # (none: a stream ran out, ending the epoch after its last step)
                         output = self.train_step(micro_batches)
-                        self._running.add(output, where, self._logbook.take())
-                        control = self._strategy.agreement.rank_local(cbs.on_train_step_end(self.view, output))
+                        self._running.add(output, where, self._logbook.take_step())
+                        control = cbs.on_train_step_end(self.view, output)
+                        if control is not None:  # (under torchrun: agreed at the next log point)
+                            control = self._strategy.agreement.rank_local(control)
                         if state.step % t.log_every_n_steps == 0:
                             control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
@@ -502,6 +527,19 @@ class Trainer:
             self._checkpointer.ensure_one()  # so there is always a good state to go back to
         if self.cfg.guards.model_audit:
             self._audit_first_steps()
+        if self._perf.counting:
+            self._count_first_step()
+
+    def _count_first_step(self) -> None:
+        """The throughput report's FLOPs: the next train_step runs under torch's FLOP counter
+        (loop/throughput.py); then train_step is the method again, so later steps pay nothing."""
+        step = self.train_step
+
+        def first_step(micro_batches: Sequence[Any]) -> StepOutput:
+            self.__dict__.pop("train_step", None)
+            return self._perf.count(step, micro_batches)
+
+        self.train_step = first_step  # type: ignore[method-assign]
 
     def _audit_first_steps(self) -> None:
         """The model-state and loss-call audits (guards/model_audit.py, loss_audit.py): the
@@ -689,6 +727,7 @@ class Trainer:
         self._running.reset()
         self._guard.clean_log_point()
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
+        self._perf.at_log_point(metrics)  # perf/tokens_per_sec, perf/flops_per_step, perf/mfu
         self.state.metrics.update(metrics)
         control = agreement.agreed(self._callbacks.on_log(self.view, metrics))
         self._write_media(media)

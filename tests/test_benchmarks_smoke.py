@@ -94,3 +94,27 @@ def test_step_micro_refuses_steps_that_did_different_arithmetic(tmp_path, monkey
     trainer.train_step(groups[1])
     with pytest.raises(SystemExit, match="not the same arithmetic"):
         step_micro.check_same_state(trainer, model, opt)
+
+
+@pytest.mark.slow  # nine fresh processes; tests/loop/test_loop_cost.py runs the counts in-process
+def test_loop_window_benchmark_quick_run_reports_times_and_counts(tmp_path):
+    out = tmp_path / "window.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "loop_window.py"), "--quick",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r["window"] == [51, 150]
+    summary = r["timed"]["summary"]
+    assert set(summary) == {"hand", "saferun", "strict"}
+    assert summary["hand"]["median_ratio"] == 1.0
+    for v in ("saferun", "strict"):
+        assert summary[v]["median_us_per_step"] > 0 and summary[v]["ratio_range"][0] > 0
+    counts = r["per_step"]
+    for v, c in counts.items():
+        assert c["python_calls"] > c["plain_step_python_calls"] * 0.9 > 0, v
+        assert c["torch_ops"] > 0 and c["syncs_between_log_points"] == 0, (v, c)
+    # the hand loop reads its loss once per log interval; saferun reads its metrics once too
+    assert counts["hand"]["syncs_per_step"] == pytest.approx(1 / 100)
+    # the same model and optimizer: saferun adds no torch operator to a plain step
+    assert counts["saferun"]["plain_step_torch_ops"] <= counts["hand"]["plain_step_torch_ops"]

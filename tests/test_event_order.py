@@ -160,3 +160,42 @@ def test_the_controls_of_several_callbacks_are_combined(tmp_path):
                callbacks=[Asks(evaluate=True), Asks(save=True), Asks(), rec]).fit()
     assert rec.events[:6] == [("fit_start", 0)] + steps(1, 2) + [
         ("validation_end", 2), ("checkpoint", 2), ("train_step_end", 3)]
+
+
+class Duck:
+    """A callback that does not subclass Callback: every event is its own."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_step_end(self, view, output):
+        self.steps.append(view.step)
+        return Control(stop=True) if view.step == 3 else None
+
+    def state_dict(self):
+        return {}
+
+    def __getattr__(self, name):  # the other events: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def test_the_step_event_reaches_every_callback_that_implements_it(tmp_path):
+    # The loop hands on_train_step_end only to the callbacks that implement it (issue 37):
+    # a subclass that overrides it, one that sets it on the instance, and a callback that
+    # does not subclass Callback all get every step, in list order; the Controls are ORed.
+    order = []
+
+    class Own(Callback):
+        def on_train_step_end(self, view, output):
+            order.append(("own", view.step))
+
+    class Plain(Callback):
+        pass
+
+    plain, instance, duck = Plain(), Plain(), Duck()
+    instance.on_train_step_end = lambda view, output: order.append(("instance", view.step))
+    ToyTrainer(toy_config(tmp_path, max_steps=10), callbacks=[plain, Own(), instance, duck]).fit()
+    assert duck.steps == [1, 2, 3]  # its stop at step 3 ended the run
+    assert order == [(who, s) for s in (1, 2, 3) for who in ("own", "instance")]

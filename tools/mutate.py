@@ -1507,6 +1507,60 @@ mutation("issue 31: the error says whether the newest checkpoint was checked", B
          NONFINITE_T + "test_a_save_never_writes_a_non_finite_parameter_or_optimizer_state")
 
 
+# issues 35/37: speed
+COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_per_step"
+mutation("loop cost: nothing built per step for a step that logged only means", T,
+         "self._running.add(output, where, self._logbook.take_step())",
+         "self._running.add(output, where, self._logbook.take())", COST)
+mutation("loop cost: the per-step event skips the callbacks that do not implement it",
+         "saferun/callbacks.py",
+         'self._on_step_end = [cb for cb in self.callbacks if _implements(cb, "on_train_step_end")]',
+         "self._on_step_end = list(self.callbacks)", COST)
+mutation("loop cost: the batch stream asks the index recorder nothing it need not", BATCHES,
+         "if recorder is not None else None", "if recorder else None", COST)
+
+THREADS, THREADT = "saferun/loop/threads.py", "tests/unit/test_threads.py"
+mutation("threads: auto shares the cores among the processes on the node", THREADS,
+         "max(1, cores // local - workers)", "max(1, cores - workers)",
+         f"{THREADT}::test_auto_gives_each_process_its_share_of_the_cores")
+mutation("threads: auto leaves the cores of the loader workers", THREADS,
+         "max(1, cores // local - workers)", "max(1, cores // local)",
+         f"{THREADT}::test_auto_gives_each_process_its_share_of_the_cores",
+         f"{THREADT}::test_auto_counts_the_loader_workers")
+mutation("threads: auto never raises the threads torch has", THREADS,
+         "ThreadPlan(min(share, current),", "ThreadPlan(share,",
+         f"{THREADT}::test_auto_never_raises_the_threads_torch_has")
+mutation("threads: the user's OMP_NUM_THREADS wins over auto", THREADS,
+         'if _positive_int(environ.get("OMP_NUM_THREADS")):', "if False:",
+         f"{THREADT}::test_the_users_omp_num_threads_wins_over_auto_and_an_explicit_value_over_both",
+         f"{THREADT}::test_the_environments_omp_num_threads_is_left_as_torch_took_it")
+mutation("threads: the plan is applied to torch", THREADS,
+         "        torch.set_num_threads(plan.threads)\n", "",
+         f"{THREADT}::test_the_trainer_sets_the_planned_threads_and_says_so_once")
+mutation("threads: the command sets OpenMP's wait policy before torch loads", "saferun/cli/__init__.py",
+         "    prepare_openmp()  #", "    pass  #",
+         f"{THREADT}::test_the_saferun_command_stops_openmp_threads_spinning_unless_the_user_chose")
+mutation("threads: the user's OMP_WAIT_POLICY wins", THREADS,
+         'if "torch" in sys.modules or "OMP_WAIT_POLICY" in env:', 'if "torch" in sys.modules:',
+         f"{THREADT}::test_the_saferun_command_stops_openmp_threads_spinning_unless_the_user_chose")
+PERF, PERFT = "saferun/loop/throughput.py", "tests/loop/test_throughput.py"
+mutation("perf: the first step's FLOPs are counted", T,
+         "        if self._perf.counting:\n            self._count_first_step()\n", "",
+         f"{PERFT}::test_flops_are_counted_once_and_reported_to_every_logger")
+mutation("perf: only the first step runs under the FLOP counter", T,
+         '            self.__dict__.pop("train_step", None)\n', "",
+         f"{PERFT}::test_flops_are_counted_once_and_reported_to_every_logger")
+mutation("perf: the report joins the log point's metrics", T,
+         "        self._perf.at_log_point(metrics)  #", "        pass  #",
+         f"{PERFT}::test_flops_are_counted_once_and_reported_to_every_logger")
+mutation("perf: tokens/s from the task's tokens per sample", PERF,
+         'metrics["perf/samples_per_sec"] * self.tokens_per_sample',
+         'metrics["perf/samples_per_sec"]',
+         f"{PERFT}::test_tokens_per_second_where_the_task_says_how_many_a_sample_holds")
+mutation("perf: a GPU's peak only for the GPU itself (A10 is not A10G)", PERF,
+         'if re.search(rf"\\b{re.escape(key)}\\b", name):', "if key in name:",
+         f"{PERFT}::test_the_peak_is_known_for_common_gpus_only")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from ..loop.threads import prepare_openmp
 from .check import check
 from .evaluate import test
 from .compose import SweepSummary, _register_with_hydra, compose_config, run_id
@@ -35,6 +36,7 @@ commands:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the `saferun` console command."""
+    prepare_openmp()  # before anything imports torch: OpenMP reads its wait policy at load
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")

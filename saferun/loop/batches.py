@@ -81,7 +81,8 @@ class BatchStream:
                     check_batch_on_cpu(group[0])  # what the first worker batch holds
                     self._check_first_batch = False
                 state.batches_in_epoch += len(group)
-                where = (state.epoch, [recorder.take() for _ in group]) if recorder else None
+                # (`is not None`: an IndexRecorder's truth is its length, four calls deep)
+                where = (state.epoch, [recorder.take() for _ in group]) if recorder is not None else None
                 self.mid_step = True  # until the loop asks for the next step (see _preempted)
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
                 self.mid_step = False
@@ -106,7 +107,11 @@ class BatchStream:
         """The next step's micro-batches; [] at the epoch's end. Shards of a stream that
         splits itself may differ in length: the ranks agree, so that the epoch ends for all
         of them when one runs out (a rank left waiting in the gradient all-reduce would hang)."""
-        group = take(batches, self._t.accumulate)
+        if self._t.accumulate == 1:  # (one micro-batch: no loop to build the group)
+            batch = next(batches, _END)
+            group = [] if batch is _END else [batch]
+        else:
+            group = take(batches, self._t.accumulate)
         if self._uneven and not distributed.on_every_rank(bool(group)):
             return []
         return group
@@ -122,6 +127,9 @@ class BatchStream:
     def resume(self, rng: Optional[dict[str, Any]], epoch_start: Optional[dict[str, Any]]) -> None:
         """Restore these at the next `groups()`: the epoch's start, then the step's RNG states."""
         self.resume_rng, self.resume_epoch_start = rng, epoch_start
+
+
+_END = object()  # what next() gives at the end of an epoch (a batch may be anything, even None)
 
 
 def take(iterator: Iterator[Any], n: int) -> list[Any]:

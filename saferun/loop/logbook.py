@@ -196,6 +196,11 @@ class Logbook:
         folded, self.folded = self.folded, Folded()
         return folded
 
+    def take_step(self) -> Optional[tuple[Folded, list[Media]]]:
+        """`take()` after a training step; None (and nothing built) when it logged nothing
+        besides means, as most steps do."""
+        return self.take() if self.folded.values or self.media else None
+
     def take(self) -> tuple[Folded, list[Media]]:
         """What the step or validation pass logged besides means; the book starts empty."""
         folded, media = self.folded, self.media

@@ -106,6 +106,8 @@ def batch_size_of(batch: Any) -> int:
     """The size of the first dimension of the first tensor in `batch` that has one (a 0-dim
     tensor, such as a per-batch weight beside the inputs, is not a count of samples); 1 for a
     batch of 0-dim tensors only, 0 if it holds no tensor."""
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+        return batch[0].shape[0]  # the common (inputs, targets) batch, without the walk
     n = _rows(batch)
     return n if n >= 0 else 1
 
