@@ -129,3 +129,34 @@ def test_nothing_in_the_repository_points_outside_it():
         if path.endswith((".md", ".toml", ".py", ".yaml", ".yml", ".cfg", ".txt")) or path.startswith(".ci/"):
             text = (ROOT / path).read_text(errors="replace")
             assert not any(o in text for o in outside), path
+
+
+FILE_NAMES = {"saferun.log", "saferun.lock"}  # files a run writes, not Python names
+RESOLVE = """
+import functools, importlib, json, sys
+failed = []
+for dotted in json.load(open(sys.argv[1])):
+    for module in [m for m in sys.modules if m == "saferun" or m.startswith("saferun.")]:
+        del sys.modules[module]  # each name after a bare `import saferun`, as a reader writes it
+    saferun = importlib.import_module("saferun")
+    try:
+        functools.reduce(getattr, dotted.split(".")[1:], saferun)
+    except Exception as e:
+        failed.append(f"{dotted}: {type(e).__name__}: {e}")
+print("\\n".join(failed), file=sys.stderr)
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_dotted_saferun_name_in_the_docs_works_after_import_saferun(tmp_path):
+    """`saferun.stopping.EarlyStopping` as a page writes it: after `import saferun`, no other
+    import (torch stays loaded between names, saferun is imported afresh for each)."""
+    names = set()
+    for page in PAGES:
+        names |= set(re.findall(r"(?<![\w./-])saferun(?:\.[A-Za-z_]\w*)+", page.read_text()))
+    names = sorted(n for n in names - FILE_NAMES if not n.endswith("."))
+    assert "saferun.stopping.EarlyStopping" in names and len(names) > 20
+    (tmp_path / "names.json").write_text(json.dumps(names))
+    proc = subprocess.run([sys.executable, "-c", RESOLVE, "names.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
