@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import compose, rundirs
-from .compose import _config_dirs, _register_with_hydra, run_id
+from .compose import _config_dirs, _register_with_hydra, flags_first, run_id
 from ..sweep.cluster import prepare_multirun, in_job
 
 
@@ -23,6 +23,10 @@ def run(args: list[str]) -> None:
     from ..parallel.distributed import ranks_from_env
 
     global _ARGS
+    args, problem = flags_first(args, "run")
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     _ARGS = list(args)
     _register_with_hydra()
     _check_run_dir_arg(args)
@@ -40,9 +44,9 @@ def run(args: list[str]) -> None:
     if ranks_from_env().world_size > 1:
         args, task = _join_torchrun_job(args)
     global _WRITE_HYDRA_DIR
+    # conf/config.yaml sets hydra.output_subdir to null: .hydra/ is written by _train once the
+    # run is accepted, not before, unless the command line sets it (then Hydra writes it).
     _WRITE_HYDRA_DIR = not any("hydra.output_subdir=" in arg for arg in args)
-    if _WRITE_HYDRA_DIR:  # written by _train once the run is accepted, not before
-        args = args + ["hydra.output_subdir=null"]
     sys.argv = ["saferun"] + args
     hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
     if ranks_from_env().world_size > 1:

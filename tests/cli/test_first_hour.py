@@ -35,3 +35,33 @@ def test_every_option_of_a_tracker_is_a_key_of_its_config_node(option):
     key = {"mlflow": "tracking_uri", "wandb": "mode"}[option]
     config = compose_config([f"logger={option}", f"logger.{option}.{key}={value[option]}"])
     assert config.logger[option][key] == value[option]
+
+
+def test_check_help_prints_its_usage(tmp_path):
+    proc = saferun("check", "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "usage: saferun check" in proc.stdout, proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_cfg_job_after_the_overrides_prints_the_config(tmp_path):
+    """Hydra's flags may come after the overrides; Hydra's parser alone wants them first."""
+    proc = saferun("run", "recipe=digits", "--cfg", "job", "optim=sgd", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "_target_: torch.optim.SGD" in proc.stdout and "output_subdir" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--resume"], ["'--resume'", "resume=auto"]),
+    (["--max_steps", "5"], ["'--max_steps'", "trainer.max_steps=5"]),
+    (["--lr=0.1"], ["'--lr=0.1'", "optim.lr=0.1"]),
+])
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_an_unknown_flag_names_the_override_meant(tmp_path, command, args, words):
+    proc = saferun(command, *FAST, *args, cwd=tmp_path)
+    assert proc.returncode != 0
+    error = proc.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"saferun{' check' * (command == 'check')}: error:"), proc.stderr
+    for w in words:
+        assert w in error[0]
+    assert "output_subdir" not in proc.stderr and list(tmp_path.iterdir()) == []
