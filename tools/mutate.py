@@ -1373,6 +1373,30 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 
 
+# issue 36: first hour
+FIRST = "tests/cli/test_first_hour.py"
+DOCS = "tests/test_docs.py"
+mutation("first hour: a dotted name the docs write resolves after import saferun", "saferun/__init__.py",
+         "    return submodule(__name__, name)\n\n\ndef submodule",
+         "    raise AttributeError(name)\n\n\ndef submodule",
+         f"{DOCS}::test_every_dotted_saferun_name_in_the_docs_works_after_import_saferun")
+mutation("first hour: Hydra's flags may follow the overrides", "saferun/cli/compose.py",
+         "    return head + tail, None", "    return list(args), None",
+         f"{FIRST}::test_cfg_job_after_the_overrides_prints_the_config")
+mutation("first hour: an unknown flag names the override meant", "saferun/cli/compose.py",
+         '{_flags_text(flags)}.{_override_meant(word, value)}")', '{_flags_text(flags)}.")',
+         f"{FIRST}::test_an_unknown_flag_names_the_override_meant")
+mutation("first hour: saferun check --help prints its usage", "saferun/cli/check.py",
+         '    if "-h" in args or "--help" in args:', "    if False:",
+         f"{FIRST}::test_check_help_prints_its_usage")
+mutation("first hour: an MLflow tracking URI is checked when the logger is built", "saferun/trackers.py",
+         "        if tracking_uri:  # when built", "        if False:  # when built",
+         f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
+mutation("first hour: a part's own refusal that names its key is passed on whole", COMPONENTS,
+         "        if isinstance(cause, SaferunError) and str(cause).startswith(key):",
+         "        if False:", f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
+
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

@@ -65,3 +65,26 @@ def test_an_unknown_flag_names_the_override_meant(tmp_path, command, args, words
     for w in words:
         assert w in error[0]
     assert "output_subdir" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("uri, words", [
+    ("http://127.0.0.1:{port}", ["no MLflow server answers there", "Connection refused"]),
+    ("htp://127.0.0.1:{port}", ["no store for 'htp://'"]),
+])
+def test_an_mlflow_server_that_is_not_there_is_refused_before_training(tmp_path, uri, words):
+    """Loopback only, on a port nothing listens on: refused within seconds, not after minutes of
+    MLflow's retries (the subprocess' limit fails the test first)."""
+    pytest.importorskip("mlflow")
+    from helpers import free_port
+
+    uri = uri.format(port=free_port())
+    proc = subprocess.run([sys.executable, "-m", "saferun", "run", *FAST, "logger=mlflow",
+                           f"logger.mlflow.tracking_uri={uri}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    error = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(error) == 1 and error[0].startswith(f"saferun: error: logger.mlflow.tracking_uri={uri}: ")
+    for w in words:
+        assert w in error[0]
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.rglob("*")) == [], list(tmp_path.rglob("*"))  # no run directory, no mlflow.db
