@@ -26,6 +26,28 @@ def typed_keys(schema: type) -> list[str]:
     return keys
 
 
+# Names other frameworks (Lightning, Hugging Face, plain scripts) give to what saferun calls
+# by another name: a key ending in one is pointed at saferun's.
+HABITS = {
+    "optimizer": "optim", "optimizers": "optim", "scheduler": "sched", "lr_scheduler": "sched",
+    "num_train_epochs": "trainer.max_epochs", "epochs": "trainer.max_epochs",
+    "max_epoch": "trainer.max_epochs", "num_epochs": "trainer.max_epochs",
+    "max_iters": "trainer.max_steps", "num_steps": "trainer.max_steps",
+    "warmup": "sched.warmup_steps", "num_warmup_steps": "sched.warmup_steps",
+    "warmup_iters": "sched.warmup_steps",
+    "learning_rate": "optim.lr", "gradient_clip_val": "trainer.max_grad_norm",
+    "clip_grad_norm": "trainer.max_grad_norm", "grad_clip": "trainer.max_grad_norm",
+    "accumulate_grad_batches": "trainer.accumulate",
+    "gradient_accumulation_steps": "trainer.accumulate",
+    "per_device_train_batch_size": "trainer.batch_size", "train_batch_size": "trainer.batch_size",
+    "per_device_eval_batch_size": "trainer.val_batch_size", "eval_batch_size": "trainer.val_batch_size",
+    "logging_steps": "trainer.log_every_n_steps", "eval_steps": "trainer.val_every_n_steps",
+    "val_check_interval": "trainer.val_every_n_steps", "save_steps": "trainer.save_every_n_steps",
+    "dataloader_num_workers": "trainer.num_workers", "accelerator": "trainer.device",
+    "loggers": "logger", "callback": "callbacks",
+}
+
+
 def did_you_mean(key: str, schema: type) -> str:
     """' Did you mean trainer.max_steps?' for the valid key of `schema` (saferun.Config) closest
     to `key`, or '' when none is close: a wrong suggestion misleads more than none. (The schema
@@ -33,6 +55,10 @@ def did_you_mean(key: str, schema: type) -> str:
     parts = key.split(".")
     fields = [f.name for f in dataclasses.fields(schema)]
     nodes = typed_nodes(schema)
+    if parts[0] in HABITS and parts[0] not in fields:  # optimizer.lr: optim.lr
+        return f" Did you mean {'.'.join([HABITS[parts[0]], *parts[1:]])}?"
+    if parts[-1] in HABITS:  # trainer.num_train_epochs: trainer.max_epochs
+        return f" Did you mean {HABITS[parts[-1]]}?"
     if parts[0] not in fields:
         top = difflib.get_close_matches(parts[0], fields, n=1, cutoff=0.75)
         if top:  # a misspelt first part: the closest node, with the rest if valid

@@ -42,7 +42,7 @@ from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
 from .loop.logbook import EvalLog, Folded, Logbook
-from .loop.habits import StepHabits, check_step_signatures
+from .loop.habits import StepHabits, check_step_signatures, fit_arguments
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.compile import check_compiled_step, unwrap_compiled
 from .loop.manual import ManualSteps, setup_optimizers
@@ -255,10 +255,13 @@ class Trainer:
             preflight(self.train_loader, self.val_loader)
             self._check_first_batch = self.train_loader is not None and self.train_loader.num_workers > 0
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, *misplaced: Any) -> dict[str, float]:
         """Train until `trainer.max_steps` or `trainer.max_epochs`, whichever comes first;
         return the final metrics. Called again after raising a limit, it continues from where
-        the last fit() ended, as one longer run would; with nothing left to train it refuses."""
+        the last fit() ended, as one longer run would; with nothing left to train it refuses.
+        It takes no arguments: the model and data come from the build_* hooks."""
+        if misplaced:  # trainer.fit(model, loader), Lightning's habit
+            raise fit_arguments(self, misplaced)
         self.setup()
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
         limit = self._check_limits()

@@ -1396,6 +1396,19 @@ mutation("first hour: a part's own refusal that names its key is passed on whole
          "        if isinstance(cause, SaferunError) and str(cause).startswith(key):",
          "        if False:", f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
 
+UNIT_FIRST = "tests/unit/test_first_hour.py"
+mutation("first hour: a habit's key (trainer.num_train_epochs) names saferun's", "saferun/suggest.py",
+         "    if parts[-1] in HABITS:", "    if False:", f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
+mutation("first hour: a habit's node (optimizer) names saferun's", "saferun/suggest.py",
+         "    if parts[0] in HABITS and parts[0] not in fields:", "    if False:",
+         f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
+mutation("first hour: a list for logger, callbacks or metrics is refused with the form", "saferun/config.py",
+         "    if isinstance(cfg, Mapping):\n        _check_named_nodes(cfg)\n", "",
+         f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
+mutation("first hour: fit(model, loader) says where they go", T,
+         "        if misplaced:  # trainer.fit(model, loader)", "        if False:",
+         f"{UNIT_FIRST}::test_fit_with_a_model_or_loader_says_where_they_go")
+
 
 # ---------------------------------------------------------------- the runner
 

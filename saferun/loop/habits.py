@@ -36,6 +36,17 @@ def check_step_signatures(trainer: Any) -> None:
             f"self.state.epoch the epoch, self.state.batches_in_epoch the batches drawn in it.")
 
 
+def fit_arguments(trainer: Any, given: Sequence[Any]) -> SaferunError:
+    """Lightning's `trainer.fit(model, loader)`: say where a saferun Trainer takes them from."""
+    kinds = ", ".join(type(g).__name__ for g in given)
+    return SaferunError(
+        f"{type(trainer).__name__}.fit() takes no arguments (given: {kinds}): the Trainer builds "
+        f"its parts itself. The model comes from build_model() (or the config's model node), the "
+        f"datasets from build_datasets() (or the data node) and the DataLoader from "
+        f"build_dataloaders(): override those hooks in your Trainer subclass, then call fit(). "
+        f"Evaluation data goes to test(data) and predict(data).")
+
+
 class StepHabits:
     """Refuses an optimizer step or a backward made inside training_step, where saferun makes
     them itself from the returned loss (or in `self.optimize(name, loss)`).
