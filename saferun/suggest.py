@@ -28,24 +28,23 @@ def typed_keys(schema: type) -> list[str]:
 
 # Names other frameworks (Lightning, Hugging Face, plain scripts) give to what saferun calls
 # by another name: a key ending in one is pointed at saferun's.
-HABITS = {
-    "optimizer": "optim", "optimizers": "optim", "scheduler": "sched", "lr_scheduler": "sched",
-    "num_train_epochs": "trainer.max_epochs", "epochs": "trainer.max_epochs",
-    "max_epoch": "trainer.max_epochs", "num_epochs": "trainer.max_epochs",
-    "max_iters": "trainer.max_steps", "num_steps": "trainer.max_steps",
-    "warmup": "sched.warmup_steps", "num_warmup_steps": "sched.warmup_steps",
-    "warmup_iters": "sched.warmup_steps",
-    "learning_rate": "optim.lr", "gradient_clip_val": "trainer.max_grad_norm",
-    "clip_grad_norm": "trainer.max_grad_norm", "grad_clip": "trainer.max_grad_norm",
-    "accumulate_grad_batches": "trainer.accumulate",
-    "gradient_accumulation_steps": "trainer.accumulate",
-    "per_device_train_batch_size": "trainer.batch_size", "train_batch_size": "trainer.batch_size",
-    "per_device_eval_batch_size": "trainer.val_batch_size", "eval_batch_size": "trainer.val_batch_size",
-    "logging_steps": "trainer.log_every_n_steps", "eval_steps": "trainer.val_every_n_steps",
-    "val_check_interval": "trainer.val_every_n_steps", "save_steps": "trainer.save_every_n_steps",
-    "dataloader_num_workers": "trainer.num_workers", "accelerator": "trainer.device",
-    "loggers": "logger", "callback": "callbacks",
+_HABITS_OF = {
+    "optim": ("optimizer", "optimizers"), "sched": ("scheduler", "lr_scheduler"),
+    "trainer.max_epochs": ("num_train_epochs", "epochs", "max_epoch", "num_epochs"),
+    "trainer.max_steps": ("max_iters", "num_steps"),
+    "sched.warmup_steps": ("warmup", "num_warmup_steps", "warmup_iters"),
+    "optim.lr": ("learning_rate",),
+    "trainer.max_grad_norm": ("gradient_clip_val", "clip_grad_norm", "grad_clip"),
+    "trainer.accumulate": ("accumulate_grad_batches", "gradient_accumulation_steps"),
+    "trainer.batch_size": ("per_device_train_batch_size", "train_batch_size"),
+    "trainer.val_batch_size": ("per_device_eval_batch_size", "eval_batch_size"),
+    "trainer.log_every_n_steps": ("logging_steps",),
+    "trainer.val_every_n_steps": ("eval_steps", "val_check_interval"),
+    "trainer.save_every_n_steps": ("save_steps",),
+    "trainer.num_workers": ("dataloader_num_workers",), "trainer.device": ("accelerator",),
+    "logger": ("loggers",), "callbacks": ("callback",),
 }
+HABITS = {habit: ours for ours, habits in _HABITS_OF.items() for habit in habits}
 
 
 def did_you_mean(key: str, schema: type) -> str:

@@ -1396,7 +1396,7 @@ mutation("first hour: a part's own refusal that names its key is passed on whole
          "        if isinstance(cause, SaferunError) and str(cause).startswith(key):",
          "        if False:", f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
 
-UNIT_FIRST = "tests/unit/test_first_hour.py"
+UNIT_FIRST = "tests/unit/test_user_mistakes.py"
 mutation("first hour: a habit's key (trainer.num_train_epochs) names saferun's", "saferun/suggest.py",
          "    if parts[-1] in HABITS:", "    if False:", f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
 mutation("first hour: a habit's node (optimizer) names saferun's", "saferun/suggest.py",
