@@ -294,7 +294,11 @@ class Trainer:
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
-                self.after_fit(dict(state.metrics))
+                self._logbook.closed = "after_fit"  # after the last log point: logging is refused
+                try:
+                    self.after_fit(dict(state.metrics))
+                finally:
+                    self._logbook.closed = None
         except BaseException as exc:
             error = self._failure(exc)
             if error is exc:

@@ -1409,6 +1409,17 @@ mutation("first hour: fit(model, loader) says where they go", T,
          "        if misplaced:  # trainer.fit(model, loader)", "        if False:",
          f"{UNIT_FIRST}::test_fit_with_a_model_or_loader_says_where_they_go")
 
+mutation("first hour: self.log in after_fit is refused, not dropped", T,
+         '                self._logbook.closed = "after_fit"  # after the last log point: logging is refused\n', "",
+         f"{UNIT_FIRST}::test_logging_in_after_fit_is_refused_not_dropped")
+mutation("first hour: test() from after_fit still logs", "saferun/loop/logbook.py",
+         "        if self.closed is not None and self.phase is None:", "        if self.closed is not None:",
+         f"{UNIT_FIRST}::test_test_called_from_after_fit_still_logs_its_metrics")
+mutation("first hour: a text given to self.log is pointed at log_text", "saferun/loop/logbook.py",
+         "    if isinstance(value, str):\n        raise SaferunError(f\"self.log({name!r}, {value!r})",
+         "    if False:\n        raise SaferunError(f\"self.log({name!r}, {value!r})",
+         f"{UNIT_FIRST}::test_a_text_given_to_self_log_is_pointed_at_log_text")
+
 
 # ---------------------------------------------------------------- the runner
 

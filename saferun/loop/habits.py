@@ -31,9 +31,9 @@ def check_step_signatures(trainer: Any) -> None:
         raise SaferunError(
             f"{type(trainer).__name__}.{hook}({', '.join(p.name for p in params)}): saferun "
             f"calls {hook}(batch) with the batch alone, so {extra} would get no value. Define "
-            f"{hook}(self, batch). Where a batch index or step is needed: self.state.step is the "
-            f"number of optimizer steps done (the step being computed is self.state.step + 1), "
-            f"self.state.epoch the epoch, self.state.batches_in_epoch the batches drawn in it.")
+            f"{hook}(self, batch). Where a batch index or step is needed: self.step is the step "
+            f"being computed, as the logs count it (1 in the first training_step), self.epoch "
+            f"the epoch (from 0).")
 
 
 def fit_arguments(trainer: Any, given: Sequence[Any]) -> SaferunError:

@@ -48,3 +48,65 @@ def test_fit_with_a_model_or_loader_says_where_they_go(tmp_path, args):
     for w in ["ToyTrainer.fit() takes no arguments", "build_model", "build_datasets", "DataLoader"]:
         assert w in message
     assert trainer.model is None and not (tmp_path / "run").exists()
+
+
+class LogsAfterFit(ToyTrainer):
+    def after_fit(self, metrics):
+        self.log("final_acc", metrics["val/acc"])
+
+
+class LogsTextAfterFit(ToyTrainer):
+    def after_fit(self, metrics):
+        self.log_text("note", "done")
+
+
+@pytest.mark.parametrize("trainer, call", [(LogsAfterFit, "self.log('final_acc', ...)"),
+                                           (LogsTextAfterFit, "self.log_text('note', ...)")])
+def test_logging_in_after_fit_is_refused_not_dropped(tmp_path, trainer, call):
+    """after_fit runs after the last log point: what it logs would be written nowhere."""
+    with pytest.raises(SaferunError) as caught:
+        trainer(toy_config(tmp_path, max_steps=4)).fit()
+    for w in [f"{call} in after_fit", "after the last log point", "validation_step", "test()"]:
+        assert w in str(caught.value)
+    assert (tmp_path / "run" / "model.pt").exists()  # the trained model is kept
+
+
+class LogsAPhase(ToyTrainer):
+    def training_step(self, batch):
+        self.log("phase", "warmup")
+        return super().training_step(batch)
+
+
+def test_a_text_given_to_self_log_is_pointed_at_log_text(tmp_path):
+    with pytest.raises(SaferunError) as caught:
+        LogsAPhase(toy_config(tmp_path, max_steps=2)).fit()
+    message = str(caught.value)
+    assert "self.log_text('phase', 'warmup')" in message and ".mean()" not in message
+
+
+class WithBatchIndex(ToyTrainer):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch)
+
+
+def test_the_batch_index_habit_points_at_self_step_as_the_docs_teach(tmp_path):
+    with pytest.raises(SaferunError) as caught:
+        WithBatchIndex(toy_config(tmp_path)).setup()
+    message = str(caught.value)
+    assert "self.step" in message and "self.epoch" in message and "self.state.step" not in message
+
+
+class TestsInAfterFit(ToyTrainer):
+    def validation_step(self, batch):
+        out = super().validation_step(batch)
+        self.log("logged", out["acc"])
+        return out
+
+    def after_fit(self, metrics):
+        self.tested = self.test(self.build_datasets()[1])
+
+
+def test_test_called_from_after_fit_still_logs_its_metrics(tmp_path):
+    trainer = TestsInAfterFit(toy_config(tmp_path, max_steps=4))
+    trainer.fit()
+    assert {"test/loss", "test/acc", "test/logged"} <= set(trainer.tested)
