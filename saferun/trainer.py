@@ -24,6 +24,7 @@ from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer, StatefulParts
 from .checkpoint.rundir import default_run_dir, update_summary
+from .checkpoint.store import checkpoint_root, list_checkpoints
 from .config import Config, load_config
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
 from .data import (check_datasets, check_evaluation_limit, check_training_loader,
@@ -95,6 +96,8 @@ class Trainer:
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
         self._manual: Optional[ManualSteps] = None  # several optimizers: their step (setup)
+        self._weights_loaded = False  # from_run: evaluation's weights are a run's, not the initial
+        self._initial_said = False  # test()/predict() before training said so once
 
     # ------------------------------------------------------------------ task hooks
 
@@ -260,9 +263,7 @@ class Trainer:
         return the final metrics. Called again after raising a limit, it continues from where
         the last fit() ended, as one longer run would; with nothing left to train it refuses.
         It takes no arguments: the model and data come from the build_* hooks."""
-        if misplaced:  # trainer.fit(model, loader), Lightning's habit
-            raise fit_arguments(self, misplaced)
-        self.setup()
+        self._setup_for_fit(misplaced)
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
         limit = self._check_limits()
         self._checkpointer.begin_run()
@@ -294,11 +295,7 @@ class Trainer:
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
-                self._logbook.closed = "after_fit"  # after the last log point: logging is refused
-                try:
-                    self.after_fit(dict(state.metrics))
-                finally:
-                    self._logbook.closed = None
+                self._after_fit(dict(state.metrics))
         except BaseException as exc:
             error = self._failure(exc)
             if error is exc:
@@ -439,6 +436,7 @@ class Trainer:
         metrics.jsonl, TensorBoard, the log; summary.json in the run directory)."""
         self.setup()
         self._checkpointer.check_evaluated_weights("test")
+        self._say_if_initial_weights("test")
         self.test_loader = loader = self._test_loader(data)
         self._logbook.take()  # (what an earlier pass left: not this one's)
         try:
@@ -451,6 +449,31 @@ class Trainer:
         if self.ranks.is_main:
             update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step})
         return metrics
+
+    def _setup_for_fit(self, misplaced: Sequence[Any]) -> None:
+        if misplaced:  # trainer.fit(model, loader), Lightning's habit: before anything is built
+            raise fit_arguments(self, misplaced)
+        self.setup()
+
+    def _after_fit(self, metrics: dict[str, float]) -> None:
+        self._logbook.closed = "after_fit"  # after the last log point: logging is refused there
+        try:
+            self.after_fit(metrics)
+        finally:
+            self._logbook.closed = None
+
+    def _say_if_initial_weights(self, entry: str) -> None:
+        """test()/predict() before any training and with no weights loaded: say once that the
+        numbers are those of the initial weights (a run's checkpoints: the checkpointer says)."""
+        if self._initial_said or self._weights_loaded or self.state.step or self.cfg.resume \
+                or not self.ranks.is_main or list_checkpoints(checkpoint_root(self.state.run_dir)):
+            return
+        self._initial_said = True
+        name = type(self).__name__
+        log.warning("%s(): %s has not trained and loaded no weights, so this evaluates its initial "
+                    "weights (step 0), unless you loaded others into self.model. Call fit() first, "
+                    "or evaluate a run's weights with %s.from_run(run_dir) (saferun test RUN_DIR).",
+                    entry, name, name)
 
     def _test_loader(self, data: Dataset | DataLoader | None) -> DataLoader:
         if isinstance(data, DataLoader):
@@ -475,6 +498,7 @@ class Trainer:
         """
         self.setup()
         self._checkpointer.check_evaluated_weights("predict")
+        self._say_if_initial_weights("predict")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
             collate_fn=self.build_collate_fn())
@@ -714,6 +738,7 @@ class Trainer:
         trainer = cls(config, callbacks, **kwargs)
         trainer.setup()
         trainer._load_exported(weights)
+        trainer._weights_loaded = True
         return trainer
 
     def _load_exported(self, weights: Weights) -> None:

@@ -1406,11 +1406,11 @@ mutation("first hour: a list for logger, callbacks or metrics is refused with th
          "    if isinstance(cfg, Mapping):\n        _check_named_nodes(cfg)\n", "",
          f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
 mutation("first hour: fit(model, loader) says where they go", T,
-         "        if misplaced:  # trainer.fit(model, loader)", "        if False:",
+         "        if misplaced:  # trainer.fit(model, loader)", "        if False:  #",
          f"{UNIT_FIRST}::test_fit_with_a_model_or_loader_says_where_they_go")
 
 mutation("first hour: self.log in after_fit is refused, not dropped", T,
-         '                self._logbook.closed = "after_fit"  # after the last log point: logging is refused\n', "",
+         '        self._logbook.closed = "after_fit"  # after the last log point: logging is refused there\n', "",
          f"{UNIT_FIRST}::test_logging_in_after_fit_is_refused_not_dropped")
 mutation("first hour: test() from after_fit still logs", "saferun/loop/logbook.py",
          "        if self.closed is not None and self.phase is None:", "        if self.closed is not None:",
@@ -1419,6 +1419,14 @@ mutation("first hour: a text given to self.log is pointed at log_text", "saferun
          "    if isinstance(value, str):\n        raise SaferunError(f\"self.log({name!r}, {value!r})",
          "    if False:\n        raise SaferunError(f\"self.log({name!r}, {value!r})",
          f"{UNIT_FIRST}::test_a_text_given_to_self_log_is_pointed_at_log_text")
+
+mutation("first hour: test()/predict() before training say the weights are the initial ones", T,
+         "        self._initial_said = True\n        name = type(self).__name__\n        log.warning(",
+         "        self._initial_said = True\n        name = type(self).__name__\n        (lambda *a: None)(",
+         f"{UNIT_FIRST}::test_evaluating_before_any_training_says_once_that_the_weights_are_the_initial_ones")
+mutation("first hour: from_run's weights are not called initial", T,
+         "        trainer._weights_loaded = True\n", "",
+         f"{UNIT_FIRST}::test_evaluating_before_any_training_says_once_that_the_weights_are_the_initial_ones")
 
 
 # ---------------------------------------------------------------- the runner

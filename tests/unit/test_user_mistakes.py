@@ -110,3 +110,25 @@ def test_test_called_from_after_fit_still_logs_its_metrics(tmp_path):
     trainer = TestsInAfterFit(toy_config(tmp_path, max_steps=4))
     trainer.fit()
     assert {"test/loss", "test/acc", "test/logged"} <= set(trainer.tested)
+
+
+@pytest.mark.parametrize("entry", ["test", "predict"])
+def test_evaluating_before_any_training_says_once_that_the_weights_are_the_initial_ones(
+        tmp_path, caplog, entry):
+    import logging
+
+    data = ToyTrainer(toy_config(tmp_path)).build_datasets()[1]
+    trainer = ToyTrainer(toy_config(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        getattr(trainer, entry)(data)
+        getattr(trainer, entry)(data)
+    said = [r.getMessage() for r in caplog.records if "initial weights" in r.getMessage()]
+    assert len(said) == 1 and f"{entry}(): ToyTrainer has not trained" in said[0], said
+    assert "fit()" in said[0] and "from_run" in said[0]
+    caplog.clear()
+    trained = ToyTrainer(toy_config(tmp_path / "b", max_steps=2))
+    trained.fit()
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        getattr(trained, entry)(data)
+        getattr(ToyTrainer.from_run(str(tmp_path / "b" / "run"), "last"), entry)(data)
+    assert not [r for r in caplog.records if "initial weights" in r.getMessage()]
