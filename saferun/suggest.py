@@ -54,9 +54,7 @@ def did_you_mean(key: str, schema: type) -> str:
     parts = key.split(".")
     fields = [f.name for f in dataclasses.fields(schema)]
     nodes = typed_nodes(schema)
-    if parts[0] in HABITS and parts[0] not in fields:  # optimizer.lr: optim.lr
-        return f" Did you mean {'.'.join([HABITS[parts[0]], *parts[1:]])}?"
-    if parts[-1] in HABITS:  # trainer.num_train_epochs: trainer.max_epochs
+    if parts[-1] in HABITS:  # trainer.num_train_epochs: trainer.max_epochs; optimizer: optim
         return f" Did you mean {HABITS[parts[-1]]}?"
     if parts[0] not in fields:
         top = difflib.get_close_matches(parts[0], fields, n=1, cutoff=0.75)

@@ -1399,9 +1399,6 @@ mutation("first hour: a part's own refusal that names its key is passed on whole
 UNIT_FIRST = "tests/unit/test_user_mistakes.py"
 mutation("first hour: a habit's key (trainer.num_train_epochs) names saferun's", "saferun/suggest.py",
          "    if parts[-1] in HABITS:", "    if False:", f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
-mutation("first hour: a habit's node (optimizer) names saferun's", "saferun/suggest.py",
-         "    if parts[0] in HABITS and parts[0] not in fields:", "    if False:",
-         f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
 mutation("first hour: a list for logger, callbacks or metrics is refused with the form", "saferun/config.py",
          "    if isinstance(cfg, Mapping):\n        _check_named_nodes(cfg)\n", "",
          f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
