@@ -1425,6 +1425,10 @@ mutation("first hour: from_run's weights are not called initial", T,
          "        trainer._weights_loaded = True\n", "",
          f"{UNIT_FIRST}::test_evaluating_before_any_training_says_once_that_the_weights_are_the_initial_ones")
 
+mutation("first hour: a whole pickled model is told to save the state_dict", "saferun/checkpoint/weights.py",
+         "    if pickled:  # torch.save(model)", "    if False:  # torch.save(model)",
+         f"{UNIT_FIRST}::test_a_weights_file_that_is_no_state_dict_says_so_without_weights_only_false")
+
 
 # ---------------------------------------------------------------- the runner
 

@@ -132,3 +132,41 @@ def test_evaluating_before_any_training_says_once_that_the_weights_are_the_initi
         getattr(trained, entry)(data)
         getattr(ToyTrainer.from_run(str(tmp_path / "b" / "run"), "last"), entry)(data)
     assert not [r for r in caplog.records if "initial weights" in r.getMessage()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run whose config builds its model from a node (what load_model instantiates)."""
+    root = tmp_path_factory.mktemp("finished")
+    trainer = ToyTrainer({**toy_config(root, max_steps=2), "model": {"_target_": "toys.Net"}})
+    trainer.fit()
+    return root / "run", trainer.model
+
+
+@pytest.mark.parametrize("content, words", [
+    ("whole", ["holds a pickled object (toys.Net)", "torch.save(model.state_dict(), PATH)"]),
+    ("cut", ["is not a readable weights file", "cut short"]),
+    ("text", ["is not a readable weights file", "not written by torch.save"]),
+])
+def test_a_weights_file_that_is_no_state_dict_says_so_without_weights_only_false(
+        tmp_path, finished_run, content, words):
+    run_dir, model = finished_run
+    path = tmp_path / "weights.pt"
+    if content == "text":
+        path.write_text("hello")
+    else:
+        torch.save(model if content == "whole" else model.state_dict(), path)
+        if content == "cut":
+            path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(SaferunError) as caught:
+        saferun_load_model(run_dir, str(path))
+    message = str(caught.value)
+    for w in words:
+        assert w in message, message
+    assert "weights_only=False" not in message and "\n" not in message
+
+
+def saferun_load_model(run_dir, checkpoint):
+    from saferun import load_model
+
+    return load_model(run_dir, checkpoint)
