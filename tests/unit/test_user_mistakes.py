@@ -131,6 +131,9 @@ def test_evaluating_before_any_training_says_once_that_the_weights_are_the_initi
     with caplog.at_level(logging.WARNING, logger="saferun"):
         getattr(trained, entry)(data)
         getattr(ToyTrainer.from_run(str(tmp_path / "b" / "run"), "last"), entry)(data)
+        copied = tmp_path / "weights.pt"  # a file of weights: its step is unknown (0)
+        copied.write_bytes((tmp_path / "b" / "run" / "model.pt").read_bytes())
+        getattr(ToyTrainer.from_run(str(tmp_path / "b" / "run"), str(copied)), entry)(data)
     assert not [r for r in caplog.records if "initial weights" in r.getMessage()]
 
 
