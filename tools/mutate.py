@@ -1429,6 +1429,13 @@ mutation("first hour: a whole pickled model is told to save the state_dict", "sa
          "    if pickled:  # torch.save(model)", "    if False:  # torch.save(model)",
          f"{UNIT_FIRST}::test_a_weights_file_that_is_no_state_dict_says_so_without_weights_only_false")
 
+mutation("first hour: a sample default collate cannot batch says how to convert it", "saferun/loop/steps.py",
+         "    if collate:  # in this process", "    if False:  # in this process",
+         f"{UNIT_FIRST}::test_a_sample_default_collate_cannot_batch_says_how_to_convert_it")
+mutation("first hour: float labels for cross_entropy are named as the labels", "saferun/guards/explain.py",
+         '    if "expected target dtype" in message or', "    if False and",
+         f"{UNIT_FIRST}::test_float_labels_for_cross_entropy_are_named_as_the_labels")
+
 
 # ---------------------------------------------------------------- the runner
 

@@ -173,3 +173,47 @@ def saferun_load_model(run_dir, checkpoint):
     from saferun import load_model
 
     return load_model(run_dir, checkpoint)
+
+
+class Picture:
+    """Stands for a PIL image: an object default_collate cannot batch."""
+
+    size = (8, 1)
+
+
+class PictureData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return Picture(), 0
+
+
+class PictureTrainer(ToyTrainer):
+    def build_datasets(self):
+        return PictureData(), None
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_sample_default_collate_cannot_batch_says_how_to_convert_it(tmp_path, workers):
+    with pytest.raises(SaferunError) as caught:
+        PictureTrainer(toy_config(tmp_path, max_steps=2, num_workers=workers)).fit()
+    message = str(caught.value)
+    for w in ["default collate cannot batch a sample holding <class 'test_user_mistakes.Picture'>",
+              "__getitem__", "pil_to_tensor", "collate_fn"]:
+        assert w in message, message
+    assert "Traceback" not in message
+
+
+class FloatLabels(ToyTrainer):
+    def training_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(x), y.float())
+
+
+def test_float_labels_for_cross_entropy_are_named_as_the_labels(tmp_path):
+    with pytest.raises(SaferunError) as caught:
+        FloatLabels(toy_config(tmp_path, max_steps=2)).fit()
+    message = str(caught.value)
+    assert "cross_entropy and nll_loss take class indices as int64" in message
+    assert "y.long()" in message and "parameters are" not in message.split("what to do")[0]
