@@ -88,3 +88,13 @@ def test_an_mlflow_server_that_is_not_there_is_refused_before_training(tmp_path,
         assert w in error[0]
     assert "Traceback" not in proc.stderr
     assert list(tmp_path.rglob("*")) == [], list(tmp_path.rglob("*"))  # no run directory, no mlflow.db
+
+
+@pytest.mark.parametrize("args, meant", [(["--checkpoint", "best"], "checkpoint=best"),
+                                         (["--out-dir=runs/t"], "out_dir=runs/t")])
+def test_saferun_test_with_an_option_flag_names_the_key_value_form(tmp_path, args, meant):
+    proc = saferun("test", "runs/tab", *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"saferun test: error: {args[0].split('=')[0]} is not an option: "
+                                  f"write {meant}"), proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
