@@ -1436,6 +1436,13 @@ mutation("first hour: float labels for cross_entropy are named as the labels", "
          '    if "expected target dtype" in message or', "    if False and",
          f"{UNIT_FIRST}::test_float_labels_for_cross_entropy_are_named_as_the_labels")
 
+mutation("first hour: saferun test --checkpoint names checkpoint=", "saferun/cli/evaluate.py",
+         '        if arg.startswith("--") and key in options:', "        if False:",
+         f"{FIRST}::test_saferun_test_with_an_option_flag_names_the_key_value_form")
+mutation("first hour: an Optuna search-space mistake is named before Hydra", "saferun/cli/run.py",
+         "        _check_search_space(args)\n", "",
+         f"{FIRST}::test_an_optuna_search_space_mistake_names_the_override_and_leaves_nothing")
+
 
 # ---------------------------------------------------------------- the runner
 

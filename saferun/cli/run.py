@@ -38,6 +38,7 @@ def run(args: list[str]) -> None:
     sys.path.insert(0, os.getcwd())
     task = _job
     if "-m" in args or "--multirun" in args:
+        _check_search_space(args)
         # every job (in this process, or started by a launcher) resolves the same sweep dir
         os.environ["SAFERUN_RUN_ID"] = run_id()
         prepare_multirun(args)
@@ -91,6 +92,16 @@ def _check_override_keys(args: list[str]) -> None:
 
     dirs, overrides = _config_dirs(args)
     problem = unknown_override(overrides, Config, dirs)
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _check_search_space(args: list[str]) -> None:
+    """An Optuna sweep's search space and sweeper keys, before Hydra makes the sweep folder."""
+    from .searchspace import search_space_problem
+
+    problem = search_space_problem(_config_dirs(args)[1])
     if problem is not None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)

@@ -98,3 +98,19 @@ def test_saferun_test_with_an_option_flag_names_the_key_value_form(tmp_path, arg
     assert proc.stderr.startswith(f"saferun test: error: {args[0].split('=')[0]} is not an option: "
                                   f"write {meant}"), proc.stderr
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, words", [
+    ("optim.lr=interval(1e-2,1e-4)", ["'optim.lr=interval(1e-2,1e-4)'", "interval(0.0001,0.01)"]),
+    ("optim.lr=tag(log,interval(0,1e-2))", ["a log scale needs bounds above 0"]),
+    ("hydra.sweeper.n_trials=0", ["hydra.sweeper.n_trials=0", "at least one trial"]),
+    ("hydra.sweeper.n_trial=3", ["hydra.sweeper.n_trial'", "Did you mean hydra.sweeper.n_trials?"]),
+])
+def test_an_optuna_search_space_mistake_names_the_override_and_leaves_nothing(tmp_path, override, words):
+    pytest.importorskip("optuna")
+    proc = saferun("run", "-m", "recipe=tabular", "hydra/sweeper=optuna", override, *FAST, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("saferun: error: "), proc.stderr
+    for w in words:
+        assert w in proc.stderr
+    assert list(tmp_path.rglob("*")) == []  # no sweep folder, no optuna.db
