@@ -1443,6 +1443,10 @@ mutation("first hour: an Optuna search-space mistake is named before Hydra", "sa
          "        _check_search_space(args)\n", "",
          f"{FIRST}::test_an_optuna_search_space_mistake_names_the_override_and_leaves_nothing")
 
+mutation("first hour: optimization_results.yaml holds typed best_params", "saferun/sweep/study.py",
+         '"best_params": _typed(best.user_attrs["overrides"]),', '"best_params": dict(best.user_attrs["overrides"]),',
+         "tests/sweeps/test_optuna.py::test_the_best_params_are_written_as_the_values_they_stand_for")
+
 
 # ---------------------------------------------------------------- the runner
 
