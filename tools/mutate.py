@@ -1447,6 +1447,10 @@ mutation("first hour: optimization_results.yaml holds typed best_params", "safer
          '"best_params": _typed(best.user_attrs["overrides"]),', '"best_params": dict(best.user_attrs["overrides"]),',
          "tests/sweeps/test_optuna.py::test_the_best_params_are_written_as_the_values_they_stand_for")
 
+mutation("first hour: a grid sweep's values are checked before any job", "saferun/cli/run.py",
+         "search_space_problem(overrides) or grid_problem(overrides, dirs)", "search_space_problem(overrides)",
+         f"{FIRST}::test_a_grid_sweep_with_one_bad_value_is_refused_before_any_job")
+
 
 # ---------------------------------------------------------------- the runner
 

@@ -98,10 +98,13 @@ def _check_override_keys(args: list[str]) -> None:
 
 
 def _check_search_space(args: list[str]) -> None:
-    """An Optuna sweep's search space and sweeper keys, before Hydra makes the sweep folder."""
-    from .searchspace import search_space_problem
+    """An Optuna sweep's search space and sweeper keys, or each value of a grid sweep, checked
+    before Hydra makes the sweep folder."""
+    from .searchspace import grid_problem, search_space_problem
 
-    problem = search_space_problem(_config_dirs(args)[1])
+    dirs, overrides = _config_dirs(args)
+    overrides = [o for o in overrides if not o.startswith("-")]
+    problem = search_space_problem(overrides) or grid_problem(overrides, dirs)
     if problem is not None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)

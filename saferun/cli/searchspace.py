@@ -49,3 +49,42 @@ def search_space_problem(overrides: Sequence[str]) -> Optional[str]:
                 return (f"'{arg}': a log scale needs bounds above 0 (the start is {sweep.start}); "
                         f"start it at a small positive value, e.g. interval(1e-6,{sweep.end}).")
     return None
+
+
+def grid_problem(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Optional[str]:
+    """A grid sweep (Hydra's basic sweeper): each value of each swept key composed (the other
+    keys at their first value) and checked as its job would be, before any job starts. So one
+    bad value (optim.lr=1e-3,-1) is refused with nothing run, rather than after the jobs
+    before it, with no summary and a folder for the refused job."""
+    if any(o.startswith("hydra/sweeper=") for o in overrides):
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from ..errors import SaferunError
+    from .compose import compose_config
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return None  # Hydra's own message names the override
+    first, values = [], []
+    for o in parsed:
+        if o.is_sweep_override() and o.is_discrete_sweep():
+            options = list(o.sweep_string_iterator())
+            first.append(f"{o.get_key_element()}={options[0]}")
+            values.append(options)
+        else:
+            first.append(o.input_line or "")
+            values.append([])
+    if not any(values):
+        return None
+    for i, options in enumerate(values):
+        for value in options:
+            job = [*first[:i], f"{parsed[i].get_key_element()}={value}", *first[i + 1:]]
+            try:
+                compose_config(job, config_dirs)
+            except (SaferunError, HydraException) as e:
+                return (f"the sweep's job with {parsed[i].get_key_element()}={value} would be "
+                        f"refused, so no job was started: {str(e).splitlines()[0]}")
+    return None

@@ -114,3 +114,16 @@ def test_an_optuna_search_space_mistake_names_the_override_and_leaves_nothing(tm
     for w in words:
         assert w in proc.stderr
     assert list(tmp_path.rglob("*")) == []  # no sweep folder, no optuna.db
+
+
+@pytest.mark.parametrize("sweep, words", [
+    ("optim.lr=1e-3,-1", ["job with optim.lr=-1 would be refused", "optim.lr must be >= 0"]),
+    ("optim=adamw,sgdd", ["job with optim=sgdd would be refused", "optim/sgdd"]),
+])
+def test_a_grid_sweep_with_one_bad_value_is_refused_before_any_job(tmp_path, sweep, words):
+    proc = saferun("run", "-m", *FAST, sweep, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("saferun: error: "), proc.stderr
+    for w in words:
+        assert w in proc.stderr
+    assert "saferun: done" not in proc.stdout and list(tmp_path.rglob("*")) == []
