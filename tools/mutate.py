@@ -1451,6 +1451,10 @@ mutation("first hour: a grid sweep's values are checked before any job", "saferu
          "search_space_problem(overrides) or grid_problem(overrides, dirs)", "search_space_problem(overrides)",
          f"{FIRST}::test_a_grid_sweep_with_one_bad_value_is_refused_before_any_job")
 
+mutation("first hour: what Hydra's composition refuses is one error line", "saferun/cli/run.py",
+         "        _check_composition(args)\n", "        pass\n",
+         f"{FIRST}::test_a_mistaken_command_line_gets_one_error_line_and_leaves_nothing")
+
 
 # ---------------------------------------------------------------- the runner
 

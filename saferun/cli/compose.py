@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -27,6 +28,45 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = (
     with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return load_config(plain_config(cfg))
+
+
+def compose_problem(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Optional[str]:
+    """What Hydra's composition of `overrides` refuses (an unknown option, a key it cannot
+    override, a value of the wrong type), in one line with the fix; None if it composes (or
+    fails only in what the job resolves later, such as ${hydra:...})."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ValidationError
+
+    _register_with_hydra()
+    overrides = list(overrides)
+    if config_dirs:
+        paths = ",".join(f"file://{os.path.abspath(d)}" for d in config_dirs)
+        overrides.append(f"hydra.searchpath=[{paths}]")
+    try:
+        with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+            compose("config", overrides=overrides)
+    except MissingConfigException as e:  # optim=sgdd: "Could not find 'optim/sgdd'", options below
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        options = [line for line in lines[2:] if "=" not in line and ":" not in line]
+        head = lines[0].replace("In 'config': ", "")
+        return f"{head}; the options: {', '.join(options)} (`saferun list` shows every group)." \
+            if options else f"{head}."
+    except (ConfigCompositionException, ValidationError) as e:
+        cause: BaseException = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        key = getattr(cause, "full_key", None)
+        text = " ".join(str(cause).split("\n    full_key")[0].split())
+        refused = re.match(r"Could not override '(\w+)\.(\w+)\.([\w.]+)'", str(e))
+        if refused and refused.group(1) in ("logger", "callbacks"):  # logger.wandb.mode, no wandb
+            group, name, rest = refused.groups()
+            return (f"{group}.{name}.{rest}: {group}.{name} is not in the config ({text}). "
+                    f"Choose it first: {group}={name} {group}.{name}.{rest}=VALUE"
+                    if group == "logger" else f"{group}.{name}.{rest}: there is no callback "
+                    f"{name!r} ({text}); add one with +{group}.{name}._target_=CLASS.")
+        return f"{key}: {text}" if key else f"{str(e).splitlines()[0]} {text}"
+    return None
 
 
 def plain_config(cfg: Any) -> dict[str, Any]:

@@ -37,6 +37,8 @@ def run(args: list[str]) -> None:
         sys.path.insert(0, os.path.abspath(config_dir))
     sys.path.insert(0, os.getcwd())
     task = _job
+    if not {"-m", "--multirun", "-h", "--help", "--hydra-help", "--version"} & set(args):
+        _check_composition(args)
     if "-m" in args or "--multirun" in args:
         _check_search_space(args)
         # every job (in this process, or started by a launcher) resolves the same sweep dir
@@ -92,6 +94,18 @@ def _check_override_keys(args: list[str]) -> None:
 
     dirs, overrides = _config_dirs(args)
     problem = unknown_override(overrides, Config, dirs)
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _check_composition(args: list[str]) -> None:
+    """What Hydra's composition refuses, in one line, before Hydra prints it as a traceback."""
+    from .compose import compose_problem
+
+    dirs, overrides = _config_dirs(args)
+    overrides = [o for o in overrides if not o.startswith("-") and "=" in o]
+    problem = compose_problem(overrides, dirs)
     if problem is not None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)

@@ -127,3 +127,31 @@ def test_a_grid_sweep_with_one_bad_value_is_refused_before_any_job(tmp_path, swe
     for w in words:
         assert w in proc.stderr
     assert "saferun: done" not in proc.stdout and list(tmp_path.rglob("*")) == []
+
+
+# Beyond the list: the command lines a new user tries, each with the words its one error line
+# must hold (the key, the cause, the fix). Each is refused before anything is written.
+BAD_COMMAND_LINES = [
+    (["trainer.num_train_epochs=3"], ["trainer.num_train_epochs", "Did you mean trainer.max_epochs?"]),
+    (["+trainer.warmup=100"], ["trainer.warmup", "Did you mean sched.warmup_steps?"]),
+    (["optimizer.lr=0.1"], ["optimizer.lr", "Did you mean optim.lr?"]),
+    (["trainer.max_epochs=-1"], ["trainer.max_epochs must be > 0 or null"]),
+    (["trainer.precision=fp8"], ["trainer.precision must be one of fp32, bf16, fp16"]),
+    (["guards.nonfinite=ignore"], ["guards.nonfinite must be one of raise, skip, rollback, off"]),
+    (["trainer.device=gpu"], ["trainer.device", "Use auto, cpu, cuda or cuda:N"]),
+    (["seed=abc"], ["seed: Value 'abc'", "Integer"]),
+    (["trainer.max_steps=1.5"], ["trainer.max_steps: Value '1.5'", "Integer"]),
+    (["sched=cosin"], ["Could not find 'sched/cosin'", "constant, cosine"]),
+    (["logger.wandb.mode=online"], ["logger.wandb is not in the config", "logger=wandb logger.wandb.mode="]),
+    (["callbacks.early.patience=3"], ["there is no callback 'early'", "+callbacks.early._target_="]),
+]
+
+
+@pytest.mark.parametrize("args, words", BAD_COMMAND_LINES, ids=[" ".join(a) for a, _ in BAD_COMMAND_LINES])
+def test_a_mistaken_command_line_gets_one_error_line_and_leaves_nothing(tmp_path, args, words):
+    proc = saferun("run", *FAST, *args, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("saferun: error: "), proc.stderr
+    for w in words:
+        assert w in proc.stderr, proc.stderr
+    assert list(tmp_path.rglob("*")) == []
