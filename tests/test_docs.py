@@ -184,7 +184,7 @@ def command_lines(page: Path) -> list[tuple[int, str]]:
                 line = line[:-1] + " " + lines[i].strip()
             found.append((start + 1, line.split(" #")[0]))
         elif not fenced:
-            found += [(i + 1, m) for m in re.findall(r"`(saferun (?:run|check|test|new|list)\b[^`]*)`", line)]
+            found += [(i + 1, m) for m in re.findall(r"`(saferun (?:run|check|test|new|list)(?=[\s`])[^`]*)`", line)]
         i += 1
     return found
 
@@ -247,6 +247,8 @@ def test_every_saferun_command_line_in_the_docs_composes(tmp_path, monkeypatch):
             try:
                 if words[0] in ("run", "check"):
                     compose_command(words[1:])
+                elif words[:2] in (["test", "--help"], ["new", "--help"]):
+                    pass
                 elif words[0] == "test":
                     run_dir = [w for w in words[1:] if "=" not in w]
                     assert len(run_dir) == 1 and not run_dir[0].startswith("-"), words
