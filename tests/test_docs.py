@@ -264,3 +264,28 @@ def test_every_saferun_command_line_in_the_docs_composes(tmp_path, monkeypatch):
                 raise AssertionError(f"{where}\n{type(e).__name__}: {e}") from None
             counted += 1
     assert counted > 50
+
+
+def test_the_troubleshooting_page_lists_every_message_saferun_raises():
+    """Each SaferunError (ConfigError, CheckpointError, NonFiniteError) raised in saferun/ whose
+    message starts with fixed words is on docs/how-to/troubleshooting.md by those words (its
+    first 30 characters, up to the first variable part)."""
+    import ast
+
+    page = (ROOT / "docs" / "how-to" / "troubleshooting.md").read_text()
+    errors = {"SaferunError", "ConfigError", "CheckpointError", "NonFiniteError"}
+    missing, seen = [], 0
+    for path in sorted((ROOT / "saferun").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args and
+                    getattr(node.func, "id", getattr(node.func, "attr", "")) in errors):
+                continue
+            message = node.args[0]
+            first = message.values[0] if isinstance(message, ast.JoinedStr) and message.values else message
+            words = first.value.split("{")[0].strip() if isinstance(first, ast.Constant) and \
+                isinstance(first.value, str) else ""
+            if len(words) >= 8:  # (a message that starts with a key's name is listed by its pattern)
+                seen += 1
+                if words[:30] not in page:
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {words[:30]!r}")
+    assert seen > 100 and not missing, "\n".join(missing)
