@@ -29,4 +29,16 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module 'saferun' has no attribute {name!r}")
+    return submodule(__name__, name)
+
+
+def submodule(package: str, name: str) -> Any:
+    """`package.name` imported on first use, so that a dotted name the docs write
+    (`saferun.stopping.EarlyStopping`) works after `import saferun` alone."""
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":  # a module that is there but fails to import
+                raise
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -294,6 +294,8 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
 
     schema = OmegaConf.structured(Config)
     cfg = dataclasses.asdict(cfg) if isinstance(cfg, Config) else cfg
+    if isinstance(cfg, Mapping):
+        _check_named_nodes(cfg)
     if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):  # {"mlflow": {...}}
         from .loggers import with_targets
         cfg = {**cfg, "logger": with_targets(cfg["logger"])}
@@ -317,6 +319,23 @@ def resolved_with_limits(given: Any, trainer: Mapping[str, Any]) -> dict[str, An
 
     limits = {k: trainer[k] for k in ("max_steps", "max_epochs")}
     return dataclasses.asdict(load_config(OmegaConf.merge(OmegaConf.create(given), {"trainer": limits})))
+
+
+def _check_named_nodes(cfg: Mapping[str, Any]) -> None:
+    """logger, callbacks and metrics map names to nodes: a list (Lightning's habit) is refused
+    with the form they take, before OmegaConf's 'Cannot merge DictConfig with ListConfig'."""
+    from omegaconf import ListConfig
+
+    examples = {"logger": "{'tensorboard': {'_target_': 'saferun.loggers.TensorBoardLogger'}} "
+                          "(default_loggers() for the defaults, {} for none); on the command "
+                          "line logger=tensorboard",
+                "callbacks": "{name: {'_target_': ...}}; callback objects go to "
+                             "Trainer(cfg, callbacks=[...])",
+                "metrics": "{name: {'_target_': ...}} (torchmetrics classes)"}
+    for key, example in examples.items():
+        if isinstance(cfg.get(key), (list, tuple, ListConfig)):
+            raise ConfigError(f"{key} is a list ({list(cfg[key])!r}); it maps names to "
+                              f"`_target_` nodes: {example}.")
 
 
 def _describe_omegaconf_error(e: Exception) -> str:

@@ -26,6 +26,27 @@ def typed_keys(schema: type) -> list[str]:
     return keys
 
 
+# Names other frameworks (Lightning, Hugging Face, plain scripts) give to what saferun calls
+# by another name: a key ending in one is pointed at saferun's.
+_HABITS_OF = {
+    "optim": ("optimizer", "optimizers"), "sched": ("scheduler", "lr_scheduler"),
+    "trainer.max_epochs": ("num_train_epochs", "epochs", "max_epoch", "num_epochs"),
+    "trainer.max_steps": ("max_iters", "num_steps"),
+    "sched.warmup_steps": ("warmup", "num_warmup_steps", "warmup_iters"),
+    "optim.lr": ("learning_rate",),
+    "trainer.max_grad_norm": ("gradient_clip_val", "clip_grad_norm", "grad_clip"),
+    "trainer.accumulate": ("accumulate_grad_batches", "gradient_accumulation_steps"),
+    "trainer.batch_size": ("per_device_train_batch_size", "train_batch_size"),
+    "trainer.val_batch_size": ("per_device_eval_batch_size", "eval_batch_size"),
+    "trainer.log_every_n_steps": ("logging_steps",),
+    "trainer.val_every_n_steps": ("eval_steps", "val_check_interval"),
+    "trainer.save_every_n_steps": ("save_steps",),
+    "trainer.num_workers": ("dataloader_num_workers",), "trainer.device": ("accelerator",),
+    "logger": ("loggers",), "callbacks": ("callback",),
+}
+HABITS = {habit: ours for ours, habits in _HABITS_OF.items() for habit in habits}
+
+
 def did_you_mean(key: str, schema: type) -> str:
     """' Did you mean trainer.max_steps?' for the valid key of `schema` (saferun.Config) closest
     to `key`, or '' when none is close: a wrong suggestion misleads more than none. (The schema
@@ -33,6 +54,8 @@ def did_you_mean(key: str, schema: type) -> str:
     parts = key.split(".")
     fields = [f.name for f in dataclasses.fields(schema)]
     nodes = typed_nodes(schema)
+    if parts[-1] in HABITS:  # trainer.num_train_epochs: trainer.max_epochs; optimizer: optim
+        return f" Did you mean {HABITS[parts[-1]]}?"
     if parts[0] not in fields:
         top = difflib.get_close_matches(parts[0], fields, n=1, cutoff=0.75)
         if top:  # a misspelt first part: the closest node, with the rest if valid

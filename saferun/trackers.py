@@ -56,6 +56,35 @@ def _histogram(value: Any, bins: int = 64) -> dict[str, list[float]]:
 MLFLOW_RUN = "mlflow-run.json"  # <run_dir>/: the MLflow run this run directory's course logs to
 
 
+# The stores MLflow can track to (a scheme may name a driver: postgresql+psycopg2://).
+MLFLOW_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                  "databricks-uc", "uc")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse, within seconds, a tracking URI MLflow cannot use: an unknown scheme, or a server
+    that does not answer (MLflow would retry it for minutes, then print pages of tracebacks)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    scheme = urllib.parse.urlsplit(uri).scheme.split("+")[0]
+    if scheme and scheme not in MLFLOW_SCHEMES and len(scheme) > 1:  # (C:\ is a path)
+        raise ConfigError(f"logger.mlflow.tracking_uri={uri}: MLflow has no store for "
+                          f"'{scheme}://'; use http(s)://HOST:PORT, sqlite:///PATH or a directory.")
+    if scheme in ("http", "https"):
+        try:
+            urllib.request.urlopen(uri, timeout=10).close()
+        except urllib.error.HTTPError:
+            pass  # a server answered
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConfigError(f"logger.mlflow.tracking_uri={uri}: no MLflow server answers there "
+                              f"({reason}). Start it (mlflow server --host HOST --port PORT), or "
+                              f"leave tracking_uri out for the local store "
+                              f"(<run dir>/../mlflow.db).") from None
+
+
 class MLflowLogger(Callback):
     """Metrics with their steps, the run's config as params (flattened, dotted keys), images,
     texts and histograms as artifacts, and at the end model.pt (model_ema.pt) and summary.json.
@@ -79,6 +108,8 @@ class MLflowLogger(Callback):
     def __init__(self, tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
                  run_name: Optional[str] = None, tags: Optional[Mapping[str, str]] = None) -> None:
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        if tracking_uri:  # when built, before the run is accepted: MLflow retries a dead server for minutes
+            check_tracking_uri(tracking_uri)
         self.tags = dict(tags or {})
         self.run_id: Optional[str] = None  # checkpointed: the run a course change links to
         self._client: Any = None

@@ -47,7 +47,7 @@ from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
 from .loop.logbook import EvalLog, Folded, Logbook
-from .loop.habits import StepHabits, check_step_signatures
+from .loop.habits import StepHabits, check_step_signatures, fit_arguments
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.activation_checkpointing import apply_activation_checkpointing
 from .loop.compile import check_compiled_step, unwrap_compiled
@@ -107,6 +107,7 @@ class Trainer:
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
         self._manual: Optional[ManualSteps] = None  # several optimizers: their step (setup)
         self._tested: Optional[dict[str, Any]] = None  # from_run: the weights' provenance
+        self._initial_said = False  # test()/predict() before training said so once
 
     # ------------------------------------------------------------------ task hooks
 
@@ -289,11 +290,12 @@ class Trainer:
             preflight(self.train_loader, self.val_loader)
             self._check_first_batch = self.train_loader is not None and self.train_loader.num_workers > 0
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, *misplaced: Any) -> dict[str, float]:
         """Train until `trainer.max_steps` or `trainer.max_epochs`, whichever comes first;
         return the final metrics. Called again after raising a limit, it continues from where
-        the last fit() ended, as one longer run would; with nothing left to train it refuses."""
-        self.setup()
+        the last fit() ended, as one longer run would; with nothing left to train it refuses.
+        It takes no arguments: the model and data come from the build_* hooks."""
+        self._setup_for_fit(misplaced)
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
         limit = self._check_limits()
         self._checkpointer.begin_run()
@@ -327,7 +329,7 @@ class Trainer:
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
-                self.after_fit(dict(state.metrics))
+                self._after_fit(dict(state.metrics))
         except BaseException as exc:
             error = self._failure(exc)
             if error is exc:
@@ -468,6 +470,7 @@ class Trainer:
         metrics.jsonl, TensorBoard, the log; summary.json in the run directory)."""
         self.setup()
         self._checkpointer.check_evaluated_weights("test")
+        self._say_if_initial_weights("test")
         self.test_loader = loader = self._test_loader(data)
         self._logbook.take()  # (what an earlier pass left: not this one's)
         try:
@@ -487,6 +490,31 @@ class Trainer:
             update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,
                                                 **tested})
         return metrics
+
+    def _setup_for_fit(self, misplaced: Sequence[Any]) -> None:
+        if misplaced:  # trainer.fit(model, loader), Lightning's habit: before anything is built
+            raise fit_arguments(self, misplaced)
+        self.setup()
+
+    def _after_fit(self, metrics: dict[str, float]) -> None:
+        self._logbook.closed = "after_fit"  # after the last log point: logging is refused there
+        try:
+            self.after_fit(metrics)
+        finally:
+            self._logbook.closed = None
+
+    def _say_if_initial_weights(self, entry: str) -> None:
+        """test()/predict() before any training and with no weights loaded: say once that the
+        numbers are those of the initial weights (a run's checkpoints: the checkpointer says)."""
+        if self._initial_said or self._tested is not None or self.state.step or self.cfg.resume \
+                or not self.ranks.is_main or list_checkpoints(checkpoint_root(self.state.run_dir)):
+            return
+        self._initial_said = True
+        name = type(self).__name__
+        log.warning("%s(): %s has not trained and loaded no weights, so this evaluates its initial "
+                    "weights (step 0), unless you loaded others into self.model. Call fit() first, "
+                    "or evaluate a run's weights with %s.from_run(run_dir) (saferun test RUN_DIR).",
+                    entry, name, name)
 
     def _test_loader(self, data: Dataset | DataLoader | None) -> DataLoader:
         if isinstance(data, DataLoader):
@@ -511,6 +539,7 @@ class Trainer:
         """
         self.setup()
         self._checkpointer.check_evaluated_weights("predict")
+        self._say_if_initial_weights("predict")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,
             collate_fn=self.build_collate_fn())

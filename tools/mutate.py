@@ -1561,6 +1561,90 @@ mutation("perf: a GPU's peak only for the GPU itself (A10 is not A10G)", PERF,
          'if re.search(rf"\\b{re.escape(key)}\\b", name):', "if key in name:",
          f"{PERFT}::test_the_peak_is_known_for_common_gpus_only")
 
+
+# issue 36: first hour
+FIRST = "tests/cli/test_first_hour.py"
+DOCS = "tests/test_docs.py"
+mutation("first hour: a dotted name the docs write resolves after import saferun", "saferun/__init__.py",
+         "    return submodule(__name__, name)\n\n\ndef submodule",
+         "    raise AttributeError(name)\n\n\ndef submodule",
+         f"{DOCS}::test_every_dotted_saferun_name_in_the_docs_works_after_import_saferun")
+mutation("first hour: Hydra's flags may follow the overrides", "saferun/cli/compose.py",
+         "    return head + tail, None", "    return list(args), None",
+         f"{FIRST}::test_cfg_job_after_the_overrides_prints_the_config")
+mutation("first hour: an unknown flag names the override meant", "saferun/cli/compose.py",
+         '{_flags_text(flags)}.{_override_meant(word, value)}")', '{_flags_text(flags)}.")',
+         f"{FIRST}::test_an_unknown_flag_names_the_override_meant")
+mutation("first hour: saferun check --help prints its usage", "saferun/cli/check.py",
+         '    if "-h" in args or "--help" in args:', "    if False:",
+         f"{FIRST}::test_check_help_prints_its_usage")
+mutation("first hour: an MLflow tracking URI is checked when the logger is built", "saferun/trackers.py",
+         "        if tracking_uri:  # when built", "        if False:  # when built",
+         f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
+mutation("first hour: a part's own refusal that names its key is passed on whole", COMPONENTS,
+         "        if isinstance(cause, SaferunError) and str(cause).startswith(key):",
+         "        if False:", f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
+
+UNIT_FIRST = "tests/unit/test_user_mistakes.py"
+mutation("first hour: a habit's key (trainer.num_train_epochs) names saferun's", "saferun/suggest.py",
+         "    if parts[-1] in HABITS:", "    if False:", f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
+mutation("first hour: a list for logger, callbacks or metrics is refused with the form", "saferun/config.py",
+         "    if isinstance(cfg, Mapping):\n        _check_named_nodes(cfg)\n", "",
+         f"{UNIT_FIRST}::test_a_bad_config_names_the_key_and_the_fix")
+mutation("first hour: fit(model, loader) says where they go", T,
+         "        if misplaced:  # trainer.fit(model, loader)", "        if False:  #",
+         f"{UNIT_FIRST}::test_fit_with_a_model_or_loader_says_where_they_go")
+
+mutation("first hour: self.log in after_fit is refused, not dropped", T,
+         '        self._logbook.closed = "after_fit"  # after the last log point: logging is refused there\n', "",
+         f"{UNIT_FIRST}::test_logging_in_after_fit_is_refused_not_dropped")
+mutation("first hour: test() from after_fit still logs", "saferun/loop/logbook.py",
+         "        if self.closed is not None and self.phase is None:", "        if self.closed is not None:",
+         f"{UNIT_FIRST}::test_test_called_from_after_fit_still_logs_its_metrics")
+mutation("first hour: a text given to self.log is pointed at log_text", "saferun/loop/logbook.py",
+         "    if isinstance(value, str):\n        raise SaferunError(f\"self.log({name!r}, {value!r})",
+         "    if False:\n        raise SaferunError(f\"self.log({name!r}, {value!r})",
+         f"{UNIT_FIRST}::test_a_text_given_to_self_log_is_pointed_at_log_text")
+
+mutation("first hour: test()/predict() before training say the weights are the initial ones", T,
+         "        self._initial_said = True\n        name = type(self).__name__\n        log.warning(",
+         "        self._initial_said = True\n        name = type(self).__name__\n        (lambda *a: None)(",
+         f"{UNIT_FIRST}::test_evaluating_before_any_training_says_once_that_the_weights_are_the_initial_ones")
+mutation("first hour: from_run's weights are not called initial", T,
+         "        trainer._tested = weights.provenance(run_dir)  # what test() records it evaluated\n", "",
+         f"{UNIT_FIRST}::test_evaluating_before_any_training_says_once_that_the_weights_are_the_initial_ones")
+
+mutation("first hour: a whole pickled model is told to save the state_dict", "saferun/checkpoint/weights.py",
+         "    if pickled:  # torch.save(model)", "    if False:  # torch.save(model)",
+         f"{UNIT_FIRST}::test_a_weights_file_that_is_no_state_dict_says_so_without_weights_only_false")
+
+mutation("first hour: a sample default collate cannot batch says how to convert it", "saferun/loop/steps.py",
+         "    if collate:  # in this process", "    if False:  # in this process",
+         f"{UNIT_FIRST}::test_a_sample_default_collate_cannot_batch_says_how_to_convert_it")
+mutation("first hour: float labels for cross_entropy are named as the labels", "saferun/guards/explain.py",
+         '    if "expected target dtype" in message or', "    if False and",
+         f"{UNIT_FIRST}::test_float_labels_for_cross_entropy_are_named_as_the_labels")
+
+mutation("first hour: saferun test --checkpoint names checkpoint=", "saferun/cli/evaluate.py",
+         '        if arg.startswith("--") and key in options:', "        if False:",
+         f"{FIRST}::test_saferun_test_with_an_option_flag_names_the_key_value_form")
+mutation("first hour: an Optuna search-space mistake is named before Hydra", "saferun/cli/run.py",
+         "        _check_search_space(args)\n", "",
+         f"{FIRST}::test_an_optuna_search_space_mistake_names_the_override_and_leaves_nothing")
+
+mutation("first hour: optimization_results.yaml holds typed best_params", "saferun/sweep/study.py",
+         '"best_params": _typed(best.user_attrs["overrides"]),', '"best_params": dict(best.user_attrs["overrides"]),',
+         "tests/sweeps/test_optuna.py::test_the_best_params_are_written_as_the_values_they_stand_for")
+
+mutation("first hour: a grid sweep's values are checked before any job", "saferun/cli/run.py",
+         "search_space_problem(overrides) or grid_problem(overrides, dirs)", "search_space_problem(overrides)",
+         f"{FIRST}::test_a_grid_sweep_with_one_bad_value_is_refused_before_any_job")
+
+mutation("first hour: what Hydra's composition refuses is one error line", "saferun/cli/run.py",
+         "        _check_composition(args)\n", "        pass\n",
+         f"{FIRST}::test_a_mistaken_command_line_gets_one_error_line_and_leaves_nothing")
+
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

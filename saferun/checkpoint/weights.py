@@ -231,13 +231,29 @@ def _load_file(path: Path, data: bytes) -> Mapping[str, torch.Tensor]:
     try:
         weights = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"could not read {path} as weights saved by torch.save "
-                              f"(a state_dict; torch said: {e}). Name model_best.pt, model.pt, "
-                              f"another .pt file of weights or a checkpoint directory.") from None
+        raise CheckpointError(unreadable_weights(path, e)) from None
     if not isinstance(weights, Mapping):
         raise CheckpointError(f"{path} holds a {type(weights).__name__}, not a state_dict of "
                               f"weights.")
     return weights
+
+
+def unreadable_weights(path: Path, error: Exception) -> str:
+    """Why torch.load(weights_only=True) refused `path`, without torch's advice to retry with
+    weights_only=False: that runs code from the file, and does not mend a damaged one."""
+    import re
+
+    pickled = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    if pickled:  # torch.save(model): the object pickled whole, its class by name
+        return (f"{path} holds a pickled object ({pickled.group(1)}), not a state_dict of "
+                f"weights: it was saved with torch.save(model). Save the weights with "
+                f"torch.save(model.state_dict(), PATH) (loading a whole pickle would run code "
+                f"from the file).")
+    reason = str(error).split(". ")[0].strip() or type(error).__name__
+    return (f"{path} is not a readable weights file: damaged, cut short or not written by "
+            f"torch.save ({type(error).__name__}: {reason}). Name model_best.pt, model.pt, "
+            f"another .pt file of weights (torch.save(model.state_dict(), PATH)) or a checkpoint "
+            f"directory.")
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], source: Any) -> None:

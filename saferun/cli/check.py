@@ -5,7 +5,14 @@ from __future__ import annotations
 import logging
 import sys
 
-from .compose import _config_dirs, compose_config
+from .compose import _config_dirs, compose_config, flags_first
+
+CHECK_FLAGS = {"-h": 0, "--help": 0, "-cd": 1, "--config-dir": 1}
+USAGE = """usage: saferun check [-cd DIR] [OVERRIDES]
+  a short diagnostic session of the config `saferun run OVERRIDES` would train with, every
+  guard on: one line per check (ok, warn, FAIL), exit status 1 if any fails. -cd DIR: a
+  project's configs and code (saferun new), as for saferun run.
+"""
 
 
 def check(args: list[str]) -> None:
@@ -17,6 +24,13 @@ def check(args: list[str]) -> None:
     quiet = logging.StreamHandler(sys.stderr)
     quiet.setLevel(logging.WARNING)
     logging.getLogger("saferun").addHandler(quiet)
+    args, problem = flags_first(args, "check", CHECK_FLAGS)
+    if problem is not None:
+        print(f"saferun check: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    if "-h" in args or "--help" in args:
+        print(USAGE, end="")
+        return
     dirs, overrides = _config_dirs(args)
     from ..config import Config
     from ..suggest import unknown_override

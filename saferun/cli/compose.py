@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 
 def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = ()) -> Any:
@@ -27,6 +28,45 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = (
     with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return load_config(plain_config(cfg))
+
+
+def compose_problem(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Optional[str]:
+    """What Hydra's composition of `overrides` refuses (an unknown option, a key it cannot
+    override, a value of the wrong type), in one line with the fix; None if it composes (or
+    fails only in what the job resolves later, such as ${hydra:...})."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ValidationError
+
+    _register_with_hydra()
+    overrides = list(overrides)
+    if config_dirs:
+        paths = ",".join(f"file://{os.path.abspath(d)}" for d in config_dirs)
+        overrides.append(f"hydra.searchpath=[{paths}]")
+    try:
+        with initialize_config_module(config_module="saferun.conf", version_base="1.3"):
+            compose("config", overrides=overrides)
+    except MissingConfigException as e:  # optim=sgdd: "Could not find 'optim/sgdd'", options below
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        options = [line for line in lines[2:] if "=" not in line and ":" not in line]
+        head = lines[0].replace("In 'config': ", "")
+        return f"{head}; the options: {', '.join(options)} (`saferun list` shows every group)." \
+            if options else f"{head}."
+    except (ConfigCompositionException, ValidationError) as e:
+        cause: BaseException = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        key = getattr(cause, "full_key", None)
+        text = " ".join(str(cause).split("\n    full_key")[0].split())
+        refused = re.match(r"Could not override '(\w+)\.(\w+)\.([\w.]+)'", str(e))
+        if refused and refused.group(1) in ("logger", "callbacks"):  # logger.wandb.mode, no wandb
+            group, name, rest = refused.groups()
+            return (f"{group}.{name}.{rest}: {group}.{name} is not in the config ({text}). "
+                    f"Choose it first: {group}={name} {group}.{name}.{rest}=VALUE"
+                    if group == "logger" else f"{group}.{name}.{rest}: there is no callback "
+                    f"{name!r} ({text}); add one with +{group}.{name}._target_=CLASS.")
+        return f"{key}: {text}" if key else f"{str(e).splitlines()[0]} {text}"
+    return None
 
 
 def plain_config(cfg: Any) -> dict[str, Any]:
@@ -91,6 +131,64 @@ def _config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
         else:
             rest.append(arg)
     return [d for d in dirs if d], rest
+
+
+# Hydra's flags (`saferun run --hydra-help`) and the values each takes: 0, 1, or "?" (one of
+# its choices if the next word is one).
+HYDRA_FLAGS: dict[str, Any] = {
+    **dict.fromkeys(["-h", "--help", "--hydra-help", "--version", "--resolve", "-r", "--run", "-m",
+                     "--multirun", "-sc", "--shell-completion"], 0),
+    **dict.fromkeys(["-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn",
+                     "--config-name", "-cd", "--config-dir", "--experimental-rerun"], 1),
+    "-i": "?", "--info": "?"}
+_INFO = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def flags_first(args: Sequence[str], command: str, flags: Mapping[str, Any] = HYDRA_FLAGS
+                ) -> tuple[list[str], Optional[str]]:
+    """The arguments with the flags (and their values) before the overrides, as Hydra's parser
+    needs them (an override after `--cfg job` is 'unrecognized' there); and the problem with
+    the first word that is neither a known flag nor an override, naming the override meant
+    (`--resume`: resume=auto), or None."""
+    head: list[str] = []
+    tail: list[str] = []
+    words = list(args)
+    while words:
+        word = words.pop(0)
+        flag = word.split("=", 1)[0] if word.startswith("--") else word
+        if not word.startswith("-"):
+            tail.append(word)
+        elif flag in flags:
+            takes = flags[flag]
+            head.append(word)
+            if "=" not in word and words and (takes == 1 or (takes == "?" and words[0] in _INFO)):
+                head.append(words.pop(0))
+        else:
+            value = word.split("=", 1)[1] if "=" in word else (
+                words[0] if words and not words[0].startswith("-") and "=" not in words[0] else "")
+            return [], (f"unknown option '{word}': saferun {command} takes overrides key=value"
+                        f"{_flags_text(flags)}.{_override_meant(word, value)}")
+    return head + tail, None
+
+
+def _flags_text(flags: Mapping[str, Any]) -> str:
+    return (" and Hydra's flags (-m, --cfg job, -cd DIR, ...: saferun run --hydra-help)"
+            if "-m" in flags else f" and {', '.join(f for f in flags if f.startswith('--'))}")
+
+
+def _override_meant(word: str, value: str) -> str:
+    """' Did you mean resume=auto?' for `--resume`, ' ... trainer.max_steps=5?' for
+    `--max_steps 5` (or `--max-steps=5`); '' when no config key is close."""
+    from ..config import Config
+    from ..suggest import did_you_mean, known_keys
+
+    key = word.lstrip("-").split("=", 1)[0].replace("-", "_")
+    value = value or ("auto" if key == "resume" else "VALUE")
+    exact = [k for k in known_keys(Config) if k == key or k.endswith("." + key)]
+    if exact:
+        return f" Did you mean {exact[0]}={value}?"
+    close = did_you_mean(key, Config)
+    return close[:-1] + f"={value}?" if close else ""
 
 
 try:

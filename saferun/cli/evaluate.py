@@ -18,6 +18,12 @@ def test(args: list[str]) -> None:
     from ..errors import SaferunError
 
     options: dict[str, str | None] = {"checkpoint": "best", "out_dir": None}
+    for i, arg in enumerate(args):  # --checkpoint best, --out_dir=DIR: argparse's habit
+        key = arg[2:].split("=", 1)[0].replace("-", "_")
+        if arg.startswith("--") and key in options:
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "VALUE")
+            _usage_error(f"{arg.split('=', 1)[0]} is not an option: write {key}={value} "
+                         f"(saferun test RUN_DIR {key}={value})")
     positional = [a for a in args if "=" not in a]
     for arg in (a for a in args if "=" in a):
         key, value = arg.split("=", 1)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import compose, rundirs
-from .compose import _config_dirs, _register_with_hydra, run_id
+from .compose import _config_dirs, _register_with_hydra, flags_first, run_id
 from ..sweep.cluster import prepare_multirun, in_job
 
 
@@ -23,6 +23,10 @@ def run(args: list[str]) -> None:
     from ..parallel.distributed import ranks_from_env
 
     global _ARGS
+    args, problem = flags_first(args, "run")
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     _ARGS = list(args)
     _register_with_hydra()
     _check_run_dir_arg(args)
@@ -33,16 +37,19 @@ def run(args: list[str]) -> None:
         sys.path.insert(0, os.path.abspath(config_dir))
     sys.path.insert(0, os.getcwd())
     task = _job
+    if not {"-m", "--multirun", "-h", "--help", "--hydra-help", "--version"} & set(args):
+        _check_composition(args)
     if "-m" in args or "--multirun" in args:
+        _check_search_space(args)
         # every job (in this process, or started by a launcher) resolves the same sweep dir
         os.environ["SAFERUN_RUN_ID"] = run_id()
         prepare_multirun(args)
     if ranks_from_env().world_size > 1:
         args, task = _join_torchrun_job(args)
     global _WRITE_HYDRA_DIR
+    # conf/config.yaml sets hydra.output_subdir to null: .hydra/ is written by _train once the
+    # run is accepted, not before, unless the command line sets it (then Hydra writes it).
     _WRITE_HYDRA_DIR = not any("hydra.output_subdir=" in arg for arg in args)
-    if _WRITE_HYDRA_DIR:  # written by _train once the run is accepted, not before
-        args = args + ["hydra.output_subdir=null"]
     sys.argv = ["saferun"] + args
     hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
     if ranks_from_env().world_size > 1:
@@ -87,6 +94,31 @@ def _check_override_keys(args: list[str]) -> None:
 
     dirs, overrides = _config_dirs(args)
     problem = unknown_override(overrides, Config, dirs)
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _check_composition(args: list[str]) -> None:
+    """What Hydra's composition refuses, in one line, before Hydra prints it as a traceback."""
+    from .compose import compose_problem
+
+    dirs, overrides = _config_dirs(args)
+    overrides = [o for o in overrides if not o.startswith("-") and "=" in o]
+    problem = compose_problem(overrides, dirs)
+    if problem is not None:
+        print(f"saferun: error: {problem}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _check_search_space(args: list[str]) -> None:
+    """An Optuna sweep's search space and sweeper keys, or each value of a grid sweep, checked
+    before Hydra makes the sweep folder."""
+    from .searchspace import grid_problem, search_space_problem
+
+    dirs, overrides = _config_dirs(args)
+    overrides = [o for o in overrides if not o.startswith("-")]
+    problem = search_space_problem(overrides) or grid_problem(overrides, dirs)
     if problem is not None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)

@@ -222,6 +222,12 @@ def _diagnose(message: str, exc: BaseException, owner: FailureOwner, contexts: S
                 "stored as a plain attribute is not moved by .to(device)): create it with "
                 "device=x.device (torch.zeros(n, device=x.device)), or register it with "
                 "self.register_buffer so that the Trainer moves it with the model.")
+    if "expected target dtype" in message or "expected scalar type Long" in message:
+        return ("the loss got targets of another dtype than it takes: cross_entropy and "
+                "nll_loss take class indices as int64, shape (N,) (or class probabilities as "
+                "floats of the logits' shape)."), (
+                "make the labels int64: in the dataset (torch.tensor(label, dtype=torch.long)) "
+                "or y.long() before the loss.")
     if _DTYPE.search(message) and "dimension" not in message:
         pdtype = _param_dtype(params)
         odd = [f for f, t in _tensors(batch) if t.is_floating_point() and t.dtype != pdtype]

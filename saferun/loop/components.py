@@ -19,6 +19,11 @@ def instantiate_node(key: str, node: Mapping[str, Any], **kwargs: Any) -> Any:
     try:
         return instantiate(node, **kwargs)
     except Exception as e:
+        cause: BaseException = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, SaferunError) and str(cause).startswith(key):
+            raise cause from None  # the part's own refusal names its key and the fix
         raise ConfigError(f"{key}: could not build {node.get('_target_')}: {root_cause(e)}. "
                           f"Check the keys under {key}.") from None
 

@@ -31,9 +31,20 @@ def check_step_signatures(trainer: Any) -> None:
         raise SaferunError(
             f"{type(trainer).__name__}.{hook}({', '.join(p.name for p in params)}): saferun "
             f"calls {hook}(batch) with the batch alone, so {extra} would get no value. Define "
-            f"{hook}(self, batch). Where a batch index or step is needed: self.state.step is the "
-            f"number of optimizer steps done (the step being computed is self.state.step + 1), "
-            f"self.state.epoch the epoch, self.state.batches_in_epoch the batches drawn in it.")
+            f"{hook}(self, batch). Where a batch index or step is needed: self.step is the step "
+            f"being computed, as the logs count it (1 in the first training_step), self.epoch "
+            f"the epoch (from 0).")
+
+
+def fit_arguments(trainer: Any, given: Sequence[Any]) -> SaferunError:
+    """Lightning's `trainer.fit(model, loader)`: say where a saferun Trainer takes them from."""
+    kinds = ", ".join(type(g).__name__ for g in given)
+    return SaferunError(
+        f"{type(trainer).__name__}.fit() takes no arguments (given: {kinds}): the Trainer builds "
+        f"its parts itself. The model comes from build_model() (or the config's model node), the "
+        f"datasets from build_datasets() (or the data node) and the DataLoader from "
+        f"build_dataloaders(): override those hooks in your Trainer subclass, then call fit(). "
+        f"Evaluation data goes to test(data) and predict(data).")
 
 
 class StepHabits:

@@ -124,10 +124,12 @@ class Logbook:
         self.folded = Folded()  # the other reductions, this step or this validation pass
         self.media: list[Media] = []
         self.val_names: set[str] = set()  # what this validation pass's validation_step reported
+        self.closed: Optional[str] = None  # a hook after the last log point (after_fit): refused there
 
     # ------------------------------------------------------------------ the user's calls
 
     def log(self, name: str, value: Any, reduce: str, extra: Mapping[str, Any]) -> None:
+        self._check_open("log", name)
         if extra:
             said = "; ".join(f"{k}: {_LIGHTNING_ARGS.get(k, 'not an argument of self.log')}"
                              for k in extra)
@@ -150,6 +152,7 @@ class Logbook:
             self.folded.add(name, reduce, tensor.detach().reshape(()), self.position)
 
     def log_media(self, kind: str, name: str, value: Any) -> None:
+        self._check_open(f"log_{kind}", name)
         if self.phase is None or not self.is_main:
             return
         if kind == "text":
@@ -163,6 +166,15 @@ class Logbook:
                                    f"(H, W), got shape {tuple(value.shape)}. For several "
                                    f"images make a grid (torchvision.utils.make_grid).")
         self.media.append(Media(kind, f"{self.phase}/{name}", value))
+
+    def _check_open(self, method: str, name: str) -> None:
+        if self.closed is not None and self.phase is None:  # (test() from after_fit logs test/)
+            raise SaferunError(
+                f"self.{method}({name!r}, ...) in {self.closed}: {self.closed} runs after the last "
+                f"log point, so nothing it logs would be written anywhere. Log it in "
+                f"training_step or validation_step, or evaluate with test() (test/<name> "
+                f"metrics); a value of your own after training can be printed or written into "
+                f"the run directory (self.state.run_dir).")
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -235,6 +247,9 @@ class Logbook:
 def _scalar(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value))
+    if isinstance(value, str):
+        raise SaferunError(f"self.log({name!r}, {value!r}) takes a number; a text is logged with "
+                           f"self.log_text({name!r}, {value!r}).")
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise SaferunError(f"self.log({name!r}, ...) takes a scalar (a one-element tensor or a "

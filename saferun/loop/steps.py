@@ -3,6 +3,8 @@ resolving the device, explaining torch errors. No state: each is unit-tested on 
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 import logging
 from typing import Any, Callable, Optional, Sequence
@@ -112,6 +114,15 @@ def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[Safer
             f"optimizers, call self.optimize(name, loss) for each). Otherwise a tensor kept from "
             f"an earlier step (a cache, a recurrent hidden state) links this loss to that step's "
             f"freed graph: store it .detach()ed.")
+    collate = re.search(r"default_collate: batch must contain .*; found (.+)", str(exc))
+    if collate:  # in this process, or a worker's error re-raised here
+        return SaferunError(
+            f"step {step}: the DataLoader's default collate cannot batch a sample holding "
+            f"{collate.group(1).strip()} (it batches tensors, NumPy arrays, numbers, strings, and "
+            f"dicts, lists and tuples of them). Convert it in the dataset's __getitem__ (a PIL "
+            f"image: torchvision.transforms.functional.pil_to_tensor, or to_tensor for floats in "
+            f"[0, 1]), or give a collate_fn that batches it (the collate_fn config node, or "
+            f"override build_collate_fn).")
     if "Cannot re-initialize CUDA in forked subprocess" in str(exc):
         return SaferunError(
             f"step {step}: a DataLoader worker used CUDA (a .cuda() or device='cuda' in the "

@@ -128,6 +128,15 @@ def _write_results(study: Any, sweep_dir: Path, objective: Any) -> None:
 
     best = study.best_trial
     results = {"name": "optuna", "metric": objective.metric, "mode": objective.mode,
-               "best_trial": best.number, "best_params": dict(best.user_attrs["overrides"]),
+               "best_trial": best.number, "best_params": _typed(best.user_attrs["overrides"]),
                "best_value": best.value, "best_run_dir": str((sweep_dir / str(best.number)).resolve())}
     (sweep_dir / "optimization_results.yaml").write_text(OmegaConf.to_yaml(results))
+
+
+def _typed(overrides: dict[str, str]) -> dict[str, Any]:
+    """{key: value} with each value as the command line reads it (0.003 a float, 32 an int,
+    adamw a string), not the override's text."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in overrides.items()])
+    return {o.get_key_element(): o.value() for o in parsed}

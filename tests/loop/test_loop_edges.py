@@ -167,7 +167,7 @@ class StepsItsOwnOfSeveral(ToyTrainer):
 def test_a_step_hook_taking_a_batch_index_is_refused_at_setup(tmp_path, trainer, hook, extra):
     with pytest.raises(SaferunError, match=rf"{trainer.__name__}.{re.escape(hook)}: saferun calls "
                        rf"\w+\(batch\) with the batch alone, so {extra} would get no value.*"
-                       r"self.state.step is the number of optimizer steps done"):
+                       r"self.step is the step being computed, as the logs count it"):
         trainer(toy_config(tmp_path)).setup()
 
 

@@ -70,6 +70,7 @@ def test_an_in_memory_study_runs_its_trials_and_names_the_best(tmp_path):
     assert results["best_value"] == summaries[best]["objective"]["value"]
     assert results["best_run_dir"] == str(sweep / best)
     assert f"optim.lr={results['best_params']['optim.lr']}" in summaries[best]["overrides"]
+    assert isinstance(results["best_params"]["optim.lr"], float)  # a number, not its text
     table = (sweep / "summary.txt").read_text().splitlines()
     assert table[1].startswith(f"best: job {best} (") and table[4].startswith(f"*  {best}")
     assert "sweep summary" in proc.stdout and not (sweep / "optuna.db").exists()
@@ -102,3 +103,18 @@ def test_an_interrupted_study_continues_its_trials_and_resumes_the_interrupted_o
     assert steps == plain  # each step logged once
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_trial"] in (0, 1, 2) and len((sweep / "summary.txt").read_text().splitlines()) == 7
+
+
+def test_the_best_params_are_written_as_the_values_they_stand_for(tmp_path):
+    """optimization_results.yaml: optim.lr a float, a batch size an int, an optimizer a string."""
+    from saferun.sweep.objective import objective_of
+    from saferun.sweep.study import _write_results
+
+    study = optuna.create_study()
+    trial = study.ask()
+    trial.set_user_attr("overrides", {"optim.lr": "0.003", "trainer.batch_size": "32", "optim": "sgd"})
+    study.tell(trial, 0.5)
+    _write_results(study, tmp_path, objective_of(None, None, None, None))
+    results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert results["best_params"] == {"optim.lr": 0.003, "trainer.batch_size": 32, "optim": "sgd"}
+    assert [type(v) for v in results["best_params"].values()] == [float, int, str]

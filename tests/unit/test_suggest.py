@@ -32,7 +32,8 @@ def test_overrides_are_checked_before_hydra_and_valid_ones_pass():
     ("max_steps=5", "Did you mean trainer.max_steps?"),
     ("warmup_steps=5", "Did you mean sched.warmup_steps?"),
     ("+trainer.max_stepz=5", "Did you mean trainer.max_steps?"),
-    ("+trainer.warmup=5", None),  # nothing close: not trainer.ema (a wrong hint misleads)
+    ("+trainer.warmup=5", "Did you mean sched.warmup_steps?"),  # a habit (suggest.HABITS), not trainer.ema
+    ("trainer.num_train_epochs=3", "Did you mean trainer.max_epochs?"),  # Hugging Face's name
     ("trainer.ema_decai=0.9", None),
 ])
 def test_a_suggestion_matches_the_keys_last_part_or_there_is_none(override, hint):
