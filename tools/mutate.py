@@ -304,7 +304,7 @@ mutation("validation shards without padding", "saferun/data.py",
          "        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)",
          "tests/unit/test_data.py::test_validation_shards_hold_every_sample_exactly_once")
 mutation("each rank seeds its own randomness", T,
-         "            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank",
+         "            seed_everything(derive_seed(self.cfg.seed, data.rank))",
          "            pass", f"{RANKS}::test_ranks_draw_their_own_randomness_and_split_the_data_anew_every_epoch")
 # ---------------------------------------------------------------- distributed
 mutation("logged metrics averaged over ranks", "saferun/metrics.py",
