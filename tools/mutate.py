@@ -1395,7 +1395,12 @@ mutation("mesh: gradients on several meshes clipped per mesh", "saferun/loop/upd
 mutation("mesh: a stop signal on one rank reaches every rank", "saferun/parallel/agreement.py",
          "        summed = all_reduce(torch.stack(list(votes.values()))).tolist()",
          "        summed = torch.stack(list(votes.values())).tolist()",
-         f"{MESH}::test_a_stop_on_one_rank_stops_both_and_the_resume_equals_the_uninterrupted_run_bitwise")
+         f"{MESH}::test_a_stop_on_one_rank_stops_both_and_the_resume_equals_the_uninterrupted_run_bitwise",
+         known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
+mutation("mesh: a checkpoint of another data split is resharded, not read by rank", CKPTR,
+         '        saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)',
+         '        saved = (len(state["per_rank"]),) * 2', f"{MESH}::test_a_checkpoint_of_another_data_split_"
+         "on_as_many_processes_is_resharded_not_misread")
 mutation("mesh: parallelize must return the model it was given", "saferun/parallel/mesh.py",
          "    if out is not model:", "    if False:",
          f"{MESH}::test_a_plan_that_replaces_the_model_or_splits_nothing_is_refused")

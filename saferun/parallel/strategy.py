@@ -63,6 +63,7 @@ class Strategy:
     checkpoint_format: CheckpointFormat
     data = distributed.Ranks()  # the data-parallel ranks (one process: rank 0 of 1)
     meshes = False  # the parameters may lie on several device meshes (norms taken per mesh)
+    layout: tuple[int, int] = (1, 1)  # (data-parallel ranks, ranks): a checkpoint records it
 
     def prepare(self, model: nn.Module) -> None:
         """In setup, before the optimizer is built: make `model` ready in place."""
@@ -108,7 +109,7 @@ class DataParallel(Strategy):
             raise ConfigError("trainer.strategy=ddp needs a torchrun job of 2 or more processes; "
                               "this process was not launched by torchrun (or with one process). "
                               "Launch with torchrun --nproc_per_node=N, or set trainer.strategy=auto.")
-        self.data = ranks
+        self.data, self.layout = ranks, (ranks.world_size, ranks.world_size)
         self.agreement = RankAgreement(device, ranks.world_size)
         self.checkpoint_format = WholeState(main=ranks.is_main)
         self._find_unused, self._device, self._state, self._holder = find_unused, device, state, holder
@@ -153,7 +154,7 @@ class FullyShardedDataParallel(Strategy):
     def __init__(self, t: Any, ranks: distributed.Ranks, device: torch.device, state: Any) -> None:
         """`t`: the trainer config (trainer.fsdp's settings); `state`: the LoopState."""
         fsdp.check(t, ranks, device)  # before anything is built
-        self.data = ranks
+        self.data, self.layout = ranks, (ranks.world_size, ranks.world_size)
         self.agreement = RankAgreement(device, ranks.world_size)
         self.checkpoint_format = ShardedState(t.fsdp.async_save, self.agreement)
         self._t, self._ranks, self._device, self._state = t, ranks, device, state
@@ -191,6 +192,7 @@ class MeshParallel(Strategy):
         self._layout = mesh.Layout.of(t, ranks, device)  # refused, naming the key, before anything
         self.mesh = self._layout.device_mesh(device)
         self.data = self._layout.data_ranks(self.mesh, ranks)
+        self.layout = (self.data.world_size, ranks.world_size)
         self.agreement = MeshAgreement(device, ranks.world_size)
         self.checkpoint_format = ShardedState(t.fsdp.async_save, self.agreement)
         self._t, self._ranks, self._device, self._state, self._holder = t, ranks, device, state, holder

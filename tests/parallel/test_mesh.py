@@ -63,7 +63,7 @@ def one_process(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tensor_parallel(tmp_path_factory):
     return run_job(tmp_path_factory.mktemp("tp"), "run", "trainer.strategy=mesh",
-                   "trainer.parallel.tp=2", nproc=2)[1]
+                   "trainer.parallel.tp=2", "+task.dump=true", nproc=2)[1]
 
 
 def test_tensor_parallel_equals_one_process_at_every_step(one_process, tensor_parallel):
@@ -138,3 +138,88 @@ def test_a_stop_on_one_rank_stops_both_and_the_resume_equals_the_uninterrupted_r
     assert curve(run_dir)[10] == curve(tensor_parallel)[10]
     resumed, whole = (torch.load(d / "model.pt", weights_only=True) for d in (run_dir, tensor_parallel))
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+MESH_2X2 = ["trainer.strategy=mesh", "trainer.parallel.tp=2"]
+
+
+@pytest.mark.slow
+def test_a_2d_mesh_equals_fsdp_over_the_same_data_ranks_at_every_step(tmp_path):
+    """dp_shard=2 x tp=2 (4 processes): FSDP2 over the data dimension of the tensor-parallel
+    model equals FSDP2 alone on 2 processes (the same two data ranks, which tests/parallel pins
+    equal to DDP) at every step: losses, the clipped norm over the whole mesh, validation,
+    the summed counts over the data dimension only."""
+    fsdp = run_job(tmp_path, "fsdp", "trainer.strategy=fsdp", nproc=2)[1]
+    mesh = run_job(tmp_path, "mesh", *MESH_2X2, nproc=4)[1]
+    for rank in range(4):  # qkv: rows split over tp, then over dp_shard
+        held = json.loads((mesh / f"rank{rank}.json").read_text())
+        assert held == {"dtensor": True, "local_shape": [3 * 96 // 4, 96]}
+    want, got = curve(fsdp), curve(mesh)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for step, values in want.items():
+        assert set(got[step]) == set(values), step
+        for key, value in values.items():
+            assert got[step][key] == pytest.approx(value, rel=TOLERANCE), (step, key)
+    assert got[10]["train/seen"] == 2 * 32  # two data ranks' batches, not four
+
+
+@pytest.mark.slow
+def test_a_2d_mesh_stopped_on_one_rank_resumes_equal_to_the_uninterrupted_run_bitwise(tmp_path):
+    signal = ["+task.signal_at=4", "+task.on_rank=3"]
+    whole = run_job(tmp_path, "whole", *MESH_2X2, nproc=4)[1]
+    proc, run_dir = run_job(tmp_path, "run", *MESH_2X2, *signal, nproc=4, check=False)
+    assert proc.returncode != 0 and (run_dir / "checkpoints" / "step-00000004").is_dir()
+    run_job(tmp_path, "run", *MESH_2X2, *signal, "resume=auto", nproc=4)  # (step 4 is done)
+    assert curve(run_dir)[10] == curve(whole)[10]
+    resumed, want = (torch.load(d / "model.pt", weights_only=True) for d in (run_dir, whole))
+    assert all(torch.equal(resumed[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, before, after", [
+    (["trainer.strategy=fsdp"], 4, 2), (["trainer.strategy=fsdp"], 2, 4),
+    (MESH_2X2, 4, 2), (MESH_2X2, 2, 4)])
+def test_resumed_on_another_number_of_processes_with_weights_and_optimizer_exact(
+        tmp_path, strategy, before, after):
+    """A checkpoint of N processes resumes on M: DCP reshards the model and optimizer, which
+    are exactly as saved (gathered whole, by name); the data order rule is said at resume;
+    the run trains on to its end."""
+    same = ["sched.total_steps=8", "+task.dump=true"]  # the schedule of the whole run
+    _, run_dir = run_job(tmp_path, "run", *strategy, "trainer.max_steps=5", *same, nproc=before)
+    saved = torch.load(run_dir / "end.pt", weights_only=False)
+    proc, _ = run_job(tmp_path, "run", *strategy, "trainer.max_steps=8", *same, "resume=auto",
+                      nproc=after)
+    restored = torch.load(run_dir / "start.pt", weights_only=False)
+    _assert_same(saved, restored)
+    out = proc.stdout + proc.stderr
+    data_before, data_after = (n // 2 if strategy is MESH_2X2 else n for n in (before, after))
+    assert (f"written by {before} process(es) with {after} (the data split {data_before} ways, "
+            f"now {data_after})") in out and "not bitwise exact" in out
+    assert curve(run_dir)[8]["train/loss"] > 0
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_a_checkpoint_of_another_data_split_on_as_many_processes_is_resharded_not_misread(
+        tensor_parallel, tmp_path):
+    """Tensor parallel (2 processes, data split 1 way) resumed as FSDP (2 processes, split 2
+    ways): as many processes, but each rank's saved data position and random streams are
+    another split's; read by rank they would be silently wrong. It resumes as on another
+    number of processes: weights exact, the rule said."""
+    proc, run_dir = run_job(tmp_path, "run", "trainer.strategy=fsdp", "trainer.max_steps=12",
+                            "sched.total_steps=10", "+task.dump=true",  # (the schedule as saved)
+                            f"resume={tensor_parallel / 'checkpoints' / 'step-00000010'}", nproc=2)
+    out = proc.stdout + proc.stderr
+    assert "written by 2 process(es) with 2 (the data split 1 ways, now 2)" in out
+    _assert_same(torch.load(tensor_parallel / "end.pt", weights_only=False),
+                 torch.load(run_dir / "start.pt", weights_only=False))
+    assert max(curve(run_dir)) == 12  # and trained on
