@@ -249,7 +249,7 @@ class Trainer:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy.finish_setup(self.val_loader, several)
+        self._strategy.finish_setup(self.val_loader, several, self.train_loader, self.metrics)
         self._manual = ManualSteps(  # several optimizers: the step training_step drives
             self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
             update=self._update, strategy=self._strategy, guard=self._guard, declared=self._declared,

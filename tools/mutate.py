@@ -332,7 +332,7 @@ mutation("every rank's RNG state in the checkpoint", CKPTR,
          "        per_rank = p.strategy.gather(mine)", "        per_rank = [mine]",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
 mutation("resume needs the same number of processes", CKPTR,
-         '        if len(state["per_rank"]) != o.ranks.world_size:', "        if False:",
+         '        if saved != tuple(p.strategy.layout):', "        if False:",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
 mutation("only rank 0 writes event files", COMPONENTS,
          'for key in ("callbacks", "logger") if is_main else ("callbacks",):',
@@ -1397,6 +1397,12 @@ mutation("mesh: a stop signal on one rank reaches every rank", "saferun/parallel
          "        summed = torch.stack(list(votes.values())).tolist()",
          f"{MESH}::test_a_stop_on_one_rank_stops_both_and_the_resume_equals_the_uninterrupted_run_bitwise",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
+mutation("mesh: with tensor parallel a stream is refused", "saferun/parallel/mesh.py",
+         "    if train_loader is not None and isinstance(train_loader.dataset, IterableDataset):",
+         "    if False:", f"{MESH}::test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them")
+mutation("mesh: with tensor parallel torchmetrics are refused", "saferun/parallel/mesh.py",
+         "    if metrics:\n        raise ConfigError(", "    if False:\n        raise ConfigError(",
+         f"{MESH}::test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them")
 mutation("mesh: a checkpoint of another data split is resharded, not read by rank", CKPTR,
          '        saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)',
          '        saved = (len(state["per_rank"]),) * 2', f"{MESH}::test_a_checkpoint_of_another_data_split_"

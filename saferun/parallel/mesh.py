@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from ..errors import ConfigError
 from . import distributed, fsdp
@@ -83,6 +84,26 @@ def apply_plan(holder: Any, model: nn.Module, mesh: Any, layout: Layout) -> None
                           f"split no parameter over mesh[\"tp\"]: the ranks of each tensor-parallel "
                           f"group would all compute the whole model. Override parallelize with "
                           f"the model's plan (docs/distributed.md), or set trainer.parallel.tp=1.")
+
+
+def check_data(layout: Layout, train_loader: Any, metrics: Any) -> None:
+    """With tp > 1, refuse what would split or reduce over every rank instead of the data
+    dimension: a stream that splits itself by global rank (`ShardedStream`, `shard_index`), and
+    torchmetrics objects, which sync over every rank (each group's state tp times)."""
+    if layout.tp == 1:
+        return
+    if train_loader is not None and isinstance(train_loader.dataset, IterableDataset):
+        raise ConfigError(
+            f"trainer.parallel.tp={layout.tp} with a training stream ({type(train_loader.dataset).__name__}, "
+            f"an IterableDataset): a stream splits itself by global rank, so the ranks of one "
+            f"tensor-parallel group would read different batches. Use a map-style Dataset "
+            f"(saferun splits it over the data dimension), or trainer.parallel.tp=1.")
+    if metrics:
+        raise ConfigError(
+            f"trainer.parallel.tp={layout.tp} with build_metrics() ({', '.join(metrics)}): "
+            f"torchmetrics syncs over every rank, counting each tensor-parallel group's samples "
+            f"tp times. Return the values from validation_step instead (saferun reduces them over "
+            f"the data dimension), or set trainer.parallel.tp=1.")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

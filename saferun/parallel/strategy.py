@@ -7,7 +7,8 @@ reads the same in one process and under torchrun.
   mesh its data dimension (the ranks of one tensor-parallel group see the same batches).
 - `prepare(model)`: in setup, before the optimizer is built: the model made ready in place
   (FSDP: sharded with `fully_shard`; a mesh: the task's `parallelize(model, mesh)`, then sharded).
-- `finish_setup(val_loader, several)`: at the end of setup, with the loaders and optimizers
+- `finish_setup(val_loader, several, train_loader, metrics)`: at the end of setup, with the
+  loaders, optimizers and stateful metrics
   built (DDP: its wrapper, see `GradientSync`, with several optimizers each averaging its own
   gradients; FSDP: every rank validates on as many batches).
 - `micro_batch(last)`: around each micro-batch's forward and backward (DDP: the wrapped model
@@ -68,7 +69,8 @@ class Strategy:
     def prepare(self, model: nn.Module) -> None:
         """In setup, before the optimizer is built: make `model` ready in place."""
 
-    def finish_setup(self, val_loader: Any, several: bool) -> None:
+    def finish_setup(self, val_loader: Any, several: bool, train_loader: Any = None,
+                     metrics: Any = ()) -> None:
         """At the end of setup. `several`: build_optimizer named several optimizers."""
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
@@ -121,7 +123,8 @@ class DataParallel(Strategy):
         it (the trainable parameters final, compiled if trainer.compile)."""
         self._module = model
 
-    def finish_setup(self, val_loader: Any, several: bool) -> None:
+    def finish_setup(self, val_loader: Any, several: bool, train_loader: Any = None,
+                     metrics: Any = ()) -> None:
         """The DDP wrapper (its constructor makes rank 0's weights everyone's); `several`:
         each optimize() averages its own optimizer's gradients."""
         self._sync = ddp.GradientSync(self._module, self._device, self._find_unused,
@@ -165,7 +168,8 @@ class FullyShardedDataParallel(Strategy):
         fsdp.shard_model(model, self._t, self._ranks, self._device)
         self._sync = fsdp.ShardedSync(model)
 
-    def finish_setup(self, val_loader: Any, several: bool) -> None:
+    def finish_setup(self, val_loader: Any, several: bool, train_loader: Any = None,
+                     metrics: Any = ()) -> None:
         fsdp.check_even_evaluation(val_loader, self._t.limit_val_batches)
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
@@ -206,8 +210,10 @@ class MeshParallel(Strategy):
                              self.mesh[mesh.DP])
             self._sync = fsdp.ShardedSync(model)
 
-    def finish_setup(self, val_loader: Any, several: bool) -> None:
+    def finish_setup(self, val_loader: Any, several: bool, train_loader: Any = None,
+                     metrics: Any = ()) -> None:
         fsdp.check_even_evaluation(val_loader, self._t.limit_val_batches)
+        mesh.check_data(self._layout, train_loader, metrics)
 
     def micro_batch(self, last: bool) -> ContextManager[None]:
         if self._sync is None:

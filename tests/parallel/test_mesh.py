@@ -16,7 +16,7 @@ import torch
 
 from saferun import ConfigError
 from saferun.parallel import distributed
-from saferun.parallel.mesh import Layout, apply_plan
+from saferun.parallel.mesh import Layout, apply_plan, check_data
 
 from helpers import free_port
 
@@ -116,6 +116,24 @@ def test_a_plan_that_replaces_the_model_or_splits_nothing_is_refused():
                                           r"split no parameter"):
         apply_plan(Holder(), model, None, Layout(1, 2))
     apply_plan(Holder(), model, None, Layout(2, 1))  # no tensor parallel: nothing to split
+
+
+def test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them():
+    """Both would go over every rank, not the data dimension: a stream splits itself by
+    global rank, torchmetrics syncs each group's state tp times."""
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(ConfigError, match=r"trainer.parallel.tp=2 with a training stream \(Stream"):
+        check_data(Layout(1, 2), DataLoader(Stream()), {})
+    table = DataLoader(TensorDataset(torch.zeros(4, 1)))
+    with pytest.raises(ConfigError, match=r"trainer.parallel.tp=2 with build_metrics\(\) \(acc\)"):
+        check_data(Layout(1, 2), table, {"acc": object()})
+    check_data(Layout(1, 2), table, {})
+    check_data(Layout(2, 1), DataLoader(Stream()), {"acc": object()})  # no tensor parallel
 
 
 def _trainer_config(tp: int, **trainer):
