@@ -709,10 +709,11 @@ class Trainer:
         check_out_dir(run_dir, out_dir)  # test() writes there: never into a run's own logs
         config["trainer"] = {**config["trainer"], "run_dir": out_dir}
         config["resume"] = None  # the weights are loaded below; nothing of the run resumed
-        if config["trainer"].get("strategy") == "fsdp":
+        strategy = config["trainer"].get("strategy")
+        if strategy in ("fsdp", "mesh"):  # sharded or split: the exported weights are whole
             if distributed.ranks_from_env().world_size > 1:
                 raise SaferunError(
-                    f"from_run({run_dir!r}) under torchrun with trainer.strategy=fsdp: the "
+                    f"from_run({run_dir!r}) under torchrun with trainer.strategy={strategy}: the "
                     f"exported weights are whole; evaluate them in one process (it builds the "
                     f"model unsharded).")
             config["trainer"]["strategy"] = "auto"  # whole weights, one process: no sharding

@@ -1404,6 +1404,9 @@ mutation("mesh: with tensor parallel a stream is refused", "saferun/parallel/mes
 mutation("mesh: with tensor parallel torchmetrics are refused", "saferun/parallel/mesh.py",
          "    if metrics:\n        raise ConfigError(", "    if False:\n        raise ConfigError(",
          f"{MESH}::test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them")
+mutation("mesh: from_run evaluates a mesh run's whole weights in one process", T,
+         '        if strategy in ("fsdp", "mesh"):', '        if strategy == "fsdp":',
+         f"{MESH}::test_a_tensor_parallel_run_is_evaluated_from_its_directory_in_one_process")
 mutation("mesh: a checkpoint of another data split is resharded, not read by rank", CKPTR,
          '        saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)',
          '        saved = (len(state["per_rank"]),) * 2', f"{MESH}::test_a_checkpoint_of_another_data_split_"

@@ -82,6 +82,18 @@ def test_tensor_parallel_equals_one_process_at_every_step(one_process, tensor_pa
     assert got[10]["train/seen"] == 32  # one step's batch, counted once (not once per rank)
 
 
+def test_a_tensor_parallel_run_is_evaluated_from_its_directory_in_one_process(
+        tensor_parallel, tmp_path, monkeypatch):
+    """from_run builds the model whole (no mesh in one process) with model.pt's weights:
+    validation equals the run's last one."""
+    monkeypatch.syspath_prepend(str(HERE))
+    from mesh_job import CountingCharLM
+
+    trainer = CountingCharLM.from_run(str(tensor_parallel), "last", out_dir=str(tmp_path / "eval"))
+    metrics = trainer.validate()
+    assert metrics["val/loss"] == pytest.approx(curve(tensor_parallel)[10]["val/loss"], rel=TOLERANCE)
+
+
 def test_a_mesh_that_does_not_fit_the_job_is_refused_naming_the_key():
     t = _trainer_config(tp=3)
     with pytest.raises(ConfigError, match=r"trainer.parallel: dp_shard=None x tp=3 must be the number of processes, 4"):
