@@ -1407,6 +1407,9 @@ mutation("mesh: with tensor parallel torchmetrics are refused", "saferun/paralle
 mutation("mesh: from_run evaluates a mesh run's whole weights in one process", T,
          '        if strategy in ("fsdp", "mesh"):', '        if strategy == "fsdp":',
          f"{MESH}::test_a_tensor_parallel_run_is_evaluated_from_its_directory_in_one_process")
+mutation("mesh: several optimizers on a mesh are refused", "saferun/loop/optimizers.py",
+         '(t.strategy in ("fsdp", "mesh"), f"is {t.strategy}', '(t.strategy == "fsdp", f"is {t.strategy}',
+         f"{MESH}::test_several_optimizers_on_a_mesh_are_refused_naming_the_strategy")
 mutation("mesh: a checkpoint of another data split is resharded, not read by rank", CKPTR,
          '        saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)',
          '        saved = (len(state["per_rank"]),) * 2', f"{MESH}::test_a_checkpoint_of_another_data_split_"

@@ -148,6 +148,14 @@ def test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them()
     check_data(Layout(2, 1), DataLoader(Stream()), {"acc": object()})  # no tensor parallel
 
 
+def test_several_optimizers_on_a_mesh_are_refused_naming_the_strategy():
+    from saferun.config import load_config
+    from saferun.loop.optimizers import check_config
+
+    with pytest.raises(ConfigError, match="trainer.strategy is mesh: each optimize"):
+        check_config(load_config({"trainer": {"strategy": "mesh"}}))
+
+
 def _trainer_config(tp: int, **trainer):
     from saferun.config import load_config
 
