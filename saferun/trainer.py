@@ -114,9 +114,16 @@ class Trainer:
     def build_dataloaders(self, train: Dataset, val: Optional[Dataset]
                           ) -> tuple[DataLoader, Optional[DataLoader]]:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
-        data = self._strategy.data  # the data-parallel ranks (a mesh's data dimension)
+        data = self.data_ranks
         return make_loaders(train, val, self.cfg.trainer, self.cfg.seed, data.rank,
                             data.world_size, self._pin_memory(), self.build_collate_fn())
+
+    @property
+    def data_ranks(self) -> distributed.Ranks:
+        """After setup's strategy: the ranks the data is split over, and this one's place among
+        them (`.rank`, `.world_size`; `.group` for collectives): every rank under DDP and FSDP,
+        the "dp_shard" dimension on a mesh. A build_dataloaders override splits by these."""
+        return self._strategy.data
 
     def _pin_memory(self) -> bool:
         pin = self.cfg.trainer.pin_memory

@@ -1382,8 +1382,8 @@ mutation("mesh: a tensor-parallel group draws one random stream (seeded per data
          MESH_PARITY, also=(("            seed_everything(derive_seed(self.cfg.seed, data.rank))",
                              "            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))"),))
 mutation("mesh: the loaders split the data over the data-parallel ranks", T,
-         "        data = self._strategy.data  # the data-parallel ranks (a mesh's data dimension)",
-         "        data = self.ranks", MESH_PARITY)
+         "        data = self.data_ranks\n        return make_loaders(",
+         "        data = self.ranks\n        return make_loaders(", MESH_PARITY)
 mutation("mesh: self.log reductions over the data dimension only", "saferun/loop/metrics.py",
          "self.folded.reduced(device, data.group)", "self.folded.reduced(device)", MESH_PARITY)
 mutation("mesh: the gradient norm of every mesh's whole tensors", "saferun/loop/update.py",

@@ -8,9 +8,9 @@ reads the same in one process and under torchrun.
 - `prepare(model)`: in setup, before the optimizer is built: the model made ready in place
   (FSDP: sharded with `fully_shard`; a mesh: the task's `parallelize(model, mesh)`, then sharded).
 - `finish_setup(val_loader, several, train_loader, metrics)`: at the end of setup, with the
-  loaders, optimizers and stateful metrics
-  built (DDP: its wrapper, see `GradientSync`, with several optimizers each averaging its own
-  gradients; FSDP: every rank validates on as many batches).
+  loaders, optimizers and stateful metrics built (DDP: its wrapper, see `GradientSync`, with
+  several optimizers each averaging its own gradients; FSDP: every rank validates on as many
+  batches; a mesh: also no stream or torchmetrics with tensor parallel).
 - `micro_batch(last)`: around each micro-batch's forward and backward (DDP: the wrapped model
   and the gradient average after the last micro-batch's backward).
 - `after_evaluation(model)`: after each evaluation pass (FSDP: the parameters put back in
@@ -128,7 +128,7 @@ class DataParallel(Strategy):
         """The DDP wrapper (its constructor makes rank 0's weights everyone's); `several`:
         each optimize() averages its own optimizer's gradients."""
         self._sync = ddp.GradientSync(self._module, self._device, self._find_unused,
-                                              manual=several)
+                                      manual=several)
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
