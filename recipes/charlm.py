@@ -27,7 +27,7 @@ import math
 import random
 import sysconfig
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -124,13 +124,16 @@ def datasets(context: int = 64, max_chars: int = 1_000_000, val_fraction: float 
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block: causal self-attention, then an MLP, each residual."""
+    """Pre-norm Transformer block: causal self-attention, then an MLP, each residual.
+
+    `qkv`'s outputs are grouped by head (each head's query, key and value side by side), so
+    that tensor parallel, splitting them in contiguous parts, gives each rank whole heads."""
 
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of heads ({heads}).")
-        self.heads = heads
+        self.heads, self.head_dim = heads, d_model // heads
         self.norm1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -139,12 +142,12 @@ class Block(nn.Module):
                                  nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(C, dim=2)  # each (B, T, C)
-        # (B, heads, T, C // heads): attention runs per head
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, C // heads)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        B, T, _ = x.shape
+        # (B, T, heads, 3, head_dim); under tensor parallel this rank's heads only
+        qkv = self.qkv(self.norm1(x)).view(B, T, -1, 3, self.head_dim)
+        q, k, v = qkv.transpose(1, 2).unbind(3)  # each (B, heads, T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -187,6 +190,27 @@ class CharLMTrainer(saferun.Trainer):
     def tokens_per_sample(self) -> Optional[int]:
         """A window's characters: each is a next-character prediction (perf/tokens_per_sec)."""
         return getattr(self.train_loader.dataset if self.train_loader else None, "context", None)
+
+    def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """trainer.strategy=mesh: tensor parallel over mesh["tp"] (Megatron's plan): in each
+        block, qkv and the MLP's first layer split by output (whole heads per rank), proj and
+        the MLP's last layer by input, their outputs summed over the group. The embeddings,
+        norms and head stay whole on every rank (FSDP2 shards them over "dp_shard")."""
+        tp = mesh["tp"]
+        if tp.size() == 1:
+            return model
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        for i, block in enumerate(cast(nn.Sequential, model.blocks)):
+            if block.heads % tp.size():
+                raise saferun.ConfigError(
+                    f"trainer.parallel.tp={tp.size()} does not divide model.heads={block.heads} "
+                    f"(block {i}): each rank must hold whole attention heads. Choose tp among "
+                    f"the divisors of model.heads.")
+            parallelize_module(block, tp, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                           "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+        return model
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch  # (B, T) each

@@ -17,11 +17,11 @@ from typing import Any, Mapping, Optional
 from .errors import ConfigError
 from .guards.policies import POLICIES
 from .loop.settings import EmaConfig
-from .parallel.settings import FSDPConfig
+from .parallel.settings import FSDPConfig, ParallelConfig
 from .sweep.settings import SweepConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-STRATEGIES = ("auto", "ddp", "fsdp")
+STRATEGIES = ("auto", "ddp", "fsdp", "mesh")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 DEFAULT_MAX_STEPS = 1000  # trainer.max_steps when neither it nor trainer.max_epochs is set
@@ -112,10 +112,13 @@ class TrainerConfig:
     ema: EmaConfig = field(default_factory=EmaConfig)  # weight averaging, see EmaConfig
     strategy: str = "auto"
     """Under torchrun: ddp (every rank holds the whole model), fsdp (parameters, gradients and
-    optimizer state sharded over the ranks, FSDP2) or auto (ddp under torchrun, else one
-    process)."""
+    optimizer state sharded over the ranks, FSDP2), mesh (a device mesh of trainer.parallel's
+    shape: the task's parallelize() plan, e.g. tensor parallel, and FSDP2 over the data
+    dimension) or auto (ddp under torchrun, else one process)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """trainer.strategy=fsdp's settings."""
+    """trainer.strategy=fsdp's settings (and mesh's, for its data dimension)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """trainer.strategy=mesh: the device mesh's shape (dp_shard x tp)."""
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None:

@@ -127,8 +127,16 @@ class Trainer:
     def build_dataloaders(self, train: Dataset, val: Optional[Dataset]
                           ) -> tuple[DataLoader, Optional[DataLoader]]:
         """Return (train loader, val loader or None), seeded and pinned per the config."""
-        return make_loaders(train, val, self.cfg.trainer, self.cfg.seed, self.state.rank,
-                            self.state.world_size, self._pin_memory(), self.build_collate_fn())
+        data = self.data_ranks
+        return make_loaders(train, val, self.cfg.trainer, self.cfg.seed, data.rank,
+                            data.world_size, self._pin_memory(), self.build_collate_fn())
+
+    @property
+    def data_ranks(self) -> distributed.Ranks:
+        """After setup's strategy: the ranks the data is split over, and this one's place among
+        them (`.rank`, `.world_size`; `.group` for collectives): every rank under DDP and FSDP,
+        the "dp_shard" dimension on a mesh. A build_dataloaders override splits by these."""
+        return self._strategy.data
 
     def _pin_memory(self) -> bool:
         pin = self.cfg.trainer.pin_memory
@@ -159,6 +167,13 @@ class Trainer:
     def build_metrics(self) -> Mapping[str, Any]:
         """{name: torchmetrics.Metric}: validation_step updates self.metrics[name]; val/<name>."""
         return {k: instantiate_node(f"metrics.{k}", n) for k, n in (self.cfg.metrics or {}).items() if n}
+
+    def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """trainer.strategy=mesh: apply the model's parallel plan in place and return the model,
+        e.g. `parallelize_module(model, mesh["tp"], {...})` (tensor parallel). Called once in
+        setup on the built model, with a DeviceMesh of trainer.parallel's shape (dimensions
+        "dp_shard", "tp"); FSDP2 then shards it over "dp_shard". Default: the model as is."""
+        return model
 
     def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """Return the scalar loss, or a dict with 'loss' plus other scalars to log."""
@@ -222,15 +237,16 @@ class Trainer:
         apply_activation_checkpointing(self.model, t.activation_checkpointing)  # before fsdp shards
         self._strategy = strategy_for(t, self.ranks, self.device, self.state, self)
         self._strategy.prepare(self.model)  # before the optimizer: fsdp shards in place
-        if self.ranks.world_size > 1:
-            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank
+        data = self._strategy.data  # the ranks the data is split over
+        if data.world_size > 1:  # dropout etc. per data rank (a tensor-parallel group: one stream)
+            seed_everything(derive_seed(self.cfg.seed, data.rank))
         train_set, val_set, self._test_set = split_datasets(self.build_datasets(), type(self).__name__)
-        check_datasets(train_set, val_set, self.ranks.world_size)
+        check_datasets(train_set, val_set, data.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
-        check_training_loader(self.train_loader, self.ranks.world_size)
+        check_training_loader(self.train_loader, data.world_size)
         self._plan_threads()
-        check_evaluation_limit(self.val_loader, t, self.ranks.world_size)  # same samples on any
-        setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
+        check_evaluation_limit(self.val_loader, t, data.world_size)  # same samples on any
+        setup_warnings(model, self._frozen, t, self.train_loader, data.world_size)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
@@ -245,7 +261,8 @@ class Trainer:
         self.metrics = stateful.prepared_metrics(self.build_metrics(), self.device, self.cfg.metrics)
         self._evaluator = Evaluator(self.model, self.device, self._non_blocking, self._autocast,
                                     t.eval_grad_mode, self.cfg.guards.eval_purity, self.metrics,
-                                    self._explain_failure, self.cfg.guards.declared_modes)
+                                    self._explain_failure, self.cfg.guards.declared_modes,
+                                    self._strategy.after_evaluation, data.group)
         self.state.run_dir = t.run_dir or default_run_dir()
         self._callbacks = CallbackList(self._user_callbacks + configured_callbacks(
             self.cfg, self.ranks.is_main, self.device.type))
@@ -256,14 +273,15 @@ class Trainer:
         self._stop_signals = StopSignals(t.stop_signals)
         self._setup_guards()
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
-                                    self._check_first_batch)
+                                    self._check_first_batch, data)
         self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
-        self._update = OptimizerUpdate(self._scaler, self._guard, self._habits, t.max_grad_norm)
+        self._update = OptimizerUpdate(self._scaler, self._guard, self._habits, t.max_grad_norm,
+                                       self._strategy.meshes)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
             self.model.compile(backend=t.compile_backend)
-        self._strategy.finish_setup(self.val_loader, several)
+        self._strategy.finish_setup(self.val_loader, several, self.train_loader, self.metrics)
         self._manual = ManualSteps(  # several optimizers: the step training_step drives
             self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
             update=self._update, strategy=self._strategy, guard=self._guard, declared=self._declared,
@@ -432,7 +450,7 @@ class Trainer:
         self._checkpointer.check_evaluated_weights("validate")
         if self.val_loader is None:
             return {}
-        set_loader_epoch(self.val_loader, self.cfg.seed, 0, self.state.rank)
+        set_loader_epoch(self.val_loader, self.cfg.seed, 0, self._strategy.data.rank)
         stopped = lambda: self.ranks.world_size == 1 and self._stop_signals.received is not None  # noqa: E731
         self._logbook.take()  # (media of a validate() outside fit, never written: not these)
         metrics = averaging.validate_both(self, self._ema, self._evaluator, lambda e: self.finish_validation(
@@ -456,7 +474,7 @@ class Trainer:
                                             self.ranks.is_main, self._strategy.sharded)
             means = self._logbook.joined({}, "on_evaluate")
             folded.merge(self._logbook.take_folded())
-            return means, folded.reduced(self.device)
+            return means, folded.reduced(self.device, self._strategy.data.group)
 
         return evaluator.validate(self.val_loader if val else loader, step_fn,  # type: ignore[arg-type]  # validation needs a val_loader
                                   self.batch_size,
@@ -528,7 +546,7 @@ class Trainer:
         t, dataset = self.cfg.trainer, self._test_set if data is None else data
         assert dataset is not None  # (refused above)
         return evaluation_loader(dataset, t, None, **loader_options(
-            t, self.cfg.seed, self.ranks.rank, self.ranks.world_size, self._pin_memory(),
+            t, self.cfg.seed, self._strategy.data.rank, self._strategy.data.world_size, self._pin_memory(),
             self.build_collate_fn()))
 
     def predict(self, data: Dataset | DataLoader) -> Any:
@@ -654,7 +672,7 @@ class Trainer:
     def _check_compile(self) -> None:
         """Compiled against eager on the first training batch (see `check_compiled_step`)."""
         assert self.train_loader is not None
-        batch = first_batch(self.train_loader, self.cfg.seed, self.state.rank, self.device,
+        batch = first_batch(self.train_loader, self.cfg.seed, self._strategy.data.rank, self.device,
                             self._non_blocking)
         check_compiled_step(self.training_step, batch, self.model, self._frozen,
                             self._evaluator.evaluating,
@@ -745,9 +763,10 @@ class Trainer:
 
     def _log(self) -> Optional[Control]:
         g = self.cfg.guards
-        extra = {"train/param_norm": total_norm(self._params)} if g.check_params else {}
+        extra = {"train/param_norm": total_norm(self._params, self._strategy.meshes)} \
+            if g.check_params else {}
         agreement, signals = self._strategy.agreement, self._stop_signals
-        metrics = self._running.read(extra, agreement.stop_votes(signals), self.ranks.world_size)
+        metrics = self._running.read(extra, agreement.stop_votes(signals), self._strategy.data)
         agreement.count_stop_votes(metrics, signals)
         media = self._running.media
         if not self._guard.log_point_good(metrics):
@@ -788,10 +807,11 @@ class Trainer:
         check_out_dir(run_dir, out_dir)  # test() writes there: never into a run's own logs
         config["trainer"] = {**config["trainer"], "run_dir": out_dir}
         config["resume"] = None  # the weights are loaded below; nothing of the run resumed
-        if config["trainer"].get("strategy") == "fsdp":
+        strategy = config["trainer"].get("strategy")
+        if strategy in ("fsdp", "mesh"):  # sharded or split: the exported weights are whole
             if distributed.ranks_from_env().world_size > 1:
                 raise SaferunError(
-                    f"from_run({run_dir!r}) under torchrun with trainer.strategy=fsdp: the "
+                    f"from_run({run_dir!r}) under torchrun with trainer.strategy={strategy}: the "
                     f"exported weights are whole; evaluate them in one process (it builds the "
                     f"model unsharded).")
             config["trainer"]["strategy"] = "auto"  # whole weights, one process: no sharding

@@ -22,7 +22,7 @@ from typing import Any
 
 from saferun import config
 from saferun.loop.settings import EmaConfig
-from saferun.parallel.settings import FSDPConfig
+from saferun.parallel.settings import FSDPConfig, ParallelConfig
 from saferun.sweep.settings import SweepConfig
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
@@ -46,7 +46,8 @@ EXTRA_ALLOWED = {
     "resume": "auto, fresh, a checkpoint's or run directory's path, null",
 }
 SECTIONS = [("trainer", config.TrainerConfig), ("trainer.ema", EmaConfig),
-            ("trainer.fsdp", FSDPConfig), ("guards", config.GuardsConfig), ("sweep", SweepConfig),
+            ("trainer.fsdp", FSDPConfig), ("trainer.parallel", ParallelConfig),
+            ("guards", config.GuardsConfig), ("sweep", SweepConfig),
             ("", config.Config)]
 
 
@@ -137,7 +138,8 @@ def render() -> str:
              "`_target_` nodes (`optim`, `sched`, `model`, `data`, ...) take the keyword "
              "arguments of their target, checked against its signature.", ""]
     titles = {"trainer": "The loop (`trainer.`)", "trainer.ema": "Weight averaging (`trainer.ema.`)",
-              "trainer.fsdp": "Sharding (`trainer.fsdp.`)", "guards": "Guards (`guards.`)",
+              "trainer.fsdp": "Sharding (`trainer.fsdp.`)",
+              "trainer.parallel": "Device mesh (`trainer.parallel.`)", "guards": "Guards (`guards.`)",
               "sweep": "Sweeps (`sweep.`)",
               "": "The run (top-level keys)"}
     for prefix, cls in SECTIONS:

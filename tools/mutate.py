@@ -137,14 +137,14 @@ mutation("clip after unscale", UPD,
          "            scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones\n",
          "            pass\n",
          f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured",
-         also=(("        norm = clip_or_measure(params, self._max_grad_norm)\n",
-                "        norm = clip_or_measure(params, self._max_grad_norm)\n        scaler.unscale_(optimizer)\n"),))
+         also=(("        norm = clip_or_measure(params, self._max_grad_norm, self._meshes)\n",
+                "        norm = clip_or_measure(params, self._max_grad_norm, self._meshes)\n        scaler.unscale_(optimizer)\n"),))
 mutation("clip to max_grad_norm", UPD,
-         "clip_or_measure(params, self._max_grad_norm)",
-         "clip_or_measure(params, None)",
+         "clip_or_measure(params, self._max_grad_norm, self._meshes)",
+         "clip_or_measure(params, None, self._meshes)",
          f"{STEP}::test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm")
 mutation("measure the norm without clip_grad_norm_(inf)", "saferun/loop/steps.py",
-         "        return total_norm([p.grad for p in params if p.grad is not None])",
+         "        return total_norm([p.grad for p in params if p.grad is not None], meshes)",
          '        return torch.nn.utils.clip_grad_norm_(params, float("inf"))',
          f"{STEP}::test_measuring_without_clipping_never_touches_gradients")
 mutation("accumulation weights micro-batches", T,
@@ -304,14 +304,14 @@ mutation("validation shards without padding", "saferun/data.py",
          "        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)",
          "tests/unit/test_data.py::test_validation_shards_hold_every_sample_exactly_once")
 mutation("each rank seeds its own randomness", T,
-         "            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))  # dropout etc. per rank",
+         "            seed_everything(derive_seed(self.cfg.seed, data.rank))",
          "            pass", f"{RANKS}::test_ranks_draw_their_own_randomness_and_split_the_data_anew_every_epoch")
 # ---------------------------------------------------------------- distributed
 mutation("logged metrics averaged over ranks", "saferun/metrics.py",
          "            stacked[:averaged] /= world_size", "            pass",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
 mutation("validation metrics over every rank's shard", "saferun/loop/metrics.py",
-         "        reduced = distributed.all_reduce(torch.stack([c.to(device) for c in columns])) \\\n",
+         "        reduced = distributed.all_reduce(torch.stack([c.to(device) for c in columns]), group=group) \\\n",
          "        reduced = torch.stack([c.to(device) for c in columns]) \\\n",
          f"{RANKS}::test_validation_counts_every_sample_once")
 mutation("no_sync on every micro-batch but the last", "saferun/distributed.py",
@@ -325,14 +325,14 @@ mutation("training forwards go through DDP", STRATEGY,  # DataParallel falls bac
          '        """Average the gradients',
          f"{RANKS}::test_no_gradient_all_reduce_before_a_steps_last_micro_batch")
 mutation("find_unused_parameters reaches DDP", STRATEGY,
-         "distributed.GradientSync(self._module, self._device, self._find_unused,",
-         "distributed.GradientSync(self._module, self._device, False,",
+         "ddp.GradientSync(self._module, self._device, self._find_unused,",
+         "ddp.GradientSync(self._module, self._device, False,",
          f"{RANKS}::test_logged_metrics_are_averaged_over_ranks")
 mutation("every rank's RNG state in the checkpoint", CKPTR,
          "        per_rank = p.strategy.gather(mine)", "        per_rank = [mine]",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
 mutation("resume needs the same number of processes", CKPTR,
-         '        if len(state["per_rank"]) != o.ranks.world_size:', "        if False:",
+         '        if saved != tuple(p.strategy.layout):', "        if False:",
          f"{RANKS}::test_resuming_with_another_number_of_processes_is_refused")
 mutation("only rank 0 writes event files", COMPONENTS,
          'for key in ("callbacks", "logger") if is_main else ("callbacks",):',
@@ -483,7 +483,7 @@ mutation("checked before each validation", T,
          "        if False:\n            return None  # rolled back",
          f"{NONFINITE}::test_a_non_finite_step_is_caught_before_validation")
 mutation("check_params adds the parameters", T,
-         'extra = {"train/param_norm": total_norm(self._params)} if g.check_params else {}',
+         'extra = {"train/param_norm": total_norm(self._params, self._strategy.meshes)} \\\n            if g.check_params else {}',
          "extra = {}",
          f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
 mutation("non-finite parameters are bad", T,
@@ -753,7 +753,7 @@ mutation("the weight average is resumed from the checkpoint", CKPTR,
          '            p.ema.load_state_dict(None)\n        loop = state["loop"]',
          f"{RESUME}::test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights")
 mutation("under torchrun the ranks agree on the logged keys", "saferun/loop/metrics.py",
-         "            keys = distributed.union(keys)\n", "            pass\n",
+         "            keys = distributed.union(keys, data.group)\n", "            pass\n",
          "tests/parallel/test_rank_guarantees.py::test_logged_metrics_are_averaged_over_ranks")
 mutation("a resumed TensorBoard file sorts after the earlier ones", LOGGERS,
          "        if earlier and mine and min(mine) < max(earlier):\n",
@@ -1643,6 +1643,58 @@ mutation("first hour: a grid sweep's values are checked before any job", "saferu
 mutation("first hour: what Hydra's composition refuses is one error line", "saferun/cli/run.py",
          "        _check_composition(args)\n", "        pass\n",
          f"{FIRST}::test_a_mistaken_command_line_gets_one_error_line_and_leaves_nothing")
+
+
+# issue 34: mesh
+MESH = "tests/parallel/test_mesh.py"
+MESH_PARITY = f"{MESH}::test_tensor_parallel_equals_one_process_at_every_step"
+mutation("mesh: a tensor-parallel group draws one random stream (seeded per data rank)", T,
+         "        if data.world_size > 1:  # dropout etc. per data rank",
+         "        if self.ranks.world_size > 1:  # dropout etc. per data rank",
+         MESH_PARITY, also=(("            seed_everything(derive_seed(self.cfg.seed, data.rank))",
+                             "            seed_everything(derive_seed(self.cfg.seed, self.ranks.rank))"),))
+mutation("mesh: the loaders split the data over the data-parallel ranks", T,
+         "        data = self.data_ranks\n        return make_loaders(",
+         "        data = self.ranks\n        return make_loaders(", MESH_PARITY)
+mutation("mesh: self.log reductions over the data dimension only", "saferun/loop/metrics.py",
+         "self.folded.reduced(device, data.group)", "self.folded.reduced(device)", MESH_PARITY)
+mutation("mesh: the gradient norm of every mesh's whole tensors", "saferun/loop/update.py",
+         "        norm = _combined([_global(torch.nn.utils.get_total_norm([p.grad for p in g]))",
+         "        norm = _combined([torch.nn.utils.get_total_norm([getattr(p.grad, 'to_local', lambda: p.grad)() for p in g])",
+         MESH_PARITY)
+mutation("mesh: gradients on several meshes clipped per mesh", "saferun/loop/update.py",
+         "    if meshes:\n        groups = _by_mesh(", "    if False:\n        groups = _by_mesh(", MESH_PARITY)
+mutation("mesh: a stop signal on one rank reaches every rank", "saferun/parallel/agreement.py",
+         "        summed = all_reduce(torch.stack(list(votes.values()))).tolist()",
+         "        summed = torch.stack(list(votes.values())).tolist()",
+         f"{MESH}::test_a_stop_on_one_rank_stops_both_and_the_resume_equals_the_uninterrupted_run_bitwise",
+         known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written "
+               "(the job hangs: rank 1 saves while rank 0 trains on, until the collective timeout)")
+mutation("mesh: with tensor parallel a stream is refused", "saferun/parallel/mesh.py",
+         "    if train_loader is not None and isinstance(train_loader.dataset, IterableDataset):",
+         "    if False:", f"{MESH}::test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them")
+mutation("mesh: with tensor parallel torchmetrics are refused", "saferun/parallel/mesh.py",
+         "    if metrics:\n        raise ConfigError(", "    if False:\n        raise ConfigError(",
+         f"{MESH}::test_with_tensor_parallel_a_stream_or_torchmetrics_are_refused_naming_them")
+mutation("mesh: from_run evaluates a mesh run's whole weights in one process", T,
+         '        if strategy in ("fsdp", "mesh"):', '        if strategy == "fsdp":',
+         f"{MESH}::test_a_tensor_parallel_run_is_evaluated_from_its_directory_in_one_process")
+mutation("mesh: several optimizers on a mesh are refused", "saferun/loop/optimizers.py",
+         '(t.strategy in ("fsdp", "mesh"), f"is {t.strategy}', '(t.strategy == "fsdp", f"is {t.strategy}',
+         f"{MESH}::test_several_optimizers_on_a_mesh_are_refused_naming_the_strategy")
+mutation("mesh: a checkpoint of another data split is resharded, not read by rank", CKPTR,
+         '        saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)',
+         '        saved = (len(state["per_rank"]),) * 2', f"{MESH}::test_a_checkpoint_of_another_data_split_"
+         "on_as_many_processes_is_resharded_not_misread")
+mutation("mesh: parallelize must return the model it was given", "saferun/parallel/mesh.py",
+         "    if out is not model:", "    if False:",
+         f"{MESH}::test_a_plan_that_replaces_the_model_or_splits_nothing_is_refused")
+mutation("mesh: a tensor-parallel plan that splits nothing is refused", "saferun/parallel/mesh.py",
+         "    if layout.tp > 1 and not any(", "    if False and not any(",
+         f"{MESH}::test_a_plan_that_replaces_the_model_or_splits_nothing_is_refused")
+mutation("mesh: a mesh that does not fit the job is refused", "saferun/parallel/mesh.py",
+         "        if dp * p.tp != ranks.world_size:", "        if False:",
+         f"{MESH}::test_a_mesh_that_does_not_fit_the_job_is_refused_naming_the_key")
 
 
 # ---------------------------------------------------------------- the runner

@@ -118,6 +118,7 @@ class Checkpointer:
                      "owed": s.owed if s.owed and s.owed["step"] == s.step else None,
                      "validated_at": s.validated_at},
             "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
+            "layout": list(p.strategy.layout),  # (data ranks, ranks): whose shard per_rank holds
             "callbacks": p.callbacks.state_dict(),
             "config": dataclasses.asdict(o.cfg),
             "provenance": {"saferun": __version__, "torch": str(torch.__version__),
@@ -143,15 +144,17 @@ class Checkpointer:
         self.best = _best_record(loop["best"]) if self._same_best(state) else None
         o.state.owed = loop["owed"]
         o.state.validated_at = loop.get("validated_at", -1)
-        if len(state["per_rank"]) != o.ranks.world_size and formatted.reshards:
-            self._resharded(len(state["per_rank"]))
+        saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)  # (before: data = ranks)
+        if saved != tuple(p.strategy.layout) and formatted.reshards:
+            self._resharded(saved)
             p.callbacks.load_state_dict(state["callbacks"])
             return
-        if len(state["per_rank"]) != o.ranks.world_size:
+        if saved != tuple(p.strategy.layout):
             raise CheckpointError(
-                f"the checkpoint was written by {len(state['per_rank'])} process(es) and this run "
-                f"has {o.ranks.world_size}: each rank's RNG states and data shard would differ. "
-                f"Resume with the same number of processes.")
+                f"the checkpoint was written by {saved[1]} process(es) and this run has "
+                f"{o.ranks.world_size} (the data split {saved[0]} ways, now "
+                f"{p.strategy.layout[0]}): each rank's RNG states and data shard would differ. "
+                f"Resume with the same number of processes (and the same trainer.parallel).")
         mine = state["per_rank"][o.ranks.rank]
         p.running.load_state_dict(move_to_device(mine["running"], o.device))
         p.callbacks.load_state_dict(state["callbacks"])
@@ -161,16 +164,20 @@ class Checkpointer:
                 detector.load_state_dict(move_to_device(spikes[key], o.device))
         p.batches.resume(mine["rng"], mine["epoch_start"])
 
-    def _resharded(self, saved_world: int) -> None:
+    def _resharded(self, saved: tuple[int, ...]) -> None:
+        """Another number of processes, or another split of the data over them (a device mesh
+        of another shape): the model and optimizer were resharded exactly (DCP), the rest of
+        the data order rule is said here."""
         o, p = self._owner, self._parts()
         p.batches.resume(None, None)  # this run's own RNG streams and data shards
         if o.ranks.is_main:
             log.warning(
-                "Resumed a checkpoint written by %d process(es) with %d: the model and optimizer "
-                "were resharded, the step, epoch and position in it continue, but each rank's "
-                "data shard and random streams differ from the uninterrupted run's, so it is "
-                "not bitwise exact (it is with the same number of processes).",
-                saved_world, o.ranks.world_size)
+                "Resumed a checkpoint written by %d process(es) with %d (the data split %d ways, "
+                "now %d): the model and optimizer were resharded exactly, the step, epoch and "
+                "position in it continue, but each rank's data shard and random streams differ "
+                "from the uninterrupted run's, so it is not bitwise exact (it is with the same "
+                "number of processes and the same trainer.parallel).",
+                saved[1], o.ranks.world_size, saved[0], p.strategy.layout[0])
 
     # ------------------------------------------------------------------ resume
 

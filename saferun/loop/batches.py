@@ -29,13 +29,15 @@ class BatchStream:
         seed: the run's seed (each epoch's shuffle derives from it).
         state: the loop state; the stream advances its epoch and position.
         check_first_batch: check that the first worker batch holds only CPU tensors.
+        data: the data-parallel ranks the loader splits the data over (the strategy's).
     """
 
     def __init__(self, loader: DataLoader, t: Any, seed: int, state: LoopState,
-                 check_first_batch: bool) -> None:
+                 check_first_batch: bool, data: distributed.Ranks = distributed.Ranks()) -> None:
         self._loader, self._t, self._seed, self._state = loader, t, seed, state
+        self._data = data
         stream = loader.dataset  # shards that may differ in length: a stream that splits itself
-        self._uneven = state.world_size > 1 and isinstance(stream, ShardedStream) and stream.presplit
+        self._uneven = data.world_size > 1 and isinstance(stream, ShardedStream) and stream.presplit
         self._check_first_batch = check_first_batch
         self.epoch_start: Optional[dict[str, Any]] = None  # what this epoch is drawn from
         self.resume_epoch_start: Optional[dict[str, Any]] = None  # set by a resume
@@ -64,7 +66,7 @@ class BatchStream:
             # a second fit() after one that ended mid-epoch: continue as a resume would
             self.resume(get_rng_state(), self.epoch_start)
         while state.step < limit and (t.max_epochs is None or state.epoch < t.max_epochs):
-            set_loader_epoch(loader, self._seed, state.epoch, state.rank)
+            set_loader_epoch(loader, self._seed, state.epoch, self._data.rank)
             if self.resume_epoch_start is not None:  # a user-built loader draws from these
                 restore_epoch_state(loader, self.resume_epoch_start)
                 self.resume_epoch_start = None

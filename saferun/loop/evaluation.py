@@ -15,7 +15,6 @@ from .. import modes
 from ..guards.failure_site import record
 from ..guards.purity import changed as purity_changed
 from ..guards.purity import check_purity, fingerprint
-from ..parallel.fsdp import reshard
 from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
 from .stateful import compute_all, reset_all
@@ -30,25 +29,29 @@ class Evaluator:
                  autocast: Callable[[], ContextManager[Any]], eval_grad_mode: str,
                  purity: bool, metrics: Mapping[str, Any] = {},
                  explain: Optional[Callable[[BaseException], Optional[BaseException]]] = None,
-                 declared_modes: bool = True) -> None:
+                 declared_modes: bool = True, after: Callable[[nn.Module], None] = lambda m: None,
+                 group: Any = None) -> None:
         """`explain`: the Trainer's explanation of an error its step raised (guards/explain.py),
-        or None."""
+        or None. `after`: the strategy's step after each pass (FSDP: reshard the parameters);
+        `group`: the data-parallel ranks, over which the means are reduced (None: every rank)."""
         self._model, self._device, self._non_blocking = model, device, non_blocking
         # guards.declared_modes: every module stays in eval mode through each evaluation step
         self._modes = modes.DeclaredModes(model, (), evaluation=True) if declared_modes else None
         self._autocast, self._grad_mode, self._purity = autocast, eval_grad_mode, purity
         self._metrics = metrics  # stateful (torchmetrics): reset before a pass, computed after
         self._explain = explain
+        self._after, self._group = after, group
 
     def for_model(self, model: nn.Module) -> "Evaluator":
         """The same evaluation of another model (the averaged weights, trainer.ema)."""
         return Evaluator(model, self._device, self._non_blocking, self._autocast, self._grad_mode,
-                         self._purity, self._metrics, self._explain, self._modes is not None)
+                         self._purity, self._metrics, self._explain, self._modes is not None,
+                         self._after, self._group)
 
     def evaluating(self) -> contextlib.ExitStack:
         """Eval mode (every submodule's flag restored after), no autograd, autocast."""
         stack = contextlib.ExitStack()
-        stack.callback(reshard, self._model)  # last: FSDP leaves the root gathered after eval
+        stack.callback(self._after, self._model)  # last: FSDP leaves the root gathered after eval
         stack.enter_context(modes.evaluating(self._model, self._grad_mode))
         stack.enter_context(self._autocast())
         return stack
@@ -88,7 +91,7 @@ class Evaluator:
         probe = {"changed": purity_changed(before, fingerprint(self._model))} if before else {}
         computed = {**compute_all(self._metrics), **finished[1]}  # torchrun: every rank's state
         # one read: the means, the metrics and the purity flag
-        values, flags = means.read(probe, self._device, computed)
+        values, flags = means.read(probe, self._device, computed, self._group)
         check_purity(before, self._model, flags.get("changed", 0.0), self._grad_mode, step)
         if modes_seen is not None:  # after purity, whose message names the changed buffers
             self._modes.check(step, hook, modes_seen)  # type: ignore[union-attr]  # seen: declared

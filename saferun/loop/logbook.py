@@ -76,11 +76,12 @@ class Folded:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.values = {k: (v[0], v[1], int(v[2])) for k, v in state.items()}
 
-    def reduced(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """name -> the value over every rank, on the device (one collective under torchrun):
+    def reduced(self, device: torch.device, group: Any = None) -> dict[str, torch.Tensor]:
+        """name -> the value over the ranks of `group` (None: every rank), on the device (one
+        collective under torchrun):
         min, max, sum over ranks; last: the latest position's, from the lowest rank that had it."""
         keys = [f"{kind}:{name}" for name, (kind, _, _) in self.values.items()]
-        keys = distributed.union(keys)  # the same columns on every rank
+        keys = distributed.union(keys, group)  # the same columns on every rank
         if not keys:
             return {}
         rows = []
@@ -93,11 +94,11 @@ class Folded:
             else:
                 rows.append(torch.tensor([_IDENTITY[kind], -1.0], device=device))
         mine = torch.stack(rows)  # (keys, 2): value, position
-        world = distributed.dist.get_world_size() if distributed.dist.is_initialized() else 1
+        world = distributed.dist.get_world_size(group) if distributed.dist.is_initialized() else 1
         if world == 1:
             return {k.split(":", 1)[1]: mine[i, 0] for i, k in enumerate(keys)}
         every = [torch.empty_like(mine) for _ in range(world)]
-        distributed.dist.all_gather(every, mine)
+        distributed.dist.all_gather(every, mine, group=group)
         ranks = torch.stack(every)  # (world, keys, 2)
         out = {}
         for i, key in enumerate(keys):

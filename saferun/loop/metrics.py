@@ -80,13 +80,15 @@ class RunningTrainMetrics:
         self.media = [Media(**m) for m in state.get("media", [])]
 
     def read(self, extra: Mapping[str, torch.Tensor] = {}, totals: Mapping[str, torch.Tensor] = {},
-             world_size: int = 1) -> dict[str, float]:
-        """Means since the last reset, `extra` values and throughput; with several ranks, means
-        averaged and `totals` summed over ranks. One collective, one host read."""
+             data: distributed.Ranks = distributed.Ranks()) -> dict[str, float]:
+        """Means since the last reset, `extra` values and throughput; with several data ranks
+        (`data`: the strategy's), means averaged and `totals` summed over them. One collective,
+        one host read."""
+        world_size = data.world_size
         keys = list(dict.fromkeys(k for d in self.logs for k in d))  # (each step's, in order)
         ranked = world_size > 1
         if ranked:  # a rank may not have logged a key: every rank reduces the same columns
-            keys = distributed.union(keys)
+            keys = distributed.union(keys, data.group)
         names, columns = [], []
         sums = dict(totals)
         if self.losses:
@@ -112,9 +114,9 @@ class RunningTrainMetrics:
         columns += [v.float() for v in sums.values()]
         values: list[float] = []
         device = columns[0].device if columns else torch.device("cpu")
-        folded = {f"train/{k}": v for k, v in self.folded.reduced(device).items()}
+        folded = {f"train/{k}": v for k, v in self.folded.reduced(device, data.group).items()}
         if columns:
-            stacked = distributed.all_reduce(torch.stack(columns))
+            stacked = distributed.all_reduce(torch.stack(columns), group=data.group)
             stacked[:averaged] /= world_size
             stacked = torch.cat([stacked, *[v.reshape(1) for v in folded.values()]])
             values = stacked.tolist()
@@ -180,14 +182,16 @@ class WeightedMeans:
                 self.sums[k], self.counts[k] = weighted, n
 
     def read(self, extra: Mapping[str, torch.Tensor] = {}, device: Optional[torch.device] = None,
-             synced: Mapping[str, torch.Tensor] = {}) -> tuple[dict[str, float], dict[str, float]]:
+             synced: Mapping[str, torch.Tensor] = {}, group: Any = None
+             ) -> tuple[dict[str, float], dict[str, float]]:
         """(means and `synced`, sums of `extra`), over every rank's batches: one collective, one
         host read. `synced`: values already the same on every rank (computed metrics), read as is.
+        `group`: the data-parallel ranks' (None: every rank).
 
         Under torchrun the ranks first agree on the keys (a rank may have seen none of
         some key's batches), so that every rank reduces the same columns.
         """
-        keys = distributed.union(list(self.sums))
+        keys = distributed.union(list(self.sums), group)
         clash = sorted(set(keys) & set(synced))  # the same on every rank: all raise, none hangs
         if clash:
             raise SaferunError(f"validation_step returns {clash}, which a metric of build_metrics() "
@@ -201,7 +205,7 @@ class WeightedMeans:
         columns = [self.sums.get(k, zero) for k in keys]
         columns += [torch.full((), float(self.counts.get(k, 0)), device=device) for k in keys]
         columns += [v.float() for v in extra.values()]
-        reduced = distributed.all_reduce(torch.stack([c.to(device) for c in columns])) \
+        reduced = distributed.all_reduce(torch.stack([c.to(device) for c in columns]), group=group) \
             if columns else torch.zeros(0, device=device)
         if synced:
             reduced = torch.cat([reduced, torch.stack([v.to(device) for v in synced.values()])])

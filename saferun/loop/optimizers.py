@@ -141,9 +141,10 @@ def check_config(cfg: Any) -> None:
             f"batch. Raise trainer.batch_size instead"),
         "trainer.compile": (t.compile, "is on: the compiled-against-eager check runs "
                             "training_step's single loss; not supported with several optimizers"),
-        "trainer.strategy": (t.strategy == "fsdp", "is fsdp: each optimize() averages its "
-                             "optimizer's gradients itself, which sharded parameters do not "
-                             "allow; not supported with several optimizers yet (use ddp)"),
+        "trainer.strategy": (t.strategy in ("fsdp", "mesh"), f"is {t.strategy}: each optimize() "
+                             f"averages its optimizer's gradients itself, which sharded or split "
+                             f"parameters do not allow; not supported with several optimizers "
+                             f"yet (use ddp)"),
         "trainer.ema": (t.ema.decay is not None, "is on: the average is updated by one "
                         "optimizer's step hook; not supported with several optimizers yet"),
         "guards.spikes": (g.spikes != "off", f"is {g.spikes}: the spike statistics are kept for "

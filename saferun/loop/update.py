@@ -24,11 +24,12 @@ class OptimizerUpdate:
     """Applies one optimizer's update from the gradients its backward left."""
 
     def __init__(self, scaler: Any, guard: Any, habits: StepHabits,
-                 max_grad_norm: Optional[float]) -> None:
+                 max_grad_norm: Optional[float], meshes: bool = False) -> None:
         """`scaler`: the GradScaler (disabled outside fp16); `guard`: the BadStepPolicy (its
-        spike detectors and skip verdict); `habits`: told that the step is saferun's own."""
+        spike detectors and skip verdict); `habits`: told that the step is saferun's own;
+        `meshes`: the parameters may lie on several device meshes (the strategy's `meshes`)."""
         self._scaler, self._guard, self._habits = scaler, guard, habits
-        self._max_grad_norm = max_grad_norm
+        self._max_grad_norm, self._meshes = max_grad_norm, meshes
 
     def __call__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                  schedule: Any, loss: torch.Tensor
@@ -42,7 +43,7 @@ class OptimizerUpdate:
         except BaseException as exc:  # several optimizers: the explanation names this part
             record(exc, optimize_part="step")
             raise
-        norm = clip_or_measure(params, self._max_grad_norm)
+        norm = clip_or_measure(params, self._max_grad_norm, self._meshes)
         spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)  # device
         skipped = guard.skips and guard.bad_now(loss, norm, spike)
         if not skipped:
@@ -59,21 +60,48 @@ class OptimizerUpdate:
         return norm, skipped, spike, loss_spike
 
 
-def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float],
+                    meshes: bool = False) -> torch.Tensor:
     """Clip to `max_norm` and return the pre-clip total norm; without clipping, only measure.
+    `meshes`: the gradients may be DTensors on several device meshes (tensor parallel, 2-D),
+    or DTensors and plain tensors (replicated); the norm is then the whole model's.
 
     Measuring never uses clip_grad_norm_(params, inf): with one inf gradient
     that turns every gradient into NaN.
     """
     if max_norm is None:
-        return total_norm([p.grad for p in params if p.grad is not None])
+        return total_norm([p.grad for p in params if p.grad is not None], meshes)
+    if meshes:
+        groups = _by_mesh([p for p in params if p.grad is not None])
+        norm = _combined([_global(torch.nn.utils.get_total_norm([p.grad for p in g]))
+                          for g in groups])
+        for g in groups:  # one foreach per mesh (torch's foreach does not mix them)
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm)
+        return norm
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm if type(norm) is torch.Tensor else _global(norm)  # (no failed getattr per step)
 
 
-def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)."""
+def total_norm(tensors: Sequence[torch.Tensor], meshes: bool = False) -> torch.Tensor:
+    """The 2-norm of all `tensors` together; of the whole tensors when they are shards (FSDP)
+    or, with `meshes`, DTensors on several meshes (each mesh's norm, then theirs)."""
+    if meshes:
+        return _combined([_global(torch.nn.utils.get_total_norm(g)) for g in _by_mesh(tensors)])
     return _global(torch.nn.utils.get_total_norm(tensors))
+
+
+def _by_mesh(tensors: Sequence[Any]) -> list[list[Any]]:
+    """`tensors` grouped by their device mesh (plain tensors: one group of their own)."""
+    groups: dict[Any, list[Any]] = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
+
+
+def _combined(norms: list[torch.Tensor]) -> torch.Tensor:
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
 def _global(norm: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ calls at named points.
 
 `LocalAgreement` is one process's (every request acts at once); `RankAgreement` is a torchrun
 job's, where background work the ranks must complete together (an asynchronous sharded save)
-registers with `complete_together` and rides on the same votes.
+registers with `complete_together` and rides on the same votes. `MeshAgreement` is a device
+mesh's: the metrics are reduced over the data dimension only, so the votes take a collective
+of their own over every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from ..callbacks import Control, _merge, agree
+from .distributed import all_reduce
 
 if TYPE_CHECKING:
     from ..preemption import StopSignals
@@ -105,3 +108,18 @@ class RankAgreement(LocalAgreement):
         """The ranks agreed on a stop signal at the last log point, so that all of them save
         the same step and exit together."""
         return self._agreed_signal is not None
+
+
+class MeshAgreement(RankAgreement):
+    """On a device mesh the log metrics are reduced over the data dimension only (the ranks of
+    one tensor-parallel group hold the same values), which a stop signal or a finished write on
+    any rank must still reach: the votes are summed over every rank in a collective of their
+    own, at log points only (three numbers)."""
+
+    def stop_votes(self, signals: "StopSignals") -> dict[str, torch.Tensor]:
+        return {}  # not on the metrics' collective: see count_stop_votes
+
+    def count_stop_votes(self, metrics: dict[str, float], signals: "StopSignals") -> None:
+        votes = super().stop_votes(signals)
+        summed = all_reduce(torch.stack(list(votes.values()))).tolist()  # every rank: one read
+        super().count_stop_votes(dict(zip(votes, summed)), signals)

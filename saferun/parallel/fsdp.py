@@ -59,15 +59,15 @@ def check(t: Any, ranks: distributed.Ranks, device: torch.device) -> None:
                           "this run trains on the CPU already. Set it to false.")
 
 
-def shard_model(model: nn.Module, t: Any, ranks: distributed.Ranks, device: torch.device
-                ) -> None:
+def shard_model(model: nn.Module, t: Any, ranks: distributed.Ranks, device: torch.device,
+                mesh: Any = None) -> None:
     """`fully_shard` the units, then the root, in place (the strategy's `prepare`: before the
-    optimizer is built, so that it holds the shards)."""
+    optimizer is built, so that it holds the shards), over `mesh` (a DeviceMesh; None: every
+    rank). The strategy refused what cannot be done right (`check`) before."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    check(t, ranks, device)
     f = t.fsdp
-    options: dict[str, Any] = {"reshard_after_forward": f.reshard_after_forward}
+    options: dict[str, Any] = {"reshard_after_forward": f.reshard_after_forward, "mesh": mesh}
     if f.param_dtype == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                     reduce_dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The settings of the parallel strategies (`trainer.fsdp`), kept beside the code that reads
+"""The settings of the parallel strategies (`trainer.fsdp`, `trainer.parallel`), kept beside the code that reads
 them; `config.TrainerConfig` holds them as a node."""
 
 from __future__ import annotations
@@ -35,3 +35,23 @@ class FSDPConfig:
         if self.param_dtype not in (None, "bf16", "fp32"):
             raise ConfigError(f"trainer.fsdp.param_dtype must be bf16, fp32 or null; got "
                               f"{self.param_dtype!r}.")
+
+
+@dataclass
+class ParallelConfig:
+    """trainer.strategy=mesh: the device mesh's shape, data dimension first (docs/distributed.md)."""
+
+    dp_shard: Optional[int] = None
+    """Ranks the data is split over, the model sharded over with FSDP2 (1: not sharded). null:
+    the processes left over by tp (world size / tp)."""
+    tp: int = 1
+    """Ranks of one tensor-parallel group: the task's parallelize(model, mesh) splits each
+    layer over mesh["tp"]; they see the same batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("dp_shard", "tp"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"trainer.parallel.{key} must be a positive integer"
+                                  f"{' or null' if key == 'dp_shard' else ''}; got {value!r}.")

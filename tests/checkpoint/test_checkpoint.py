@@ -26,7 +26,8 @@ def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000002", "step-00000004"]
     state = load_checkpoint(run / "checkpoints" / "step-00000004")  # weights_only=True inside
     assert set(state) == {"format", "model", "optimizer", "scheduler", "scaler", "ema", "loop",
-                          "per_rank", "callbacks", "config", "provenance"}
+                          "per_rank", "layout", "callbacks", "config", "provenance"}
+    assert state["layout"] == [1, 1]  # (data ranks, ranks): one process
     assert state["ema"] is None  # trainer.ema is off
     assert state["loop"]["step"] == 4 and state["loop"]["epoch"] == 0
     assert state["loop"]["batches_in_epoch"] == 4
