@@ -915,8 +915,8 @@ mutation("a sweep job ranks by its last validation, not its best during the run"
 mutation("a NaN first validation stays a run's best", "saferun/sweep/objective.py",
          "        if math.isnan(b):\n            return True\n", "",
          "tests/sweeps/test_summary.py::test_best_during_run_reads_the_validations_not_the_train_lines_and_skips_nan")
-mutation("sweep.metric without sweep.mode gets a guessed direction", "saferun/sweep/objective.py",
-         '        elif metric == "val/loss":', "        elif True:",
+mutation("sweep.metric without sweep.mode gets a guessed direction", "saferun/direction.py",
+         "    if inferred is None:\n        raise ConfigError(", "    if False:\n        raise ConfigError(",
          "tests/sweeps/test_summary.py::test_the_objective_is_sweep_metric_else_save_best_else_val_loss")
 mutation("the sweep summary ranks a maximized objective upside down", "saferun/sweep/summary.py",
          'o["value"] if o["mode"] == "min" else -o["value"]', 'o["value"]',
@@ -1277,7 +1277,7 @@ mutation("best: a fit() after restore_best is refused", "saferun/trainer.py",
          """        if self._checkpointer.restored_best:""", """        if False:""",
          BESTM + "test_restore_best_puts_the_best_weights_back_and_keeps_the_files")
 mutation("best: restore_best needs save_best on its metric", "saferun/stopping.py",
-         """        if self.restore_best and (trainer.get""", """        if False and (trainer.get""",
+         """        if self.restore_best:\n            self._check""", """        if False:\n            self._check""",
          BESTM + "test_restore_best_needs_save_best_on_the_same_metric")
 mutation("test stage: test() evaluates the test data, not the validation set", "saferun/trainer.py",
          """self.val_loader if val else loader""", """self.val_loader""",
@@ -1318,7 +1318,7 @@ mutation("test stage: test() over a run's checkpoints with resume unset is refus
          "saferun/checkpoint/superseded.py", '    if found and entry == "test":', "    if False:",
          BESTT + "test_test_never_writes_into_a_run_it_did_not_evaluate")
 mutation("best: a resume that changes save_best tracks the best anew", "saferun/checkpoint/checkpointer.py",
-         "        if before == (t.save_best, t.save_best_mode) or state", "        if True or state",
+         "        if before == (t.save_best, self.best_mode):", "        if True:",
          BESTT + "test_a_resume_that_changes_save_best_tracks_the_best_anew")
 mutation("failure site: an error in test_step is explained as test_step's", "saferun/loop/evaluation.py",
          'self._raise_explained(exc, hook.split("_")[0], batch)', 'self._raise_explained(exc, "validation", batch)',
@@ -1371,6 +1371,52 @@ mutation("several optimizers: unused parameters named in the first step only", M
 mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferun/checkpoint/store.py",
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
+
+# issue 31: direction, sweeps, course
+DIRECTION = "tests/checkpoint/test_direction.py::"
+mutation("direction: save_best infers its direction from the metric's name", "saferun/config.py",
+         '        return metric_mode(self.save_best or "", self.save_best_mode,',
+         '        return self.save_best_mode or "min"\n        return metric_mode(self.save_best or "", self.save_best_mode,',
+         DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
+         DIRECTION + "test_a_sweep_on_save_best_val_r2_stars_the_highest_job")
+mutation("direction: a name component matches whole (val/mape is an error, not a map)",
+         "saferun/direction.py", 're.split(r"[^a-z0-9]+", metric.lower())', 're.split(r"[^a-z]+", metric.lower())',
+         DIRECTION + "test_the_direction_a_name_says")
+mutation("direction: a name pointing both ways or blurred says none", "saferun/direction.py",
+         "    if len(found) != 1:\n        return None\n", "    if not found:\n        return None\n",
+         DIRECTION + "test_the_direction_a_name_says")
+mutation("direction: an unknown name is refused at config time", "saferun/config.py",
+         "            self.best_mode()  # now:", "            pass  # now:",
+         DIRECTION + "test_a_name_without_a_direction_is_refused_naming_the_setting")
+mutation("direction: the inference is said once", "saferun/checkpoint/checkpointer.py",
+         "        self._unsaid = False\n        self._run_dir_lock", "        self._run_dir_lock",
+         DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
+         DIRECTION + "test_a_given_mode_wins_over_the_name",
+         also=(("saferun/checkpoint/checkpointer.py", "        if self._unsaid and o.ranks.is_main:",
+                "        if o.ranks.is_main:"),))
+mutation("direction: EarlyStopping infers its direction from the monitored name", "saferun/stopping.py",
+         "        self.mode = metric_mode(monitor, mode,", '        self.mode = mode or "min" if True else metric_mode(monitor, mode,',
+         DIRECTION + "test_early_stopping_on_an_accuracy_goes_on_while_it_rises")
+mutation("direction: EarlyStopping refuses a checkpointed best of the other mode", "saferun/stopping.py",
+         "        if saved != self.mode and state", "        if False and state",
+         DIRECTION + "test_early_stopping_refuses_a_checkpointed_best_of_the_other_mode")
+mutation("direction: restore_best's mismatch names the side the name disagrees with", "saferun/stopping.py",
+         "        elif self.mode != named[0]:", "        elif self.mode == named[0]:",
+         DIRECTION + "test_restore_best_names_the_fix_on_the_side_that_is_wrong")
+mutation("direction: restore_best compares the resolved directions", "saferun/stopping.py",
+         "        if best_mode == self.mode:\n            return\n",
+         '        if trainer.get("save_best_mode") == self.mode:\n            return\n',
+         DIRECTION + "test_restore_best_with_an_inferred_direction_on_both_sides_restores_the_highest")
+mutation("direction: a resume compares the checkpoint's direction as resolved", "saferun/checkpoint/checkpointer.py",
+         "        before = (saved.get(\"save_best\"), saved_best_mode(saved))",
+         "        before = (saved.get(\"save_best\"), saved.get(\"save_best_mode\") or \"min\")",
+         DIRECTION + "test_a_resume_that_would_infer_another_mode_than_the_checkpoints_is_refused",
+         DIRECTION + "test_a_resume_keeps_the_best_when_the_mode_was_given_then_inferred")
+mutation("direction: a resume that would infer another direction than the checkpoint's is refused",
+         "saferun/checkpoint/checkpointer.py",
+         "        if before[0] == t.save_best and t.save_best_mode is None:",
+         "        if False:",
+         DIRECTION + "test_a_resume_that_would_infer_another_mode_than_the_checkpoints_is_refused")
 
 
 # ---------------------------------------------------------------- the runner

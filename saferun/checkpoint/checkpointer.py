@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
+from ..direction import inference_note, metric_mode
 from ..errors import ConfigError
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
@@ -84,6 +85,10 @@ class Checkpointer:
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self.restored_best = False  # EarlyStopping(restore_best=True) put the best weights back
+        t = owner.cfg.trainer
+        self.best_mode = t.best_mode() if t.save_best else None  # min or max: given or inferred
+        # an inferred direction is said once, at the first fit
+        self._unsaid = t.save_best is not None and t.save_best_mode is None
 
     def _format(self) -> CheckpointFormat:
         """How checkpoints hold the model and optimizer: the strategy's format."""
@@ -213,6 +218,10 @@ class Checkpointer:
         """Check and lock the run directory (one writer at a time), start fresh or resume, and
         only then, with the run accepted, record its config in <run_dir>/config.yaml."""
         o = self._owner
+        if self._unsaid and o.ranks.is_main:
+            log.info(inference_note(o.cfg.trainer.save_best or "", "trainer.save_best",
+                                    "trainer.save_best_mode={mode}"))
+        self._unsaid = False
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
             unfinished = course.interrupted(o.state.run_dir)
@@ -302,14 +311,25 @@ class Checkpointer:
     def _same_best(self, state: Mapping[str, Any]) -> bool:
         """Does the checkpoint's best record measure what this run's save_best does? A resume
         that changed trainer.save_best (or its mode) starts the best anew, saying so: the old
-        value would be compared with another metric, and model_best.pt kept for it."""
+        value would be compared with another metric, and model_best.pt kept for it. A mode
+        this run infers from the name but the checkpoint's run gave otherwise is refused: that
+        change would be silent (the setting left off the resumed command)."""
         t, saved = self._owner.cfg.trainer, state["config"]["trainer"]
-        before = (saved.get("save_best"), saved.get("save_best_mode", "min"))
-        if before == (t.save_best, t.save_best_mode) or state["loop"]["best"] is None:
+        if state["loop"]["best"] is None:
             return True
+        before = (saved.get("save_best"), saved_best_mode(saved))
+        if before == (t.save_best, self.best_mode):
+            return True
+        if before[0] == t.save_best and t.save_best_mode is None:
+            raise ConfigError(
+                f"trainer.save_best={t.save_best}: the checkpoint's best was kept with "
+                f"trainer.save_best_mode={before[1]}, and this run infers {self.best_mode} from "
+                f"the name. Set trainer.save_best_mode={before[1]} to continue that best, or "
+                f"trainer.save_best_mode={self.best_mode} to track the best anew "
+                f"(model_best.pt is then replaced at the next validation that sets one).")
         log.warning("trainer.save_best changed on resume (%s %s -> %s %s): the best is tracked "
                     "anew from here; model_best.pt is replaced at the next validation that sets "
-                    "one.", *before, t.save_best, t.save_best_mode)
+                    "one.", *before, t.save_best, self.best_mode)
         return False
 
     def check_evaluated_weights(self, entry: str) -> None:
@@ -428,8 +448,7 @@ class Checkpointer:
             return False
         if self.best is None or math.isnan(self.best[0]):
             return True
-        return value < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
-            else value > self.best[0]
+        return value < self.best[0] if self.best_mode == "min" else value > self.best[0]
 
 
 # what users of other tools write for "the newest checkpoint"
@@ -456,6 +475,15 @@ def no_checkpoint_at(resume: str) -> str:
             what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
                      f"name one, e.g. the latest, resume={runs[-1]}")
     return f"resume={resume}: {what}{'' if what.endswith('?') else '.'} {ACCEPTS}."
+
+
+def saved_best_mode(trainer: Mapping[str, Any]) -> Optional[str]:
+    """The direction of save_best in a checkpoint's trainer config: given, or inferred then (a
+    config of this version without save_best_mode); None without save_best."""
+    if not trainer.get("save_best"):
+        return None
+    return metric_mode(trainer["save_best"], trainer.get("save_best_mode"), "trainer.save_best",
+                       "trainer.save_best_mode={mode}")
 
 
 def _best_record(saved: Any) -> Optional[tuple[float, str, int]]:
