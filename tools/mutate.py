@@ -1418,6 +1418,17 @@ mutation("direction: a resume that would infer another direction than the checkp
          "        if False:",
          DIRECTION + "test_a_resume_that_would_infer_another_mode_than_the_checkpoints_is_refused")
 
+OPTUNA = "tests/sweeps/test_optuna.py::"
+mutation("sweeps: a continued study continues its sampler's stream", "saferun/sweep/study.py",
+         "    continue_sampler(study, sampler)\n", "",
+         OPTUNA + "test_a_continued_study_draws_on_as_an_uninterrupted_one")
+mutation("sweeps: the sampler's state is saved before its trials run", "saferun/sweep/study.py",
+         "        save_sampler(study, sampler)  # before", "        pass  # before",
+         OPTUNA + "test_a_continued_study_draws_on_as_an_uninterrupted_one")
+mutation("sweeps: a study without this sampler's state is seeded from the study", "saferun/sweep/study.py",
+         "instantiate(configured, seed=int(seed) + trials)", "instantiate(configured)",
+         OPTUNA + "test_a_study_without_this_samplers_state_is_seeded_from_the_study")
+
 
 # ---------------------------------------------------------------- the runner
 
