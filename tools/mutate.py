@@ -971,8 +971,8 @@ mutation("a change of course is recorded before anything moves", COURSE,
 mutation("resume=auto resumes from an unfinished change's checkpoint", CKPTR,
          "        if unfinished is not None:  # a change of course a killed run left", "        if False:  #", STOPPED)
 mutation("resume=auto carries an unfinished change of course out", CKPTR,
-         "            if o.cfg.resume != \"auto\" or course.interrupted(o.state.run_dir) else None",
-         "            if o.cfg.resume != \"auto\" else None", STOPPED)
+         "            if o.cfg.resume != \"auto\" or course.interrupted(o.state.run_dir) or",
+         "            if o.cfg.resume != \"auto\" or", STOPPED)
 mutation("a start other than the unfinished change's own is refused", CKPTR,
          "            if unfinished is not None and (found is None or", "            if False and (found is None or", STOPPED)
 mutation("each entry of a change of course moves once", COURSE,
@@ -1389,7 +1389,7 @@ mutation("direction: an unknown name is refused at config time", "saferun/config
          "            self.best_mode()  # now:", "            pass  # now:",
          DIRECTION + "test_a_name_without_a_direction_is_refused_naming_the_setting")
 mutation("direction: the inference is said once", "saferun/checkpoint/checkpointer.py",
-         "        self._unsaid = False\n        self._run_dir_lock", "        self._run_dir_lock",
+         "        self._unsaid = False\n        intent.kill_point", "        intent.kill_point",
          DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
          DIRECTION + "test_a_given_mode_wins_over_the_name",
          also=(("saferun/checkpoint/checkpointer.py", "        if self._unsaid and o.ranks.is_main:",
@@ -1428,6 +1428,45 @@ mutation("sweeps: the sampler's state is saved before its trials run", "saferun/
 mutation("sweeps: a study without this sampler's state is seeded from the study", "saferun/sweep/study.py",
          "instantiate(configured, seed=int(seed) + trials)", "instantiate(configured)",
          OPTUNA + "test_a_study_without_this_samplers_state_is_seeded_from_the_study")
+
+KILLED_EARLY = TCOURSE + "::test_a_change_of_course_killed_before_its_record_is_made_by_resume_auto"
+INTENT_GOES = TCOURSE + "::test_an_intent_goes_with_a_refusal_an_evaluation_or_another_start"
+mutation("course: resume=PATH makes its intent durable when the Trainer is made", CKPTR,
+         "            intent.intend(t.run_dir, owner.cfg.resume, owner.ranks.is_main)", "            pass",
+         KILLED_EARLY)
+mutation("course: resume=auto carries out a killed run's intent", CKPTR,
+         "        self.carried_intent = intent.intended(o.state.run_dir) \\", "        self.carried_intent = None \\",
+         KILLED_EARLY)
+mutation("course: a carried-out intent changes course (sets the superseded course aside)", CKPTR,
+         " or course.interrupted(o.state.run_dir) or self.carried_intent \\",
+         " or course.interrupted(o.state.run_dir) \\", KILLED_EARLY)
+mutation("course: an intent naming no checkpoint is refused, not a fresh start", CKPTR,
+         "        if found is None and self.carried_intent is not None:", "        if False:", INTENT_GOES)
+mutation("course: a refusal in find_resume drops the refused run's intent", CKPTR,
+         "        except SaferunError:\n            self._drop_own_intent()\n",
+         "        except SaferunError:\n", INTENT_GOES)
+mutation("course: a refusal in begin_run drops the refused run's intent", CKPTR,
+         "            if isinstance(e, SaferunError):  # refused", "            if False:  # refused", INTENT_GOES)
+mutation("course: an evaluation drops its intent", CKPTR,
+         "        self._drop_own_intent()  # an evaluation changes no course\n", "", INTENT_GOES)
+mutation("course: a start from step 0 drops an earlier intent", CKPTR,
+         "                intent.drop_intent(o.state.run_dir, o.ranks.is_main)  # this start replaces it\n", "",
+         INTENT_GOES)
+mutation("course: a change with nothing to supersede drops its intent", COURSE,
+         "    if record is None:  # nothing supersedes: the intent is done", "    if False:  # nothing supersedes",
+         INTENT_GOES)
+mutation("course: the change's end drops the intent with the record", COURSE,
+         "        fsync_dir(Path(run_dir))\n    drop_intent(run_dir, main)\n", "        fsync_dir(Path(run_dir))\n",
+         KILLED_EARLY)
+mutation("course: the command line writes the intent before torch is imported", "saferun/cli/run.py",
+         "    intended = intent.intend(HydraConfig.get().runtime.output_dir,",
+         "    intended = (lambda *written: True)(HydraConfig.get().runtime.output_dir,",
+         TCOURSE + "::test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto",
+         known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
+mutation("course: the command line drops a refused run's intent", "saferun/cli/run.py",
+         "        if intended:  # refused", "        if False:  # refused",
+         TCOURSE + "::test_from_the_command_line_a_refused_change_leaves_no_intent",
+         known="its test is slow (pytest -m slow, a command-line run); killed by hand when written")
 
 
 # ---------------------------------------------------------------- the runner

@@ -24,13 +24,13 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import torch
 
 from ..direction import inference_note, metric_mode
-from ..errors import ConfigError
+from ..errors import ConfigError, SaferunError
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
-from . import course, rundir
+from . import course, intent, rundir
 from .compat import check_resume_config
 from .formats import CheckpointFormat
 from .store import (FORMAT_VERSION, CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
@@ -89,6 +89,9 @@ class Checkpointer:
         self.best_mode = t.best_mode() if t.save_best else None  # min or max: given or inferred
         # an inferred direction is said once, at the first fit
         self._unsaid = t.save_best is not None and t.save_best_mode is None
+        if t.run_dir is not None:  # resume=PATH: durable now, before the model is built
+            intent.intend(t.run_dir, owner.cfg.resume, owner.ranks.is_main)
+        self.carried_intent: Optional[str] = None  # resume=auto carrying out a killed run's intent
 
     def _format(self) -> CheckpointFormat:
         """How checkpoints hold the model and optimizer: the strategy's format."""
@@ -181,23 +184,50 @@ class Checkpointer:
 
     def find_resume(self) -> None:
         """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
-        every entry point uses them; `fit` then restores the rest (`resume`)."""
+        every entry point uses them; `fit` then restores the rest (`resume`). A refused
+        resume=PATH drops its intent: nothing changed, resume=auto continues what is there."""
+        try:
+            self._find_resume()
+        except SaferunError:
+            self._drop_own_intent()
+            raise
+
+    def _drop_own_intent(self) -> None:
+        o = self._owner
+        if o.cfg.resume not in (None, FRESH, "auto"):
+            intent.drop_intent(o.state.run_dir, o.ranks.is_main)
+
+    def _find_resume(self) -> None:
         o = self._owner
         resume = o.cfg.resume
         if resume is None or resume == FRESH:
             return
         where = Path(o.state.run_dir) if resume == "auto" else Path(resume)
         unfinished = course.interrupted(o.state.run_dir) if resume == "auto" else None
+        self.carried_intent = intent.intended(o.state.run_dir) \
+            if resume == "auto" and unfinished is None else None
         if unfinished is not None:  # a change of course a killed run left: fit() finishes it
             where = Path(unfinished["resumed"])
             log.warning("resume=auto: %s holds a change of course to %s that a killed run left "
                         "unfinished; it is finished and the run continues from there.",
                         o.state.run_dir, where)
+        elif self.carried_intent is not None:  # killed before it recorded the change: made now
+            where = Path(self.carried_intent)
+            log.warning("resume=auto: %s holds the intent of a change of course to %s (%s) that "
+                        "a run killed before the change began left; the change is made now and "
+                        "the run continues from there. To continue the course that is there "
+                        "instead, delete that file.", o.state.run_dir, where, intent.INTENT)
         if (where / "manifest.json").is_file():
             found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
         else:
             root = where if where.name == "checkpoints" else checkpoint_root(where)
             found = load_latest(root)
+        if found is None and self.carried_intent is not None:
+            raise CheckpointError(
+                f"resume=auto: {o.state.run_dir} holds the intent of a change of course to "
+                f"{where} ({intent.INTENT}, left by a run killed before the change began), but "
+                f"{no_checkpoint_at(str(where))} Delete {intent.INTENT} to continue the course "
+                f"that is there, or set resume=PATH to the checkpoint you meant.")
         if found is None:
             if resume != "auto":
                 raise CheckpointError(no_checkpoint_at(resume))
@@ -222,6 +252,7 @@ class Checkpointer:
             log.info(inference_note(o.cfg.trainer.save_best or "", "trainer.save_best",
                                     "trainer.save_best_mode={mode}"))
         self._unsaid = False
+        intent.kill_point("course-built")  # the model built, the checkpoint read, nothing recorded
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
             unfinished = course.interrupted(o.state.run_dir)
@@ -230,11 +261,14 @@ class Checkpointer:
                 course.refuse_other_start(o.state.run_dir, o.cfg.resume, unfinished)
             if self.pending_resume is None and o.state.step == 0:
                 start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main)  # an earlier run: aside
+                intent.drop_intent(o.state.run_dir, o.ranks.is_main)  # this start replaces it
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
-        except BaseException:
+        except BaseException as e:
             self._run_dir_lock.release()
+            if isinstance(e, SaferunError):  # refused: its intent too (a kill leaves it)
+                self._drop_own_intent()
             raise
 
     def end_run(self) -> None:
@@ -257,7 +291,8 @@ class Checkpointer:
         # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
         # (auto alone took the newest checkpoint: nothing is newer)
         changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main) \
-            if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) else None
+            if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) or self.carried_intent \
+            else None
         log.info("Resumed from %s: step %d, epoch %d, batch %d of the epoch.", path,
                  o.state.step, o.state.epoch, o.state.batches_in_epoch)
         if configured is not None:  # force_resume with a new optim/sched: what was asked applies
@@ -334,6 +369,7 @@ class Checkpointer:
 
     def check_evaluated_weights(self, entry: str) -> None:
         o = self._owner
+        self._drop_own_intent()  # an evaluation changes no course
         evaluated_weights(entry, o.state.run_dir, o.cfg.resume, self.untrained_auto,
                           self.pending_resume is None and o.state.step == 0 and o.ranks.is_main)
 

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..errors import SaferunError
+from .intent import fsync_dir as _fsync_dir
 
 log = logging.getLogger("saferun")
 
@@ -330,14 +331,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

@@ -129,6 +129,16 @@ def _train(cfg: Any) -> Optional[float]:
     return the objective's best value during the run (what a sweeper optimizes)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from ..checkpoint import intent
+
+    # resume=PATH: durable before torch is imported and the model built (a kill in that
+    # start-up leaves the intent, which resume=auto carries out); rank 0 (torchrun) writes
+    resume = OmegaConf.to_container(cfg, resolve=False).get("resume")  # type: ignore[union-attr]  # a job's config is a mapping
+    intended = intent.intend(HydraConfig.get().runtime.output_dir,
+                             resume if isinstance(resume, str) and "${" not in resume else None,
+                             os.environ.get("RANK", "0") == "0")
 
     from ..checkpoint.rundir import update_summary, when_accepted
     from ..checkpoint.superseded import note_log_files
@@ -165,6 +175,8 @@ def _train(cfg: Any) -> Optional[float]:
         metrics = trainer.fit()
     except SaferunError as e:
         print(f"saferun: error: {e}", file=sys.stderr, flush=True)
+        if intended:  # refused: nothing changed, and nothing is left to carry out
+            intent.drop_intent(run_dir, main)
         if main:
             rundirs.remove_if_refused(run_dir)
         raise SystemExit(1) from None
