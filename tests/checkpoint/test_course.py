@@ -222,6 +222,13 @@ class DiesInBuild(ToyTrainer):
         raise Killed
 
 
+class DiesInStep(ToyTrainer):
+    """Killed in its first training step."""
+
+    def training_step(self, batch):
+        raise Killed
+
+
 def test_a_change_of_course_killed_before_its_record_is_made_by_resume_auto(first_course, tmp_path):
     # the start-up (imports, the model, the data, the checkpoint read) comes before the
     # change's record: killed there, resume=auto continued the old course from step 8 and
@@ -273,8 +280,10 @@ def test_an_intent_goes_with_a_refusal_an_evaluation_or_another_start(first_cour
     fresh["resume"] = "fresh"
     ToyTrainer(fresh).fit()
     assert not (run_dir / INTENT).exists()
-    # resume=PATH naming the newest checkpoint: nothing supersedes, nothing is left to do
-    ToyTrainer(config(run_dir, 4, resume=run_dir / "checkpoints" / "step-00000002")).fit()
+    # resume=PATH naming the newest checkpoint: nothing supersedes, the intent is done at once
+    # (killed later, resume=auto must continue, not go back to PATH)
+    with pytest.raises(Killed):
+        DiesInStep(config(run_dir, 4, resume=run_dir / "checkpoints" / "step-00000002")).fit()
     assert not (run_dir / INTENT).exists() and not superseded(run_dir)[1:]
 
 
