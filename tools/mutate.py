@@ -1459,15 +1459,23 @@ mutation("course: the change's end drops the intent with the record", COURSE,
          "        fsync_dir(Path(run_dir))\n    drop_intent(run_dir, main)\n", "        fsync_dir(Path(run_dir))\n",
          KILLED_EARLY)
 mutation("course: the command line writes the intent before torch is imported", "saferun/cli/run.py",
+         "        return run_dir if intent.intend(run_dir, resume, main) and main else None",
+         "        return None",
+         TCOURSE + "::test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto",
+         known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
+mutation("course: the command line writes the intent once Hydra composed the config", "saferun/cli/run.py",
          "    intended = intent.intend(HydraConfig.get().runtime.output_dir,",
          "    intended = (lambda *written: True)(HydraConfig.get().runtime.output_dir,",
          TCOURSE + "::test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto",
+         known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
+mutation("course: a command refused before its job drops its intent", "saferun/cli/run.py",
+         "        if intended is not None and not _JOB_STARTED:", "        if False:",
+         TCOURSE + "::test_from_the_command_line_a_refused_change_leaves_no_intent",
          known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
 mutation("course: the command line drops a refused run's intent", "saferun/cli/run.py",
          "        if intended:  # refused", "        if False:  # refused",
          TCOURSE + "::test_from_the_command_line_a_refused_change_leaves_no_intent",
          known="its test is slow (pytest -m slow, a command-line run); killed by hand when written")
-
 
 # ---------------------------------------------------------------- the runner
 

@@ -427,10 +427,13 @@ def test_from_the_command_line_the_superseded_course_takes_its_hydra_files_and_t
 
 
 @pytest.mark.slow  # four command-line runs; the same kill in this process: the tests above
-@pytest.mark.parametrize("point", ["course-startup"])
-def test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto(tmp_path, point):
-    # killed as the command line starts (before torch is imported), resume=auto with the same
-    # overrides ends as the change made uninterrupted, not as the old course
+@pytest.mark.parametrize("run_dir", [
+    "exp",  # given: the intent is written before torch is imported
+    "${oc.env:SAFERUN_TEST_RUN_DIR}",  # known once Hydra composed the config: written then
+])
+def test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto(tmp_path, run_dir):
+    # killed as the command line starts, resume=auto with the same overrides ends as the
+    # change made uninterrupted, not as the old course
     run = [sys.executable, "-m", "saferun", "run", "debug=fast", "trainer.progress_bar=false",
            "trainer.max_steps=6", "trainer.save_every_n_steps=2", "trainer.keep_last=10"]
     subprocess.run(run + ["hydra.run.dir=exp"], cwd=tmp_path, check=True, capture_output=True, timeout=300)
@@ -438,12 +441,16 @@ def test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume
     change = ["optim.lr=1e-4", "force_resume=true"]
     subprocess.run(run + change + ["hydra.run.dir=ref", "resume=ref/checkpoints/step-00000002"],
                    cwd=tmp_path, check=True, capture_output=True, timeout=300)
-    killed = subprocess.run(run + change + ["hydra.run.dir=exp", "resume=exp/checkpoints/step-00000002"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "SAFERUN_KILL_AT": point})
+    killed = subprocess.run(
+        [sys.executable, "-X", "importtime", *run[1:], *change, f"hydra.run.dir={run_dir}",
+         "resume=exp/checkpoints/step-00000002"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "SAFERUN_KILL_AT": "course-startup",
+                          "SAFERUN_TEST_RUN_DIR": str(tmp_path / "exp")})
     exp = tmp_path / "exp"
     assert killed.returncode == -9, killed.stdout + killed.stderr
-    assert "saferun: run directory" not in killed.stdout  # before the config is loaded
+    imported = [line.rsplit("|", 1)[-1].strip() for line in killed.stderr.splitlines()]
+    assert ("torch" in imported) == (run_dir != "exp")  # given: before torch is imported
+    assert "saferun: run directory" not in killed.stdout  # before the config is even loaded
     assert (exp / INTENT).is_file() and not (exp / RECORD).exists()
     again = subprocess.run(run + change + ["hydra.run.dir=exp", "resume=auto"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
@@ -459,16 +466,21 @@ def test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume
     assert len(superseded(exp)) == 1
 
 
-@pytest.mark.slow  # a command-line run refused as its config is loaded
-def test_from_the_command_line_a_refused_change_leaves_no_intent(first_course, tmp_path):
+@pytest.mark.slow  # a command-line run per refusal
+@pytest.mark.parametrize("wrong, said", [
+    ("trainer.max_step=3", "trainer.max_steps"),  # refused before Hydra composes the config
+    ("trainer.max_steps=many", "trainer.max_steps"),  # refused as Hydra composes it
+    ("trainer.save_best=val/score", "trainer.save_best_mode=max"),  # as saferun loads it
+])
+def test_from_the_command_line_a_refused_change_leaves_no_intent(first_course, tmp_path, wrong, said):
     first, _ = first_course
     run_dir = tmp_path / "run"
     shutil.copytree(first, run_dir)
     before = files(run_dir)
     refused = subprocess.run(
         [sys.executable, "-m", "saferun", "run", "debug=fast", f"hydra.run.dir={run_dir}",
-         f"resume={run_dir / 'checkpoints' / 'step-00000004'}", "trainer.save_best=val/score"],
+         f"resume={run_dir / 'checkpoints' / 'step-00000004'}", wrong],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 1 and "trainer.save_best_mode=max" in refused.stderr, refused.stderr
+    assert refused.returncode == 1 and said in refused.stderr, refused.stderr
     assert {k: v for k, v in files(run_dir).items() if k != "saferun.log"} == \
         {k: v for k, v in before.items() if k != "saferun.log"}
