@@ -1379,6 +1379,10 @@ mutation("direction: save_best infers its direction from the metric's name", "sa
          '        return self.save_best_mode or "min"\n        return metric_mode(self.save_best or "", self.save_best_mode,',
          DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
          DIRECTION + "test_a_sweep_on_save_best_val_r2_stars_the_highest_job")
+mutation("direction: the direction a name says is used by the sweep objective and EarlyStopping",
+         "saferun/direction.py", "    return inferred[0]\n", '    return "min"\n',
+         DIRECTION + "test_a_sweep_on_save_best_val_r2_stars_the_highest_job",
+         DIRECTION + "test_early_stopping_on_an_accuracy_goes_on_while_it_rises")
 mutation("direction: a name component matches whole (val/mape is an error, not a map)",
          "saferun/direction.py", 're.split(r"[^a-z0-9]+", metric.lower())', 're.split(r"[^a-z]+", metric.lower())',
          DIRECTION + "test_the_direction_a_name_says")
