@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from .errors import ConfigError
+from .direction import metric_mode
 from .guards.policies import POLICIES
 from .loop.settings import EmaConfig
 from .parallel.settings import FSDPConfig, ParallelConfig
@@ -95,8 +96,10 @@ class TrainerConfig:
     """Checkpoints to keep (the newest); older ones are deleted once a new one is complete."""
     save_best: Optional[str] = None
     """Also keep the checkpoint with the best value of this validation metric (e.g. val/acc)."""
-    save_best_mode: str = "min"
-    """min or max: which direction of save_best is better."""
+    save_best_mode: Optional[str] = None
+    """min or max: which direction of save_best is better. None: the one its name says (loss,
+    error, mse, mae, mape, perplexity: min; acc, f1, auc, r2, precision, recall, bleu, map: max,
+    said in the log); a name that says none is refused."""
     sched_metric: Optional[str] = None
     """The validation metric (e.g. val/loss) a scheduler stepped with a metric, such as
     ReduceLROnPlateau, watches: it is stepped after each validation. Required by such a
@@ -120,6 +123,11 @@ class TrainerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """trainer.strategy=mesh: the device mesh's shape (dp_shard x tp)."""
 
+    def best_mode(self) -> str:
+        """save_best's direction: save_best_mode, else the one the metric's name says."""
+        return metric_mode(self.save_best or "", self.save_best_mode, "trainer.save_best",
+                           "trainer.save_best_mode={mode}")
+
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None:
             self.max_steps = DEFAULT_MAX_STEPS  # the only limit: a default, not a silent cap
@@ -127,7 +135,8 @@ class TrainerConfig:
                   "collective_timeout")
         _positive_or_none(self, "max_steps", "max_epochs", "val_batch_size", "val_every_n_steps",
                           "limit_val_batches", "max_grad_norm", "save_every_n_steps")
-        _one_of(self, "save_best_mode", ("min", "max"))
+        if self.save_best_mode is not None or self.save_best is not None:
+            self.best_mode()  # now: a direction the name does not say is refused before training
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "eval_grad_mode", EVAL_GRAD_MODES)
         _one_of(self, "strategy", STRATEGIES)

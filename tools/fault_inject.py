@@ -22,8 +22,9 @@ more with resume=auto and no fault, and classifies the outcome:
 
 The course-kill kinds change course instead: `resume=<the oldest checkpoint of a finished
 run>` with a lower learning rate and force_resume, killed with SIGKILL at a point of the change
-drawn at random (SAFERUN_KILL_AT, see saferun/checkpoint/course.py: once its record is written,
-after the n-th rename, after the logs are copied), in that run's directory (course-kill) or in
+drawn at random (SAFERUN_KILL_AT, see saferun/checkpoint/intent.py and course.py: once the
+intent is written as the command line starts, once the model is built, once the change's
+record is written, after the n-th rename, after the logs are copied), in that run's directory (course-kill) or in
 another one that holds an earlier run (course-kill-other). The resume=auto after it must finish the
 change: exact means it ends bitwise equal to the same change made uninterrupted, not to the old course.
 
@@ -106,7 +107,10 @@ KINDS = ["sigkill", "sigkill-in-save", "bitflip", "truncate", "corrupt-all", "di
          "sigterm-main", "sigterm-group", "sigint-group", "double-sigint", "course-kill",
          "course-kill-other"]
 COURSE_CHANGE = ("optim.lr=3e-4", "force_resume=true")  # the new course: a lower learning rate
-COURSE_POINTS = ["course-intent", "course-copied", *(f"course-rename-{n}" for n in range(1, 9))]
+# before the change's record (the intent written as the command line starts; the model built),
+# then the change itself
+COURSE_POINTS = ["course-startup", "course-built", "course-intent", "course-copied",
+                 *(f"course-rename-{n}" for n in range(1, 9))]
 OUTCOMES = ["exact", "refused", "unclear", "silent loss"]
 
 
@@ -238,7 +242,7 @@ class Injector:
         difference = compare(course_state(run_dir), self.changed())
         if difference:
             return "silent loss", f"killed at {point}; the resume continued another course: {difference}"
-        if (run_dir / ".course-change.json").exists():
+        if (run_dir / ".course-change.json").exists() or (run_dir / ".course-intent.json").exists():
             return "silent loss", f"killed at {point}; the record of the change is left"
         return "exact", f"killed at {point}; the change was finished"
 

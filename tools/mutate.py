@@ -403,10 +403,10 @@ mutation("files fsynced", "saferun/checkpoint.py",
          "        f.flush()\n    return {",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("the temporary directory fsynced before the rename", "saferun/checkpoint/store.py",
-         "    _fsync_dir(tmp)\n    old = None\n", "    old = None\n",
+         "    fsync_dir(tmp)\n    old = None\n", "    old = None\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("the parent fsynced after the rename", "saferun/checkpoint/store.py",
-         "    os.replace(tmp, final)\n    _fsync_dir(root)\n",
+         "    os.replace(tmp, final)\n    fsync_dir(root)\n",
          "    os.replace(tmp, final)\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("written under a temporary name", "saferun/checkpoint.py",
@@ -908,8 +908,8 @@ mutation("a sweep job ranks by its last validation, not its best during the run"
 mutation("a NaN first validation stays a run's best", "saferun/sweep/objective.py",
          "        if math.isnan(b):\n            return True\n", "",
          "tests/sweeps/test_summary.py::test_best_during_run_reads_the_validations_not_the_train_lines_and_skips_nan")
-mutation("sweep.metric without sweep.mode gets a guessed direction", "saferun/sweep/objective.py",
-         '        elif metric == "val/loss":', "        elif True:",
+mutation("sweep.metric without sweep.mode gets a guessed direction", "saferun/direction.py",
+         "    if inferred is None:\n        raise ConfigError(", "    if False:\n        raise ConfigError(",
          "tests/sweeps/test_summary.py::test_the_objective_is_sweep_metric_else_save_best_else_val_loss")
 mutation("the sweep summary ranks a maximized objective upside down", "saferun/sweep/summary.py",
          'o["value"] if o["mode"] == "min" else -o["value"]', 'o["value"]',
@@ -964,8 +964,8 @@ mutation("a change of course is recorded before anything moves", COURSE,
 mutation("resume=auto resumes from an unfinished change's checkpoint", CKPTR,
          "        if unfinished is not None:  # a change of course a killed run left", "        if False:  #", STOPPED)
 mutation("resume=auto carries an unfinished change of course out", CKPTR,
-         "            if o.cfg.resume != \"auto\" or course.interrupted(o.state.run_dir) else None",
-         "            if o.cfg.resume != \"auto\" else None", STOPPED)
+         "            if o.cfg.resume != \"auto\" or course.interrupted(o.state.run_dir) or",
+         "            if o.cfg.resume != \"auto\" or", STOPPED)
 mutation("a start other than the unfinished change's own is refused", CKPTR,
          "            if unfinished is not None and (found is None or", "            if False and (found is None or", STOPPED)
 mutation("each entry of a change of course moves once", COURSE,
@@ -1269,7 +1269,7 @@ mutation("best: a fit() after restore_best is refused", "saferun/trainer.py",
          """        if self._checkpointer.restored_best:""", """        if False:""",
          BESTM + "test_restore_best_puts_the_best_weights_back_and_keeps_the_files")
 mutation("best: restore_best needs save_best on its metric", "saferun/stopping.py",
-         """        if self.restore_best and (trainer.get""", """        if False and (trainer.get""",
+         """        if self.restore_best:\n            self._check""", """        if False:\n            self._check""",
          BESTM + "test_restore_best_needs_save_best_on_the_same_metric")
 mutation("test stage: test() evaluates the test data, not the validation set", "saferun/trainer.py",
          """self.val_loader if val else loader""", """self.val_loader""",
@@ -1310,7 +1310,7 @@ mutation("test stage: test() over a run's checkpoints with resume unset is refus
          "saferun/checkpoint/superseded.py", '    if found and entry == "test":', "    if False:",
          BESTT + "test_test_never_writes_into_a_run_it_did_not_evaluate")
 mutation("best: a resume that changes save_best tracks the best anew", "saferun/checkpoint/checkpointer.py",
-         "        if before == (t.save_best, t.save_best_mode) or state", "        if True or state",
+         "        if before == (t.save_best, self.best_mode):", "        if True:",
          BESTT + "test_a_resume_that_changes_save_best_tracks_the_best_anew")
 mutation("failure site: an error in test_step is explained as test_step's", "saferun/loop/evaluation.py",
          'self._raise_explained(exc, hook.split("_")[0], batch)', 'self._raise_explained(exc, "validation", batch)',
@@ -1696,6 +1696,114 @@ mutation("mesh: a mesh that does not fit the job is refused", "saferun/parallel/
          "        if dp * p.tp != ranks.world_size:", "        if False:",
          f"{MESH}::test_a_mesh_that_does_not_fit_the_job_is_refused_naming_the_key")
 
+# issue 31: direction, sweeps, course
+DIRECTION = "tests/checkpoint/test_direction.py::"
+mutation("direction: save_best infers its direction from the metric's name", "saferun/config.py",
+         '        return metric_mode(self.save_best or "", self.save_best_mode,',
+         '        return self.save_best_mode or "min"\n        return metric_mode(self.save_best or "", self.save_best_mode,',
+         DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
+         DIRECTION + "test_a_sweep_on_save_best_val_r2_stars_the_highest_job")
+mutation("direction: the direction a name says is used by the sweep objective and EarlyStopping",
+         "saferun/direction.py", "    return inferred[0]\n", '    return "min"\n',
+         DIRECTION + "test_a_sweep_on_save_best_val_r2_stars_the_highest_job",
+         DIRECTION + "test_early_stopping_on_an_accuracy_goes_on_while_it_rises")
+mutation("direction: a name component matches whole (val/mape is an error, not a map)",
+         "saferun/direction.py", 're.split(r"[^a-z0-9]+", metric.lower())', 're.split(r"[^a-z]+", metric.lower())',
+         DIRECTION + "test_the_direction_a_name_says")
+mutation("direction: a name pointing both ways or blurred says none", "saferun/direction.py",
+         "    if len(found) != 1:\n        return None\n", "    if not found:\n        return None\n",
+         DIRECTION + "test_the_direction_a_name_says")
+mutation("direction: an unknown name is refused at config time", "saferun/config.py",
+         "            self.best_mode()  # now:", "            pass  # now:",
+         DIRECTION + "test_a_name_without_a_direction_is_refused_naming_the_setting")
+mutation("direction: the inference is said once", "saferun/checkpoint/checkpointer.py",
+         "        self._unsaid = False\n        intent.kill_point", "        intent.kill_point",
+         DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
+         DIRECTION + "test_a_given_mode_wins_over_the_name",
+         also=(("saferun/checkpoint/checkpointer.py", "        if self._unsaid and o.ranks.is_main:",
+                "        if o.ranks.is_main:"),))
+mutation("direction: EarlyStopping infers its direction from the monitored name", "saferun/stopping.py",
+         "        self.mode = metric_mode(monitor, mode,", '        self.mode = mode or "min" if True else metric_mode(monitor, mode,',
+         DIRECTION + "test_early_stopping_on_an_accuracy_goes_on_while_it_rises")
+mutation("direction: EarlyStopping refuses a checkpointed best of the other mode", "saferun/stopping.py",
+         "        if saved != self.mode and state", "        if False and state",
+         DIRECTION + "test_early_stopping_refuses_a_checkpointed_best_of_the_other_mode")
+mutation("direction: restore_best's mismatch names the side the name disagrees with", "saferun/stopping.py",
+         "        elif self.mode != named[0]:", "        elif self.mode == named[0]:",
+         DIRECTION + "test_restore_best_names_the_fix_on_the_side_that_is_wrong")
+mutation("direction: restore_best compares the resolved directions", "saferun/stopping.py",
+         "        if best_mode == self.mode:\n            return\n",
+         '        if trainer.get("save_best_mode") == self.mode:\n            return\n',
+         DIRECTION + "test_restore_best_with_an_inferred_direction_on_both_sides_restores_the_highest")
+mutation("direction: a resume compares the checkpoint's direction as resolved", "saferun/checkpoint/checkpointer.py",
+         "        before = (saved.get(\"save_best\"), saved_best_mode(saved))",
+         "        before = (saved.get(\"save_best\"), saved.get(\"save_best_mode\") or \"min\")",
+         DIRECTION + "test_a_resume_that_would_infer_another_mode_than_the_checkpoints_is_refused",
+         DIRECTION + "test_a_resume_keeps_the_best_when_the_mode_was_given_then_inferred")
+mutation("direction: a resume that would infer another direction than the checkpoint's is refused",
+         "saferun/checkpoint/checkpointer.py",
+         "        if before[0] == t.save_best and t.save_best_mode is None:",
+         "        if False:",
+         DIRECTION + "test_a_resume_that_would_infer_another_mode_than_the_checkpoints_is_refused")
+
+OPTUNA = "tests/sweeps/test_optuna.py::"
+mutation("sweeps: a continued study continues its sampler's stream", "saferun/sweep/study.py",
+         "    continue_sampler(study, sampler)\n", "",
+         OPTUNA + "test_a_continued_study_draws_on_as_an_uninterrupted_one")
+mutation("sweeps: the sampler's state is saved before its trials run", "saferun/sweep/study.py",
+         "        save_sampler(study, sampler)  # before", "        pass  # before",
+         OPTUNA + "test_a_continued_study_draws_on_as_an_uninterrupted_one")
+mutation("sweeps: a study without this sampler's state is seeded from the study", "saferun/sweep/study.py",
+         "instantiate(configured, seed=int(seed) + trials)", "instantiate(configured)",
+         OPTUNA + "test_a_study_without_this_samplers_state_is_seeded_from_the_study")
+
+KILLED_EARLY = TCOURSE + "::test_a_change_of_course_killed_before_its_record_is_made_by_resume_auto"
+INTENT_GOES = TCOURSE + "::test_an_intent_goes_with_a_refusal_an_evaluation_or_another_start"
+mutation("course: resume=PATH makes its intent durable when the Trainer is made", CKPTR,
+         "            intent.intend(t.run_dir, owner.cfg.resume, owner.ranks.is_main)", "            pass",
+         KILLED_EARLY)
+mutation("course: resume=auto carries out a killed run's intent", CKPTR,
+         "        self.carried_intent = intent.intended(o.state.run_dir) \\", "        self.carried_intent = None \\",
+         KILLED_EARLY)
+mutation("course: a carried-out intent changes course (sets the superseded course aside)", CKPTR,
+         " or course.interrupted(o.state.run_dir) or self.carried_intent \\",
+         " or course.interrupted(o.state.run_dir) \\", KILLED_EARLY)
+mutation("course: an intent naming no checkpoint is refused, not a fresh start", CKPTR,
+         "        if found is None and self.carried_intent is not None:", "        if False:", INTENT_GOES)
+mutation("course: a refusal in find_resume drops the refused run's intent", CKPTR,
+         "        except SaferunError:\n            self._drop_own_intent()\n",
+         "        except SaferunError:\n", INTENT_GOES)
+mutation("course: a refusal in begin_run drops the refused run's intent", CKPTR,
+         "            if isinstance(e, SaferunError):  # refused", "            if False:  # refused", INTENT_GOES)
+mutation("course: an evaluation drops its intent", CKPTR,
+         "        self._drop_own_intent()  # an evaluation changes no course\n", "", INTENT_GOES)
+mutation("course: a start from step 0 drops an earlier intent", CKPTR,
+         "                intent.drop_intent(o.state.run_dir, o.ranks.is_main)  # this start replaces it\n", "",
+         INTENT_GOES)
+mutation("course: a change with nothing to supersede drops its intent", COURSE,
+         "    if record is None:  # nothing supersedes: the intent is done", "    if False:  # nothing supersedes",
+         INTENT_GOES)
+mutation("course: the change's end drops the intent with the record", COURSE,
+         "        fsync_dir(Path(run_dir))\n    drop_intent(run_dir, main)\n", "        fsync_dir(Path(run_dir))\n",
+         KILLED_EARLY)
+mutation("course: the command line writes the intent before torch is imported", "saferun/cli/run.py",
+         "        return run_dir if intent.intend(run_dir, resume, main) and main else None",
+         "        return None",
+         TCOURSE + "::test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto",
+         known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
+mutation("course: the command line writes the intent once Hydra composed the config", "saferun/cli/run.py",
+         "    intended = intent.intend(HydraConfig.get().runtime.output_dir,",
+         "    intended = (lambda *written: True)(HydraConfig.get().runtime.output_dir,",
+         TCOURSE + "::test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto",
+         known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
+mutation("course: a command refused before its job drops its intent", "saferun/cli/run.py",
+         "        if intended is not None and not _JOB_STARTED:", "        if False:",
+         TCOURSE + "::test_from_the_command_line_a_refused_change_leaves_no_intent",
+         known="its test is slow (pytest -m slow, command-line runs); killed by hand when written")
+mutation("course: the command line drops a refused run's intent", "saferun/cli/run.py",
+         "        if intended:  # refused", "        if False:  # refused",
+         TCOURSE + "::test_from_the_command_line_a_refused_change_leaves_no_intent",
+         known="its test is slow (pytest -m slow, a command-line run); killed by hand when written")
 
 # ---------------------------------------------------------------- the runner
 

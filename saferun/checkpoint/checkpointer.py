@@ -23,13 +23,14 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError
+from ..direction import inference_note, metric_mode
+from ..errors import ConfigError, NonFiniteError, SaferunError
 from ..loop.seeding import get_rng_state
 from ..loop.transfer import move_to_device
 from ..parallel import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
-from . import course, rundir
+from . import course, intent, rundir
 from .compat import check_resume_config
 from .formats import CheckpointFormat
 from .store import (FORMAT_VERSION, CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
@@ -84,6 +85,13 @@ class Checkpointer:
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self.restored_best = False  # EarlyStopping(restore_best=True) put the best weights back
+        t = owner.cfg.trainer
+        self.best_mode = t.best_mode() if t.save_best else None  # min or max: given or inferred
+        # an inferred direction is said once, at the first fit
+        self._unsaid = t.save_best is not None and t.save_best_mode is None
+        if t.run_dir is not None:  # resume=PATH: durable now, before the model is built
+            intent.intend(t.run_dir, owner.cfg.resume, owner.ranks.is_main)
+        self.carried_intent: Optional[str] = None  # resume=auto carrying out a killed run's intent
 
     def _format(self) -> CheckpointFormat:
         """How checkpoints hold the model and optimizer: the strategy's format."""
@@ -183,23 +191,50 @@ class Checkpointer:
 
     def find_resume(self) -> None:
         """Find the checkpoint `cfg.resume` names (auto or a path) and load its weights, so that
-        every entry point uses them; `fit` then restores the rest (`resume`)."""
+        every entry point uses them; `fit` then restores the rest (`resume`). A refused
+        resume=PATH drops its intent: nothing changed, resume=auto continues what is there."""
+        try:
+            self._find_resume()
+        except SaferunError:
+            self._drop_own_intent()
+            raise
+
+    def _drop_own_intent(self) -> None:
+        o = self._owner
+        if o.cfg.resume not in (None, FRESH, "auto"):
+            intent.drop_intent(o.state.run_dir, o.ranks.is_main)
+
+    def _find_resume(self) -> None:
         o = self._owner
         resume = o.cfg.resume
         if resume is None or resume == FRESH:
             return
         where = Path(o.state.run_dir) if resume == "auto" else Path(resume)
         unfinished = course.interrupted(o.state.run_dir) if resume == "auto" else None
+        self.carried_intent = intent.intended(o.state.run_dir) \
+            if resume == "auto" and unfinished is None else None
         if unfinished is not None:  # a change of course a killed run left: fit() finishes it
             where = Path(unfinished["resumed"])
             log.warning("resume=auto: %s holds a change of course to %s that a killed run left "
                         "unfinished; it is finished and the run continues from there.",
                         o.state.run_dir, where)
+        elif self.carried_intent is not None:  # killed before it recorded the change: made now
+            where = Path(self.carried_intent)
+            log.warning("resume=auto: %s holds the intent of a change of course to %s (%s) that "
+                        "a run killed before the change began left; the change is made now and "
+                        "the run continues from there. To continue the course that is there "
+                        "instead, delete that file.", o.state.run_dir, where, intent.INTENT)
         if (where / "manifest.json").is_file():
             found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
         else:
             root = where if where.name == "checkpoints" else checkpoint_root(where)
             found = load_latest(root)
+        if found is None and self.carried_intent is not None:
+            raise CheckpointError(
+                f"resume=auto: {o.state.run_dir} holds the intent of a change of course to "
+                f"{where} ({intent.INTENT}, left by a run killed before the change began), but "
+                f"{no_checkpoint_at(str(where))} Delete {intent.INTENT} to continue the course "
+                f"that is there, or set resume=PATH to the checkpoint you meant.")
         if found is None:
             if resume != "auto":
                 raise CheckpointError(no_checkpoint_at(resume))
@@ -220,6 +255,11 @@ class Checkpointer:
         """Check and lock the run directory (one writer at a time), start fresh or resume, and
         only then, with the run accepted, record its config in <run_dir>/config.yaml."""
         o = self._owner
+        if self._unsaid and o.ranks.is_main:
+            log.info(inference_note(o.cfg.trainer.save_best or "", "trainer.save_best",
+                                    "trainer.save_best_mode={mode}"))
+        self._unsaid = False
+        intent.kill_point("course-built")  # the model built, the checkpoint read, nothing recorded
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
             unfinished = course.interrupted(o.state.run_dir)
@@ -230,11 +270,14 @@ class Checkpointer:
                 callbacks = self._parts().callbacks  # an earlier run's files, theirs too: aside
                 aside = start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main, callbacks.owned_run_files())
                 callbacks.on_fresh_start(o.view, aside)
+                intent.drop_intent(o.state.run_dir, o.ranks.is_main)  # this start replaces it
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
-        except BaseException:
+        except BaseException as e:
             self._run_dir_lock.release()
+            if isinstance(e, SaferunError):  # refused: its intent too (a kill leaves it)
+                self._drop_own_intent()
             raise
 
     def end_run(self) -> None:
@@ -258,7 +301,8 @@ class Checkpointer:
         # (auto alone took the newest checkpoint: nothing is newer)
         changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main,
                                        p.callbacks.owned_run_files()) \
-            if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) else None
+            if o.cfg.resume != "auto" or course.interrupted(o.state.run_dir) or self.carried_intent \
+            else None
         if changed is not None:  # (before ensure_one: its checkpoint holds what they make of it)
             p.callbacks.on_course_change(o.view, str(Path(o.state.run_dir) / changed["aside"]),
                                          changed["resumed"], changed["step"])
@@ -315,18 +359,30 @@ class Checkpointer:
     def _same_best(self, state: Mapping[str, Any]) -> bool:
         """Does the checkpoint's best record measure what this run's save_best does? A resume
         that changed trainer.save_best (or its mode) starts the best anew, saying so: the old
-        value would be compared with another metric, and model_best.pt kept for it."""
+        value would be compared with another metric, and model_best.pt kept for it. A mode
+        this run infers from the name but the checkpoint's run gave otherwise is refused: that
+        change would be silent (the setting left off the resumed command)."""
         t, saved = self._owner.cfg.trainer, state["config"]["trainer"]
-        before = (saved.get("save_best"), saved.get("save_best_mode", "min"))
-        if before == (t.save_best, t.save_best_mode) or state["loop"]["best"] is None:
+        if state["loop"]["best"] is None:
             return True
+        before = (saved.get("save_best"), saved_best_mode(saved))
+        if before == (t.save_best, self.best_mode):
+            return True
+        if before[0] == t.save_best and t.save_best_mode is None:
+            raise ConfigError(
+                f"trainer.save_best={t.save_best}: the checkpoint's best was kept with "
+                f"trainer.save_best_mode={before[1]}, and this run infers {self.best_mode} from "
+                f"the name. Set trainer.save_best_mode={before[1]} to continue that best, or "
+                f"trainer.save_best_mode={self.best_mode} to track the best anew "
+                f"(model_best.pt is then replaced at the next validation that sets one).")
         log.warning("trainer.save_best changed on resume (%s %s -> %s %s): the best is tracked "
                     "anew from here; model_best.pt is replaced at the next validation that sets "
-                    "one.", *before, t.save_best, t.save_best_mode)
+                    "one.", *before, t.save_best, self.best_mode)
         return False
 
     def check_evaluated_weights(self, entry: str) -> None:
         o = self._owner
+        self._drop_own_intent()  # an evaluation changes no course
         evaluated_weights(entry, o.state.run_dir, o.cfg.resume, self.untrained_auto,
                           self.pending_resume is None and o.state.step == 0 and o.ranks.is_main)
 
@@ -454,8 +510,7 @@ class Checkpointer:
             return False
         if self.best is None or math.isnan(self.best[0]):
             return True
-        return value < self.best[0] if self._owner.cfg.trainer.save_best_mode == "min" \
-            else value > self.best[0]
+        return value < self.best[0] if self.best_mode == "min" else value > self.best[0]
 
 
 # what users of other tools write for "the newest checkpoint"
@@ -482,6 +537,15 @@ def no_checkpoint_at(resume: str) -> str:
             what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
                      f"name one, e.g. the latest, resume={runs[-1]}")
     return f"resume={resume}: {what}{'' if what.endswith('?') else '.'} {ACCEPTS}."
+
+
+def saved_best_mode(trainer: Mapping[str, Any]) -> Optional[str]:
+    """The direction of save_best in a checkpoint's trainer config: given, or inferred then (a
+    config of this version without save_best_mode); None without save_best."""
+    if not trainer.get("save_best"):
+        return None
+    return metric_mode(trainer["save_best"], trainer.get("save_best_mode"), "trainer.save_best",
+                       "trainer.save_best_mode={mode}")
 
 
 def _best_record(saved: Any) -> Optional[tuple[float, str, int]]:

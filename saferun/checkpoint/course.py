@@ -15,6 +15,9 @@ done only while its source is there and its destination is not, so carrying out 
 again finishes what a killed run left half done. A later `resume=auto` (or the same
 `resume=PATH`) finds the record, finishes the change and resumes from the recorded checkpoint.
 The record is removed once the run directory holds the continued course's first checkpoint.
+Before the record, from the moment the run knows PATH, `intent.py`'s `.course-intent.json`
+makes the change durable: a run killed before its record leaves the intent, which a later
+`resume=auto` carries out.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import SaferunError
 from ..parallel import distributed
+from .intent import drop_intent, kill_point as _kill_point
 from .store import CheckpointError, list_checkpoints, step_of
 from .superseded import close_log_files, earlier_files, fsync_dir, keep_this_runs_lines
 
@@ -88,6 +91,8 @@ def change_course(run_dir: str, resumed: Path, step: int, main: bool,
     record, error = distributed.broadcast((record, error))
     if error is not None:
         raise SaferunError(error)
+    if record is None:  # nothing supersedes: the intent is done (else with the record, below)
+        drop_intent(run_dir, main)
     return record
 
 
@@ -96,6 +101,7 @@ def finished(run_dir: str, record: Optional[dict[str, Any]], main: bool) -> None
     if record is not None and main:
         (Path(run_dir) / RECORD).unlink(missing_ok=True)
         fsync_dir(Path(run_dir))
+    drop_intent(run_dir, main)
 
 
 def _plan(run_dir: Path, resumed: Path, step: int, owned: Sequence[str]) -> Optional[dict[str, Any]]:
@@ -209,9 +215,3 @@ def _publish(target: Path, write: Any) -> None:
             tmp.unlink(missing_ok=True)
     fsync_dir(target.parent)
 
-
-def _kill_point(name: str) -> None:
-    """Fault injection (tools/fault_inject.py, tests): SAFERUN_KILL_AT=<name> kills this
-    process here with SIGKILL, as a node failure would."""
-    if os.environ.get("SAFERUN_KILL_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)

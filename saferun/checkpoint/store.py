@@ -36,6 +36,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..errors import SaferunError
+from .intent import fsync_dir
 
 log = logging.getLogger("saferun")
 
@@ -80,13 +81,13 @@ def publish(root: Path, tmp: Path, final: Path, step: int, files: dict[str, Any]
     """Complete `tmp`, its `files` written and fsynced: the manifest last, then the rename."""
     _write_bytes(tmp / "manifest.json", json.dumps(
         {"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
         old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -98,7 +99,7 @@ def save_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     try:
         _write_tensor_file(tmp, state_dict)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except (OSError, RuntimeError) as e:
         raise CheckpointError(_write_failure(path, e)) from None
     finally:
@@ -330,14 +331,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from ..errors import SaferunError
 from ..parallel import distributed
 from . import rundir
+from .intent import fsync_dir
 from .store import list_checkpoints, step_of
 
 log = logging.getLogger("saferun")
@@ -72,14 +73,6 @@ def keep_this_runs_lines(parent: Path, moved: Sequence[Path]) -> None:
                 mine = f.read()
                 f.truncate(start)
             (parent / path.name).write_bytes(mine)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def start_fresh(run_dir: str, resume: Optional[str], main: bool,

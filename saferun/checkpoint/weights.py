@@ -29,7 +29,8 @@ from torch import nn
 
 from ..errors import SaferunError
 from .rundir import update_summary
-from .store import (CheckpointError, _fsync_dir, _read_manifest, _write_failure, _write_tensor_file,
+from .intent import fsync_dir
+from .store import (CheckpointError, _read_manifest, _write_failure, _write_tensor_file,
                     checkpoint_root, list_checkpoints, load_checkpoint)
 
 FILES = {"best": "model_best.pt", "last": "model.pt"}  # checkpoint= names -> the exported file
@@ -100,7 +101,7 @@ def publish_weights(run_dir: str | Path, files: Mapping[str, Mapping[str, torch.
         update_summary(str(run), {PENDING: {**_summary(run).get(PENDING, {}), **entries}})
         for name in files:
             os.replace(temps[name], run / name)
-        _fsync_dir(run)
+        fsync_dir(run)
         now = _summary(run)
         update_summary(str(run), {RECORDS: {**now.get(RECORDS, {}), **entries},
                              PENDING: {k: v for k, v in now.get(PENDING, {}).items() if k not in files},

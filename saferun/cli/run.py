@@ -18,6 +18,19 @@ from ..sweep.cluster import prepare_multirun, in_job
 
 def run(args: list[str]) -> None:
     """`saferun run [hydra args]`: compose the config with Hydra and train."""
+    rundirs.note_args(args)  # first: whether the run directory exists before anything makes it
+    intended = _intend_from_args(args)  # then at once, before torch is imported
+    try:
+        _run(args)
+    except BaseException:
+        if intended is not None and not _JOB_STARTED:  # refused before the job: nothing changed
+            from ..checkpoint import intent
+
+            intent.drop_intent(intended, True)
+        raise
+
+
+def _run(args: list[str]) -> None:
     import hydra
 
     from ..parallel.distributed import ranks_from_env
@@ -30,7 +43,6 @@ def run(args: list[str]) -> None:
     _ARGS = list(args)
     _register_with_hydra()
     _check_run_dir_arg(args)
-    rundirs.note_args(args)
     _check_override_keys(args)
     for config_dir in _config_dirs(args)[0]:
         # A copied recipe (saferun new) keeps its Python file next to its configs.
@@ -59,7 +71,27 @@ def run(args: list[str]) -> None:
 
 
 _WRITE_HYDRA_DIR = False  # saferun, not Hydra, writes <run dir>/.hydra/ (after acceptance)
+_JOB_STARTED = False  # Hydra composed the config and started the job (_train)
 _ARGS: list[str] = []  # the command line as given, for the commands an error suggests
+
+
+def _intend_from_args(args: list[str]) -> Optional[str]:
+    """resume=PATH with hydra.run.dir=DIR on the command line: the change of course is durable
+    (checkpoint/intent.py) before anything heavy starts; return DIR (rank 0). A run directory
+    Hydra makes up, or a resume set in a config file: `_train` writes it once Hydra has
+    composed the config."""
+    from ..checkpoint import intent
+
+    given = {key.lstrip("+"): value for key, _, value in (a.partition("=") for a in args)}
+    run_dir, resume = given.get("hydra.run.dir"), given.get("resume")
+    main = os.environ.get("RANK", "0") == "0"
+    if "-m" in args or "--multirun" in args or run_dir is None or "${" in run_dir + str(resume):
+        return None
+    try:
+        return run_dir if intent.intend(run_dir, resume, main) and main else None
+    except OSError:
+        return None  # an unwritable run directory: _check_run_dir_arg says so, next
+
 
 
 def _write_hydra_dir(run_dir: str, cfg: Any, hydra_cfg: Any) -> None:
@@ -161,6 +193,18 @@ def _train(cfg: Any) -> Optional[float]:
     return the objective's best value during the run (what a sweeper optimizes)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from ..checkpoint import intent
+
+    global _JOB_STARTED
+    _JOB_STARTED = True  # from here a refusal drops the intent (below), a crash leaves it
+    # resume=PATH: durable before the model is built (a kill in that start-up leaves the
+    # intent, which resume=auto carries out); rank 0 (torchrun) writes
+    resume = OmegaConf.to_container(cfg, resolve=False).get("resume")  # type: ignore[union-attr]  # a job's config is a mapping
+    intended = intent.intend(HydraConfig.get().runtime.output_dir,
+                             resume if isinstance(resume, str) and "${" not in resume else None,
+                             os.environ.get("RANK", "0") == "0")
 
     from ..checkpoint.rundir import update_summary, when_accepted
     from ..checkpoint.superseded import note_log_files
@@ -197,6 +241,8 @@ def _train(cfg: Any) -> Optional[float]:
         metrics = trainer.fit()
     except SaferunError as e:
         print(f"saferun: error: {e}", file=sys.stderr, flush=True)
+        if intended:  # refused: nothing changed, and nothing is left to carry out
+            intent.drop_intent(run_dir, main)
         if main:
             rundirs.remove_if_refused(run_dir)
         raise SystemExit(1) from None

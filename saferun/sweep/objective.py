@@ -4,12 +4,15 @@ the run (with the step), read from what the run records."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ..errors import ConfigError
+from ..direction import inference_note, metric_mode
+
+log = logging.getLogger("saferun")
 
 
 @dataclass(frozen=True)
@@ -39,20 +42,19 @@ class Objective:
 
 
 def objective_of(metric: Optional[str], mode: Optional[str], save_best: Optional[str],
-                 save_best_mode: str) -> Objective:
-    """The objective of `sweep.metric`/`sweep.mode`, else of trainer.save_best, else val/loss (min).
-    A metric other than those two needs its mode: a guessed direction would rank silently wrong."""
-    if metric is None:
-        metric = save_best or "val/loss"
-    if mode is None:
-        if metric == save_best:
-            mode = save_best_mode
-        elif metric == "val/loss":
-            mode = "min"
-        else:
-            raise ConfigError(f"sweep.metric={metric} needs its direction: set sweep.mode=min or "
-                              f"sweep.mode=max.")
-    return Objective(metric, mode)
+                 save_best_mode: Optional[str]) -> Objective:
+    """The objective of `sweep.metric`/`sweep.mode`, else of trainer.save_best (in its mode),
+    else val/loss. A mode not given is the one the metric's name says (said in the log); a
+    name that says none is refused: a guessed direction would rank silently wrong."""
+    given, metric = metric is not None, metric or save_best or "val/loss"
+    if mode is None and metric == save_best:
+        return Objective(metric, metric_mode(metric, save_best_mode, "trainer.save_best",
+                                             "trainer.save_best_mode={mode}"))
+    if mode is None:  # the name says it (the trainer says save_best's inference)
+        mode = metric_mode(metric, None, "sweep.metric", "sweep.mode={mode}")
+        if given:
+            log.info(inference_note(metric, "sweep.metric", "sweep.mode={mode}"))
+    return Objective(metric, metric_mode(metric, mode, "sweep.metric", "sweep.mode={mode}"))
 
 
 def best_during_run(run_dir: str, objective: Objective) -> Optional[tuple[float, int]]:

@@ -16,8 +16,8 @@ class SweepConfig:
     metric: Optional[str] = None
     """A validation metric (e.g. val/acc); None: trainer.save_best's metric, else val/loss."""
     mode: Optional[str] = None
-    """min or max. None: trainer.save_best_mode for save_best's metric, min for val/loss;
-    required for any other metric."""
+    """min or max. None: trainer.save_best_mode for save_best's metric, else the direction the
+    metric's name says (as trainer.save_best_mode); a name that says none is refused."""
 
     def __post_init__(self) -> None:
         if self.mode not in (None, "min", "max"):

@@ -5,15 +5,24 @@ subdirectory named by the trial's number, and returns its objective's best value
 A study kept in storage (SQLite in the sweep directory by default) continues when the sweep is
 run again with the same `hydra.sweep.dir`: the finished trials count towards n_trials, and a
 trial an interruption left running is run again in its own run directory with resume=auto,
-from its newest checkpoint."""
+from its newest checkpoint. The sampler continues its stream too (`continue_sampler`): rebuilt
+with its fixed seed, it would draw the points of the first run again."""
 
 from __future__ import annotations
 
+import base64
+import logging
+import pickle
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from ..errors import ConfigError, SaferunError
 from .objective import objective_of
+
+log = logging.getLogger("saferun")
+# A study user attribute: the sampler as the last run left it (pickled, base64), the trials
+# it had drawn for by then, and the sampler's config (another config starts another stream).
+SAMPLER_STATE = "saferun_sampler"
 
 
 def search_space(arguments: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -65,6 +74,7 @@ def run_study(settings: dict[str, Any], config: Any, launcher: Any, arguments: S
     study = optuna.create_study(
         study_name=settings["study_name"], storage=settings["storage"], direction=direction,
         sampler=instantiate(sampler) if OmegaConf.is_config(sampler) else sampler, load_if_exists=True)
+    continue_sampler(study, sampler)
     if study.direction.name.lower() != direction:
         raise ConfigError(f"the study {settings['study_name']!r} in {settings['storage']} was "
                           f"created to {study.direction.name.lower()}, but {objective.metric} "
@@ -83,10 +93,56 @@ def run_study(settings: dict[str, Any], config: Any, launcher: Any, arguments: S
             values = {key: suggest(trial, key, override) for key, override in space.items()}
             trial.set_user_attr("overrides", values)
             batch.append((trial.number, [*fixed, *(f"{k}={v}" for k, v in values.items())]))
+        save_sampler(study, sampler)  # before the trials run: a rerun draws on from here
         _launch(study, launcher, batch, objective)
         finished += count
     _write_results(study, sweep_dir, objective)
     return study
+
+
+def _sampler_key(configured: Any) -> str:
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(configured):
+        return OmegaConf.to_yaml(configured, resolve=True)
+    return type(configured).__qualname__
+
+
+def save_sampler(study: Any, configured: Any) -> None:
+    """Keep the sampler's state in the study, beside the trials it drew (its storage)."""
+    state = base64.b64encode(pickle.dumps(study.sampler)).decode("ascii")
+    study.set_user_attr(SAMPLER_STATE, {"state": state, "trials": len(study.get_trials(deepcopy=False)),
+                                        "config": _sampler_key(configured)})
+
+
+def continue_sampler(study: Any, configured: Any) -> None:
+    """A study that already has trials continues its sampler's stream: the state the last run
+    saved, where the sampler's config is the same; else (another config, or a study without
+    one) the configured sampler seeded from the study's state (its seed plus the trials so
+    far), so that it does not draw the first run's points again."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    trials = len(study.get_trials(deepcopy=False))
+    if not trials:
+        return
+    saved = study.user_attrs.get(SAMPLER_STATE)
+    if saved and saved["config"] == _sampler_key(configured):
+        study.sampler = pickle.loads(base64.b64decode(saved["state"]))
+        if saved["trials"] != trials:  # killed between a draw and its save: at most that batch again
+            log.warning("the Optuna sampler's saved state is of %d trials, the study has %d: "
+                        "the next draws may repeat the last %d.", saved["trials"], trials,
+                        trials - saved["trials"])
+        log.info("Optuna: the study has %d trials; the sampler continues its stream.", trials)
+        return
+    seed = configured.get("seed") if OmegaConf.is_config(configured) else None
+    if seed is not None:
+        study.sampler = instantiate(configured, seed=int(seed) + trials)
+    else:  # no seed in the config: draws are not repeatable anyway; an object: a new stream
+        study.sampler.reseed_rng()
+    log.info("Optuna: the study has %d trials but no sampler state saved for this sampler "
+             "config; the sampler is seeded from the study (%s).", trials,
+             f"seed {int(seed) + trials}" if seed is not None else "a new random seed")
 
 
 def _launch(study: Any, launcher: Any, batch: list[tuple[int, list[str]]], objective: Any) -> None:

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import saferun
 from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.checkpoint.course import RECORD
+from saferun.checkpoint.intent import INTENT
 from toys import TENSORBOARD, TOYS_PATH, ToyTrainer, toy_config
 from helpers import superseded
 
@@ -127,9 +128,11 @@ def first_keys(files_before):
 
 # ---------------------------------------------------------------- killed while changing course
 
-# the renames of a change to step 4 of a course at step 8 (see course.py's record): the
+# before the change's record: the intent written (intent.py), the model built; then the
+# renames of a change to step 4 of a course at step 8 (see course.py's record): the
 # checkpoints of steps 6 and 8, then tensorboard/, metrics.jsonl, config.yaml, model.pt
-KILL_POINTS = ["course-intent", *(f"course-rename-{n}" for n in range(1, 7)), "course-copied"]
+KILL_POINTS = ["course-startup", "course-built", "course-intent",
+               *(f"course-rename-{n}" for n in range(1, 7)), "course-copied"]
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +152,11 @@ def killed_then_auto(first, run_dir, point, resume):
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "SAFERUN_KILL_AT": point})
     assert proc.returncode == -9, proc.stdout + proc.stderr  # killed there, not finished
-    assert (run_dir / RECORD).is_file()
+    assert (run_dir / RECORD).is_file() or (run_dir / INTENT).is_file()
     again = config(run_dir, 8, lr=0.01)
     again["resume"], again["force_resume"] = "auto", True
     ToyTrainer(again).fit()
-    assert not (run_dir / RECORD).exists()
+    assert not (run_dir / RECORD).exists() and not (run_dir / INTENT).exists()
 
 
 def assert_as_if_not_killed(run_dir, changed, first):
@@ -210,6 +213,78 @@ def test_a_change_of_course_stopped_between_two_renames_is_finished_by_resume_au
     ToyTrainer(again).fit()
     assert not (run_dir / RECORD).exists()
     assert_as_if_not_killed(run_dir, changed, first)
+
+
+class DiesInBuild(ToyTrainer):
+    """Killed while the model is built: before the change of course is recorded."""
+
+    def build_model(self):
+        raise Killed
+
+
+class DiesInStep(ToyTrainer):
+    """Killed in its first training step."""
+
+    def training_step(self, batch):
+        raise Killed
+
+
+def test_a_change_of_course_killed_before_its_record_is_made_by_resume_auto(first_course, tmp_path):
+    # the start-up (imports, the model, the data, the checkpoint read) comes before the
+    # change's record: killed there, resume=auto continued the old course from step 8 and
+    # exited 0. The intent, written when the Trainer is made, has resume=auto make the change.
+    first, changed = first_course
+    run_dir = tmp_path / "run"
+    shutil.copytree(first, run_dir)
+    with pytest.raises(Killed):
+        DiesInBuild(config(run_dir, 8, resume=run_dir / "checkpoints" / "step-00000004", lr=0.01)).fit()
+    assert files(run_dir) == {**files(first), INTENT: (run_dir / INTENT).read_bytes()}
+    again = config(run_dir, 8, lr=0.01)
+    again["resume"], again["force_resume"] = "auto", True
+    ToyTrainer(again).fit()
+    assert not (run_dir / INTENT).exists() and not (run_dir / RECORD).exists()
+    assert_as_if_not_killed(run_dir, changed, first)
+
+
+def test_an_intent_goes_with_a_refusal_an_evaluation_or_another_start(first_course, tmp_path):
+    # a refused resume=PATH changed nothing: its intent goes too (resume=auto then continues
+    # the course that is there); so does the intent of an evaluation, and a start that
+    # replaces it (resume=fresh); a killed run's intent that names no checkpoint is refused
+    first, _ = first_course
+    run_dir = tmp_path / "run"
+    shutil.copytree(first, run_dir)
+    before = files(run_dir)
+    refused = config(run_dir, 8, resume=run_dir / "checkpoints" / "step-00000004", lr=0.01)
+    refused["force_resume"] = False  # a new learning rate needs it
+    with pytest.raises(saferun.ConfigError, match="force_resume"):
+        ToyTrainer(refused).fit()
+    assert files(run_dir) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(saferun.SaferunError, match="holds no complete checkpoint"):
+        ToyTrainer(config(run_dir, 8, resume=empty)).fit()  # refused as the model is built
+    assert files(run_dir) == before
+    evaluating = ToyTrainer(config(run_dir, 8, resume=run_dir / "checkpoints" / "step-00000004"))
+    evaluating.validate()
+    assert files(run_dir) == before
+    (run_dir / INTENT).write_text(json.dumps({"resume": str(tmp_path / "gone")}))
+    auto = config(run_dir, 8)
+    auto["resume"] = "auto"
+    with pytest.raises(saferun.SaferunError, match=f"holds the intent of a change of course to "
+                                                   f"{tmp_path / 'gone'}.*Delete {INTENT}"):
+        ToyTrainer(auto).fit()
+    (run_dir / INTENT).write_text("{")
+    with pytest.raises(saferun.SaferunError, match=f"{INTENT} .* is unreadable"):
+        ToyTrainer(auto).fit()
+    fresh = config(run_dir, 2)
+    fresh["resume"] = "fresh"
+    ToyTrainer(fresh).fit()
+    assert not (run_dir / INTENT).exists()
+    # resume=PATH naming the newest checkpoint: nothing supersedes, the intent is done at once
+    # (killed later, resume=auto must continue, not go back to PATH)
+    with pytest.raises(Killed):
+        DiesInStep(config(run_dir, 4, resume=run_dir / "checkpoints" / "step-00000002")).fit()
+    assert not (run_dir / INTENT).exists() and not superseded(run_dir)[1:]
 
 
 def test_carrying_out_a_change_twice_moves_each_entry_once(first_course, tmp_path):
@@ -349,3 +424,63 @@ def test_from_the_command_line_the_superseded_course_takes_its_hydra_files_and_t
     assert "Resumed from exp/checkpoints/step-00000002" in log and log.count("step 2/6") == 0
     assert [r["step"] for r in jsonl((exp / "metrics.jsonl").read_bytes()) if r["kind"] == "train"] == \
         [r["step"] for r in jsonl(before["metrics.jsonl"]) if r["kind"] == "train"]
+
+
+@pytest.mark.slow  # four command-line runs; the same kill in this process: the tests above
+@pytest.mark.parametrize("run_dir", [
+    "exp",  # given: the intent is written before torch is imported
+    "${oc.env:SAFERUN_TEST_RUN_DIR}",  # known once Hydra composed the config: written then
+])
+def test_from_the_command_line_a_change_killed_in_its_start_up_is_made_by_resume_auto(tmp_path, run_dir):
+    # killed as the command line starts, resume=auto with the same overrides ends as the
+    # change made uninterrupted, not as the old course
+    run = [sys.executable, "-m", "saferun", "run", "debug=fast", "trainer.progress_bar=false",
+           "trainer.max_steps=6", "trainer.save_every_n_steps=2", "trainer.keep_last=10"]
+    subprocess.run(run + ["hydra.run.dir=exp"], cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    shutil.copytree(tmp_path / "exp", tmp_path / "ref")
+    change = ["optim.lr=1e-4", "force_resume=true"]
+    subprocess.run(run + change + ["hydra.run.dir=ref", "resume=ref/checkpoints/step-00000002"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-X", "importtime", *run[1:], *change, f"hydra.run.dir={run_dir}",
+         "resume=exp/checkpoints/step-00000002"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "SAFERUN_KILL_AT": "course-startup",
+                          "SAFERUN_TEST_RUN_DIR": str(tmp_path / "exp")})
+    exp = tmp_path / "exp"
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in killed.stderr.splitlines()]
+    assert ("torch" in imported) == (run_dir != "exp")  # given: before torch is imported
+    assert "saferun: run directory" not in killed.stdout  # before the config is even loaded
+    assert (exp / INTENT).is_file() and not (exp / RECORD).exists()
+    again = subprocess.run(run + change + ["hydra.run.dir=exp", "resume=auto"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not (exp / INTENT).exists() and not (exp / RECORD).exists()
+    ref = tmp_path / "ref"
+    assert [p.name for p in list_checkpoints(exp / "checkpoints")] == \
+        [p.name for p in list_checkpoints(ref / "checkpoints")]
+    for done in list_checkpoints(ref / "checkpoints"):
+        assert_same(whole_state(exp / "checkpoints" / done.name), whole_state(done))
+    assert untimed(jsonl((exp / "metrics.jsonl").read_bytes())) == \
+        untimed(jsonl((ref / "metrics.jsonl").read_bytes()))
+    assert len(superseded(exp)) == 1
+
+
+@pytest.mark.slow  # a command-line run per refusal
+@pytest.mark.parametrize("wrong, said", [
+    ("trainer.max_step=3", "trainer.max_steps"),  # refused before Hydra composes the config
+    ("trainer.max_steps=many", "trainer.max_steps"),  # refused as Hydra composes it
+    ("trainer.save_best=val/score", "trainer.save_best_mode=max"),  # as saferun loads it
+])
+def test_from_the_command_line_a_refused_change_leaves_no_intent(first_course, tmp_path, wrong, said):
+    first, _ = first_course
+    run_dir = tmp_path / "run"
+    shutil.copytree(first, run_dir)
+    before = files(run_dir)
+    refused = subprocess.run(
+        [sys.executable, "-m", "saferun", "run", "debug=fast", f"hydra.run.dir={run_dir}",
+         f"resume={run_dir / 'checkpoints' / 'step-00000004'}", wrong],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and said in refused.stderr, refused.stderr
+    assert {k: v for k, v in files(run_dir).items() if k != "saferun.log"} == \
+        {k: v for k, v in before.items() if k != "saferun.log"}

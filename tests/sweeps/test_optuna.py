@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from saferun.sweep.study import search_space, suggest
+from saferun.sweep.study import run_study, search_space, suggest
 from sweep_cli import FAST, saferun_cli
 
 optuna = pytest.importorskip("optuna")
@@ -50,6 +50,67 @@ def test_the_sweeper_config_composes_to_saferuns_plugin_and_an_optuna_sampler():
     assert issubclass(plugin, Sweeper) and plugin.__name__ == "OptunaSweeper"
     assert sweeper.storage == "sqlite:////s/optuna.db" and sweeper.n_trials == 20
     assert isinstance(instantiate(sweeper.sampler), optuna.samplers.TPESampler)
+
+
+class Scoring:
+    """A launcher whose jobs score their overrides at once (trainings are the slow test's):
+    the objective is the drawn learning rate, so each trial's value is its point."""
+
+    def launch(self, job_overrides, initial_job_idx):
+        from hydra.core.utils import JobReturn, JobStatus
+
+        returns = []
+        for overrides in job_overrides:
+            ret = JobReturn()
+            ret.status = JobStatus.COMPLETED
+            ret.return_value = float(next(o for o in overrides if o.startswith("optim.lr="))[9:])
+            returns.append(ret)
+        return returns
+
+
+def study_points(tmp_path, *runs, sampler=None, name="s"):
+    """Run the study over the same storage once per n_trials in `runs`; each trial's point."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"sweep": {"metric": None, "mode": None},
+                               "trainer": {"save_best": None, "save_best_mode": None},
+                               "hydra": {"sweep": {"dir": str(tmp_path)}}})
+    sampler = sampler or {"_target_": "optuna.samplers.TPESampler", "seed": 0}
+    for n in runs:
+        settings = {"n_trials": n, "n_jobs": 1, "study_name": name, "params": {},
+                    "storage": f"sqlite:///{tmp_path}/optuna.db", "sampler": OmegaConf.create(sampler)}
+        study = run_study(settings, config, Scoring(), ["optim.lr=tag(log,interval(1e-4,1e-2))"])
+    return [t.params["optim.lr"] for t in study.trials]
+
+
+def test_a_continued_study_draws_on_as_an_uninterrupted_one(tmp_path):
+    """A rerun rebuilt the sampler with its seed: trials 2, 3 drew trials 0, 1's points again."""
+    continued = study_points(tmp_path / "a", 2, 4)
+    assert len(set(continued)) == 4
+    assert continued == study_points(tmp_path / "b", 4)
+    assert continued[:3] == study_points(tmp_path / "c", 1, 3, 3)  # a rerun with nothing to do
+
+
+@pytest.mark.parametrize("first, then", [
+    # a study without the sampler's state (made by hand, or by an earlier saferun): seeded
+    # from the study's state
+    (None, {"_target_": "optuna.samplers.TPESampler", "seed": 0}),
+    # another sampler config continues no stream: its own, seeded from the study's state
+    # (TPE's first trials are RandomSampler's draws of the same seed)
+    ({"_target_": "optuna.samplers.TPESampler", "seed": 0},
+     {"_target_": "optuna.samplers.RandomSampler", "seed": 0}),
+])
+def test_a_study_without_this_samplers_state_is_seeded_from_the_study(tmp_path, first, then):
+    if first is None:
+        study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path}/optuna.db",
+                                    sampler=optuna.samplers.TPESampler(seed=0))
+        for _ in range(2):
+            trial = study.ask()
+            study.tell(trial, trial.suggest_float("optim.lr", 1e-4, 1e-2, log=True))
+    else:
+        study_points(tmp_path, 2, sampler=first)
+    points = study_points(tmp_path, 4, sampler=then)
+    assert len(set(points)) == 4
 
 
 def trials(db):
@@ -118,3 +179,25 @@ def test_the_best_params_are_written_as_the_values_they_stand_for(tmp_path):
     results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     assert results["best_params"] == {"optim.lr": 0.003, "trainer.batch_size": 32, "optim": "sgd"}
     assert [type(v) for v in results["best_params"].values()] == [float, int, str]
+
+
+@pytest.mark.slow  # eight short trainings over three sweeps
+def test_a_sweep_continued_from_2_to_4_trials_draws_as_one_of_4(tmp_path):
+    """The real command line: a rerun of a finished 2-trial sweep with n_trials=4 draws two new
+    points, those an uninterrupted 4-trial sweep draws (it drew trials 0 and 1's again)."""
+    args = ["-m", *FAST, "hydra/sweeper=optuna", "optim.lr=tag(log,interval(1e-4,1e-2))"]
+    for n in (2, 4):
+        saferun_cli(*args, f"hydra.sweeper.n_trials={n}", "hydra.sweep.dir=continued", cwd=tmp_path)
+    saferun_cli(*args, "hydra.sweeper.n_trials=4", "hydra.sweep.dir=once", cwd=tmp_path)
+
+    def points(sweep):
+        with sqlite3.connect(tmp_path / sweep / "optuna.db") as c:
+            drawn = c.execute("SELECT t.number, p.param_value FROM trial_params p JOIN trials t "
+                              "ON p.trial_id = t.trial_id ORDER BY t.number").fetchall()
+        jobs = [next(o for o in json.loads((tmp_path / sweep / str(n) / "summary.json").read_text())
+                     ["overrides"] if o.startswith("optim.lr=")) for n in range(4)]
+        assert [f"optim.lr={v!r}" for _, v in drawn] == jobs  # each job ran its trial's point
+        return [v for _, v in drawn]
+
+    continued = points("continued")
+    assert len(set(continued)) == 4 and continued == points("once")

@@ -11,12 +11,15 @@ from saferun.sweep.summary import sweep_summary
 
 
 def test_the_objective_is_sweep_metric_else_save_best_else_val_loss():
-    assert objective_of(None, None, None, "min") == Objective("val/loss", "min")
+    assert objective_of(None, None, None, None) == Objective("val/loss", "min")
     assert objective_of(None, None, "val/acc", "max") == Objective("val/acc", "max")
+    assert objective_of(None, None, "val/score", "max") == Objective("val/score", "max")
     assert objective_of("val/f1", "max", "val/acc", "min") == Objective("val/f1", "max")
     assert objective_of("val/acc", None, "val/acc", "max") == Objective("val/acc", "max")
-    with pytest.raises(ConfigError, match="sweep.metric=val/f1 needs its direction: set sweep.mode"):
-        objective_of("val/f1", None, "val/acc", "max")  # a guessed direction could rank backwards
+    assert objective_of("val/acc", None, "val/acc", None) == Objective("val/acc", "max")  # the name
+    assert objective_of("val/f1", None, "val/acc", "min") == Objective("val/f1", "max")  # the name
+    with pytest.raises(ConfigError, match="sweep.metric=val/score: .* Say it: sweep.mode=max"):
+        objective_of("val/score", None, "val/acc", "max")  # a guessed direction could rank backwards
 
 
 def write_run(run_dir, vals, overrides, train_loss=1.0, partial=False):
