@@ -86,6 +86,8 @@ KNOWN: dict[tuple[str, str], Known] = {
     ("mlflow", "sigkill_in_validation"): Known(10, "no val/* point at step 12: its training "
                                                    "metrics were stored, so the step is skipped"),
     ("mlflow media", "sigkill_in_validation"): Known(10, "no validation histogram at step 12"),
+    ("mlflow", "sigkill_before_checkpoint"): Known(10, "the killed run's MLflow run stays RUNNING "
+                                                       "beside the new one"),
     ("mlflow", "course_same_dir"): Known(1, "the new course writes into the old course's run and "
                                             "keeps its values after step 8"),
     ("mlflow media", "course_same_dir"): Known(1, "the old course's media after step 8 stay"),
@@ -94,8 +96,6 @@ KNOWN: dict[tuple[str, str], Known] = {
     ("mlflow media", "course_other_dir"): Known(2, "no MLflow run of its own"),
     ("wandb", "sigkill"): _WANDB_KILLED,
     ("wandb", "sigkill_in_validation"): _WANDB_KILLED,
-    ("wandb", "sigkill_before_checkpoint"): Known(3, "wandb/saferun-sent-step stays when the "
-                                                     "crashed run's files go aside: step 3 dropped"),
     ("wandb", "fresh"): Known(3, "wandb/saferun-sent-step is not moved aside: steps 3, 6 dropped"),
     ("wandb", "course_same_dir"): Known(3, "the new course's rows are dropped as already sent"),
     **{(r, e): Known(7, "the checkpoint of step 8 holds the infinite parameter (and its average)")

@@ -168,7 +168,8 @@ EVENTS: dict[str, Callable[[Runs, Path], Outcome]] = {
     "reference": reference,
     "sigkill": sigkill({"kill_at": 7}),  # after the save at 4 and the log point at 6
     "sigkill_in_validation": sigkill({"kill_in_validation_at": 12}),  # step 12 logged, validating
-    "sigkill_before_checkpoint": sigkill({"kill_at": 4}),  # step 3 logged, nothing saved
+    "sigkill_before_checkpoint": sigkill({"kill_at": 2}),  # nothing logged or saved yet (the
+    # validation at 3 saves the best checkpoint)
     "sigterm": sigterm,
     "course_same_dir": course_same_dir,
     "course_other_dir": course_other_dir,

@@ -199,11 +199,13 @@ def check_reference(row: str, runs: Runs, ref: Outcome) -> None:
             sched.step(v)
         assert got["param_groups"] == [pytest.approx(opt.param_groups[0]["lr"])]
         assert got["scheduler"]["num_bad_epochs"] == sched.state_dict()["num_bad_epochs"]
-    elif row == "ema":
+    elif row == "ema":  # model_ema.pt is the checkpoint's average of all 12 steps, not the weights
         got = view(row, d)
-        assert got["model_ema.pt"] is not None and rb.all_finite(got["checkpoint"])
-        assert_same(got["model_ema.pt"], {k: v for k, v in got["checkpoint"]["average"].items()}
-                    if "average" in got["checkpoint"] else got["model_ema.pt"], "model_ema.pt vs checkpoint")
+        average = {k.removeprefix("module."): v for k, v in got["checkpoint"].items() if k != "n_averaged"}
+        assert int(got["checkpoint"]["n_averaged"]) == 12
+        assert_same(got["model_ema.pt"], average, "model_ema.pt vs the final checkpoint's average")
+        final = rb.weights(d / "model.pt")
+        assert final is not None and not any(torch.equal(final[k], v) for k, v in average.items())
     elif row == "checkpoint":
         got = view(row, d)
         assert got["loop"]["step"] == 12
@@ -257,11 +259,10 @@ def check_course(row: str, runs: Runs, got: Outcome) -> None:
         old = got.old if got.old != got.run_dir else rb_superseded(got.run_dir)
         assert_same(view(row, old), view(row, ref.run_dir), f"{row} of the old course, set aside")
     elif row in ("mlflow", "mlflow media"):
-        olds = rb.mlflow_runs(got.old)
+        old_run, *later = rb.mlflow_runs(got.old)  # the old course's run: the first of its directory
         new = rb.mlflow_runs(got.run_dir)[-1]
-        assert new.info.run_id not in [r.info.run_id for r in olds[:-1]] if got.old == got.run_dir \
-            else new.info.run_id not in [r.info.run_id for r in olds], "the new course writes into the old course's run"
-        old_run = olds[0]
+        assert new.info.run_id != old_run.info.run_id, "the new course writes into the old course's run"
+        assert got.old != got.run_dir or later, "no MLflow run of the new course"
         if row == "mlflow":
             assert_same(rb.mlflow_series(got.old, old_run), view(row, ref.run_dir), "the old course's MLflow run")
         else:
