@@ -57,9 +57,9 @@ PLATEAU_EVENTS = {"reference": "plateau_reference", "sigterm": "plateau_sigterm"
 
 @dataclass(frozen=True)
 class Known:
-    """A cell that fails today for a defect of issue 31."""
+    """A cell that fails today: for item `item` of issue 31, or (None) a defect found here."""
 
-    item: int
+    item: Optional[int]
     what: str
 
 
@@ -74,9 +74,9 @@ DEFAULT = {
     ("checkpoint", "nonfinite_param_rollback"), ("ema", "two_ranks"), ("early stopping", "sigkill"),
     ("optuna study", "sweep_continued"), ("sweep summary", "sweep_continued")}
 
-_WANDB_KILLED = Known(0, "new defect (not in issue 31): W&B offline loses the rows a SIGKILLed run "
-                         "logged since its last flush, and the resumed run does not log them again "
-                         "(wandb/saferun-sent-step records them as sent when handed to wandb)")
+_WANDB_KILLED = Known(None, "new defect (not in issue 31): W&B offline loses the rows a SIGKILLed "
+                            "run logged since its last flush, and the resumed run does not log them "
+                            "again (wandb/saferun-sent-step records them as sent when handed to wandb)")
 KNOWN: dict[tuple[str, str], Known] = {
     **{(r, "second_fit"): Known(5, "fit() to 6 then to 12 keeps the cosine schedule sized for 6 "
                                    "steps: steps 7-12 train at its final rate") for r in RUN_ROWS

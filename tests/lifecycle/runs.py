@@ -40,6 +40,8 @@ class Outcome:
 
 def subprocess_run(cfg: dict[str, Any], plant: dict[str, Any], nproc: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    env.pop("WANDB_SERVICE", None)  # its own W&B service, as a fresh process has: this
+    # process's service would keep a killed run's id in use
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                  f"--master_port={free_port()}"] if nproc else [sys.executable])
     return subprocess.run([*launcher, JOB_PATH, json.dumps(cfg), json.dumps(plant)],
@@ -47,7 +49,8 @@ def subprocess_run(cfg: dict[str, Any], plant: dict[str, Any], nproc: int = 0) -
 
 
 def flush_wandb() -> None:
-    """W&B's service writes the transaction log on its own: wait for it before reading."""
+    """W&B's service writes the transaction log on its own: wait for it before reading (the
+    next run starts a new service, so only the cells that read W&B wait)."""
     import wandb
 
     wandb.teardown()
@@ -59,11 +62,17 @@ class Runs:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._done: dict[str, Outcome] = {}
+        self._failed: dict[str, BaseException] = {}
 
     def __getitem__(self, event: str) -> Outcome:
+        if event in self._failed:  # once: its directory holds what the failed attempt left
+            raise AssertionError(f"the event {event} failed (see its first cell)") from self._failed[event]
         if event not in self._done:
-            self._done[event] = EVENTS[event](self, self.root / event)
-            flush_wandb()
+            try:
+                self._done[event] = EVENTS[event](self, self.root / event)
+            except BaseException as e:
+                self._failed[event] = e
+                raise
         return self._done[event]
 
 
