@@ -1372,11 +1372,11 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 
-# The lifecycle grid (tests/lifecycle/): a component that keeps what a killed run wrote after its
-# checkpoint is caught by its cell of the SIGKILL event.
-mutation("lifecycle grid: metrics.jsonl keeps a killed run's lines after the checkpoint", "saferun/loggers.py",
+# The lifecycle grid (tests/lifecycle/): a component that keeps what a rollback undid is caught
+# by its cell of the bad-step event.
+mutation("lifecycle grid: metrics.jsonl keeps the lines a rollback undid", "saferun/loggers.py",
          "            os.truncate(self.path, self._length)", "            pass",
-         "tests/lifecycle/test_grid.py::test_cell[metrics.jsonl|sigkill]")
+         "tests/lifecycle/test_grid.py::test_cell[metrics.jsonl|nonfinite_rollback]")
 
 
 # ---------------------------------------------------------------- the runner

@@ -70,13 +70,16 @@ DEFAULT = {
     ("mlflow", "sigkill_in_validation"), ("mlflow", "sigkill_before_checkpoint"),
     ("mlflow", "course_same_dir"), ("mlflow", "course_other_dir"), ("wandb", "fresh"),
     ("scheduler", "second_fit"), ("plateau", "sigterm"), ("best", "nonfinite_raise"),
-    ("checkpoint", "nonfinite_rollback"), ("checkpoint", "nonfinite_param"),
+    ("checkpoint", "nonfinite_rollback"), ("mlflow", "nonfinite_rollback"), ("checkpoint", "nonfinite_param"),
     ("checkpoint", "nonfinite_param_rollback"), ("ema", "two_ranks"), ("early stopping", "sigkill"),
     ("optuna study", "sweep_continued"), ("sweep summary", "sweep_continued")}
 
 _WANDB_KILLED = Known(None, "new defect (not in issue 31): W&B offline loses the rows a SIGKILLed "
                             "run logged since its last flush, and the resumed run does not log them "
                             "again (wandb/saferun-sent-step records them as sent when handed to wandb)")
+_MLFLOW_ROLLBACK = Known(None, "new defect (not in issue 31): after guards.nonfinite=rollback MLflow keeps "
+                               "what the rollback undid (step 10 twice in its history, the abandoned "
+                               "value first; its image too) while metrics.jsonl and TensorBoard cut it")
 KNOWN: dict[tuple[str, str], Known] = {
     **{(r, "second_fit"): Known(5, "fit() to 6 then to 12 keeps the cosine schedule sized for 6 "
                                    "steps: steps 7-12 train at its final rate") for r in RUN_ROWS
@@ -96,6 +99,10 @@ KNOWN: dict[tuple[str, str], Known] = {
     ("mlflow media", "course_other_dir"): Known(2, "no MLflow run of its own"),
     ("wandb", "sigkill"): _WANDB_KILLED,
     ("wandb", "sigkill_in_validation"): _WANDB_KILLED,
+    ("mlflow", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
+    ("mlflow media", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
+    ("wandb", "sigkill_before_checkpoint"): Known(3, "wandb/saferun-sent-step stays when the "
+                                                     "crashed run's files go aside: step 2 dropped"),
     ("wandb", "fresh"): Known(3, "wandb/saferun-sent-step is not moved aside: steps 3, 6 dropped"),
     ("wandb", "course_same_dir"): Known(3, "the new course's rows are dropped as already sent"),
     **{(r, e): Known(7, "the checkpoint of step 8 holds the infinite parameter (and its average)")

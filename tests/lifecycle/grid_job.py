@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from toys import ToyTrainer, make_classification  # noqa: E402
 
 JOB_PATH = os.path.abspath(__file__)
-MAX_STEPS = 12  # logged and validated at 3, 6, 9, 12; saved at 4, 8, 12
+MAX_STEPS = 12  # logged every 2 steps, validated every 3 (saving the best), saved every 4
+LOG_EVERY = 2
 PLATEAU = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "factor": 0.5, "patience": 0}
 COSINE = {"_target_": "saferun.schedules.warmup_cosine", "warmup_steps": 2,
           "total_steps": "${trainer.max_steps}", "min_lr_ratio": 0.1}  # sized by the run's length
@@ -33,7 +34,7 @@ def config(run_dir: Any, *, sched: str = "cosine", trackers: bool = True, ranks:
     """Every component on: metrics.jsonl, TensorBoard, MLflow (the default SQLite store beside
     the run directory), W&B offline, save_best, EarlyStopping, trainer.ema and a schedule
     (cosine: length-dependent; plateau: ReduceLROnPlateau on val/loss)."""
-    t = dict(max_steps=MAX_STEPS, batch_size=32 // ranks, shuffle=False, log_every_n_steps=3,
+    t = dict(max_steps=MAX_STEPS, batch_size=32 // ranks, shuffle=False, log_every_n_steps=LOG_EVERY,
              val_every_n_steps=3, save_every_n_steps=4, run_dir=str(run_dir), progress_bar=False,
              save_best="val/loss", save_best_mode="min", ema={"decay": 0.9})
     if sched == "plateau":
@@ -78,7 +79,7 @@ class GridJob(ToyTrainer):
             os.kill(os.getpid(), signal.SIGTERM)  # the handler saferun installed
         if step % 3 == 0:
             self.log_image("grid", torch.full((1, 4, 4), step / 20))
-        if step % 3 != 1:  # two texts and two histograms of one name in each log window
+        if step % 3 != 1:  # texts and histograms of one name, two in some log windows
             self.log_text("note", f"training step {step}")
             self.log_histogram("weights", list(self.model.parameters())[-2])  # the head
         x, y = batch

@@ -19,9 +19,9 @@ from saferun.errors import SaferunError
 from saferun.preemption import Preempted
 
 TIMEOUT = 240  # a hang fails its cells instead of the suite
-BAD_STEP = 7  # the NaN loss: after the save at 4 and the log check at 6, before the save at 8
+BAD_STEP = 11  # the NaN loss: after the best checkpoint of step 9 and the log point at 10
 CORRUPT_STEP = 8  # a parameter made infinite by a step whose loss and gradients are finite,
-# at a save: the next step's loss is NaN
+# at a log point and a save: the next step's loss is NaN
 COURSE_FROM = 8  # resume=PATH goes back to this step's checkpoint, with another learning rate
 COURSE_LR = 0.1
 
@@ -166,19 +166,20 @@ def nonfinite(policy: str, plant: str = "nan_at", step: int = BAD_STEP) -> Calla
     def event(runs: Runs, run_dir: Path) -> Outcome:
         cfg = config(run_dir)
         cfg["guards"] = {"nonfinite": policy}
+        good = {"last good log point": step - 1 if plant == "nan_at" else step}
         try:
-            return Outcome(run_dir, job=run_in_process(cfg, **{plant: step}))
+            return Outcome(run_dir, job=run_in_process(cfg, **{plant: step}), notes=good)
         except SaferunError as e:
-            return Outcome(run_dir, error=e)
+            return Outcome(run_dir, error=e, notes=good)
     return event
 
 
 EVENTS: dict[str, Callable[[Runs, Path], Outcome]] = {
     "reference": reference,
-    "sigkill": sigkill({"kill_at": 7}),  # after the save at 4 and the log point at 6
+    "sigkill": sigkill({"kill_at": 11}),  # after the best checkpoint of 9 and the log point at 10
     "sigkill_in_validation": sigkill({"kill_in_validation_at": 12}),  # step 12 logged, validating
-    "sigkill_before_checkpoint": sigkill({"kill_at": 2}),  # nothing logged or saved yet (the
-    # validation at 3 saves the best checkpoint)
+    "sigkill_before_checkpoint": sigkill({"kill_at": 3}),  # step 2 logged, nothing saved (the
+    # validation at 3 saves the first, the best)
     "sigterm": sigterm,
     "course_same_dir": course_same_dir,
     "course_other_dir": course_other_dir,

@@ -11,7 +11,8 @@ import torch
 
 import readback as rb
 from grid import KIND, PLATEAU_EVENTS, cells, known, DEFAULT
-from runs import BAD_STEP, COURSE_FROM, Outcome, Runs, flush_wandb
+from grid_job import LOG_EVERY
+from runs import COURSE_FROM, Outcome, Runs, flush_wandb
 from saferun.errors import NonFiniteError, SaferunError
 
 LOG_ROWS = ("metrics.jsonl", "tensorboard scalars", "tensorboard media", "mlflow", "mlflow media",
@@ -142,15 +143,17 @@ def check_reference(row: str, runs: Runs, ref: Outcome) -> None:
     d = ref.run_dir
     logged = rb.jsonl(d)
     if row == "metrics.jsonl":
-        assert [s for s, _ in logged["train/loss"]] == [3, 6, 9, 12]
+        assert [s for s, _ in logged["train/loss"]] == list(range(LOG_EVERY, 13, LOG_EVERY))
         assert [s for s, _ in logged["val/loss"]] == [3, 6, 9, 12]
         assert all(math.isfinite(v) for series in logged.values() for _, v in series)
     elif row == "tensorboard scalars":
         assert_same(up_keys(view(row, d), logged), float32(logged), "TensorBoard scalars vs metrics.jsonl")
     elif row == "tensorboard media":
         media = view(row, d)
-        assert [s for s, _ in media["train/grid"]] == [3, 6, 9, 12]
-        assert [s for s, _ in media["train/note/text_summary"]] == [3, 3, 6, 6, 9, 9, 12, 12]
+        at_log_point = [-(-s // LOG_EVERY) * LOG_EVERY for s in range(1, 13)]  # media: written there
+        assert [s for s, _ in media["train/grid"]] == [at_log_point[s - 1] for s in (3, 6, 9, 12)]
+        assert [s for s, _ in media["train/note/text_summary"]] == [at_log_point[s - 1] for s in range(1, 13)
+                                                                   if s % 3 != 1]
         assert [s for s, *_ in media["val/logits"]] == [3, 3, 6, 6, 9, 9, 12, 12]
     elif row == "mlflow":
         (run,) = rb.mlflow_runs(d)
@@ -185,7 +188,7 @@ def check_reference(row: str, runs: Runs, ref: Outcome) -> None:
         sched = warmup_cosine(opt, 2, 12, 0.1)
         by_hand = []
         for step in range(1, 13):
-            if step % 3 == 0:
+            if step % LOG_EVERY == 0:
                 by_hand.append((step, pytest.approx(opt.param_groups[0]["lr"], rel=1e-6)))
             opt.step()
             sched.step()
@@ -283,7 +286,7 @@ def check_refused(row: str, runs: Runs, got: Outcome) -> None:
     assert isinstance(got.error, NonFiniteError), got.error
     check_bad_step(row, got, promise_finite=True)
     if row in ("metrics.jsonl", "tensorboard scalars", "mlflow", "wandb"):
-        before = BAD_STEP - 1  # the last log point before either bad step
+        before = got.notes["last good log point"]
         assert_same(up_to(view(row, got.run_dir), before), up_to(view(row, runs["reference"].run_dir), before),
                     f"{row} up to the last good step vs the reference")
 
@@ -296,13 +299,15 @@ def check_bad_step(row: str, got: Outcome, promise_finite: bool) -> None:
         want = float32(logged) if row == "tensorboard scalars" else logged
         assert_same(up_keys(view(row, d), logged), want, f"{row} vs metrics.jsonl")
     elif row == "tensorboard media":
-        media = view(row, d)
-        assert [s for s, _ in media["train/grid"]] == [s for s, _ in logged["train/loss"]]
+        steps = [s for s, _ in view(row, d)["train/grid"]]  # each once, at a logged step
+        assert steps == sorted(set(steps)) and set(steps) <= {s for s, _ in logged["train/loss"]}, steps
     elif row == "mlflow media":
         tb = rb.tensorboard(d)[1]
         assert {k: len(v) for k, v in view(row, d).items()}["images/train/grid"] == len(tb["train/grid"])
-    elif row == "metrics.jsonl":
-        assert logged["train/loss"], "nothing logged"
+    elif row == "metrics.jsonl":  # each step once, in order: what a rollback undid is cut off
+        for key, points in logged.items():
+            steps = [step for step, _ in points]
+            assert steps and steps == sorted(set(steps)), f"{key} logged at steps {steps}"
     elif promise_finite and row in ("checkpoint", "ema"):  # every checkpoint saved
         parts = ("model", "optimizer") if row == "checkpoint" else ("ema",)
         bad = [s for s in rb.saved_steps(d)
