@@ -1423,6 +1423,12 @@ mutation("lifecycle: the callbacks hear of a change of course", CKPTR,
          "            p.callbacks.on_course_change(o.view,", "            (lambda *a: None)(o.view,",
          f"{LIFE}::test_the_lifecycle_events_reach_a_callback_with_the_folder_set_aside")
 
+# The lifecycle grid (tests/lifecycle/): a component that keeps what a rollback undid is caught
+# by its cell of the bad-step event.
+mutation("lifecycle grid: metrics.jsonl keeps the lines a rollback undid", "saferun/loggers.py",
+         "            os.truncate(self.path, self._length)", "            pass",
+         "tests/lifecycle/test_grid.py::test_cell[metrics.jsonl|nonfinite_rollback]")
+
 
 # issue 35: activation checkpointing
 AC = "saferun/loop/activation_checkpointing.py"

@@ -1,0 +1,123 @@
+"""The lifecycle grid: each stateful component (a row) through each event of a run's life (a
+column). A cell says what the component must hold after the event:
+
+- "equal": equal to the uninterrupted reference run, step by step (two ranks: within float
+  rounding, the sums are split over two processes);
+- "course": a new course, linked to the old one: the component holds what a run stopped at
+  the course's checkpoint and resumed with the new setting holds, and nothing of the old
+  course is lost (its logs, its tracker runs);
+- "refused": the event ends in a SaferunError that says what is wrong; what the component
+  holds up to the refusal equals the reference, and no checkpoint holds a non-finite value;
+- "consistent": a bad step the policy handles: the component agrees with the run's own
+  metrics.jsonl (which reports the bad step), and nothing non-finite is kept where the policy
+  promises it is not.
+
+A cell that fails today because of a known defect names it (issue 31 item N) as a strict
+xfail: it fails the run once the defect is fixed, to be turned into a plain cell."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+ROWS = {  # row: what it is (the Trainer's part it covers)
+    "metrics.jsonl": "saferun.loggers.MetricsJsonl",
+    "tensorboard scalars": "saferun.loggers.TensorBoardLogger (scalars)",
+    "tensorboard media": "saferun.loggers.TensorBoardLogger (images, texts, histograms)",
+    "mlflow": "saferun.trackers.MLflowLogger (metrics, run status, model.pt)",
+    "mlflow media": "saferun.trackers.MLflowLogger (images, texts, histograms)",
+    "wandb": "saferun.trackers.WandbLogger (offline history)",
+    "best": "model_best.pt, Trainer.best (trainer.save_best)",
+    "early stopping": "saferun.stopping.EarlyStopping",
+    "scheduler": "a length-dependent schedule (saferun.schedules.warmup_cosine)",
+    "plateau": "torch's ReduceLROnPlateau (trainer.sched_metric)",
+    "ema": "trainer.ema (model_ema.pt, the checkpoint's average)",
+    "checkpoint": "the loop's own state: model, optimizer, scaler, step, data position",
+    "optuna study": "hydra/sweeper=optuna's study (optuna.db)",
+    "sweep summary": "the sweep's summary.txt and optimization_results.yaml",
+}
+
+# The events; a row's cell reads the run of its event (runs.py), the plateau row its variant.
+EVENTS = ["reference", "sigkill", "sigkill_in_validation", "sigkill_before_checkpoint",
+          "sigterm", "course_same_dir", "course_other_dir", "fresh", "second_fit", "two_ranks",
+          "nonfinite_raise", "nonfinite_skip", "nonfinite_rollback", "nonfinite_off",
+          "nonfinite_param", "nonfinite_param_rollback"]
+SWEEP_EVENTS = ["sweep_uninterrupted", "sweep_continued"]
+KIND = {"reference": "equal", "sigkill": "equal", "sigkill_in_validation": "equal",
+        "sigkill_before_checkpoint": "equal", "sigterm": "equal", "course_same_dir": "course",
+        "course_other_dir": "course", "fresh": "equal", "second_fit": "equal or refused",
+        "two_ranks": "equal", "nonfinite_raise": "refused", "nonfinite_skip": "consistent",
+        "nonfinite_rollback": "consistent", "nonfinite_off": "consistent",
+        "nonfinite_param": "refused", "nonfinite_param_rollback": "consistent",
+        "sweep_uninterrupted": "equal", "sweep_continued": "equal"}
+RUN_ROWS = [r for r in ROWS if r not in ("optuna study", "sweep summary")]
+PLATEAU_EVENTS = {"reference": "plateau_reference", "sigterm": "plateau_sigterm",
+                  "second_fit": "plateau_second_fit"}  # the other events: the cosine row covers them
+
+
+@dataclass(frozen=True)
+class Known:
+    """A cell that fails today: for item `item` of issue 31, or (None) a defect found here."""
+
+    item: Optional[int]
+    what: str
+
+
+# Default cells: at least one per row and one per event; the rest are marked slow.
+DEFAULT = {
+    ("metrics.jsonl", e) for e in EVENTS} | {
+    (r, "reference") for r in ROWS if r not in ("optuna study", "sweep summary")} | {
+    ("mlflow", "sigkill_in_validation"), ("mlflow", "sigkill_before_checkpoint"),
+    ("mlflow", "course_same_dir"), ("mlflow", "course_other_dir"), ("wandb", "fresh"),
+    ("scheduler", "second_fit"), ("plateau", "sigterm"), ("best", "nonfinite_raise"),
+    ("checkpoint", "nonfinite_rollback"), ("mlflow", "nonfinite_rollback"), ("checkpoint", "nonfinite_param"),
+    ("checkpoint", "nonfinite_param_rollback"), ("ema", "two_ranks"), ("early stopping", "sigkill"),
+    ("optuna study", "sweep_continued"), ("sweep summary", "sweep_continued")}
+
+_WANDB_KILLED = Known(None, "new defect (not in issue 31): W&B offline loses the rows a SIGKILLed "
+                            "run logged since its last flush, and the resumed run does not log them "
+                            "again (wandb/saferun-sent-step records them as sent when handed to wandb)")
+_MLFLOW_ROLLBACK = Known(None, "new defect (not in issue 31): after guards.nonfinite=rollback MLflow keeps "
+                               "what the rollback undid (step 10 twice in its history, the abandoned "
+                               "value first; its image too) while metrics.jsonl and TensorBoard cut it")
+KNOWN: dict[tuple[str, str], Known] = {
+    **{(r, "second_fit"): Known(5, "fit() to 6 then to 12 keeps the cosine schedule sized for 6 "
+                                   "steps: steps 7-12 train at its final rate") for r in RUN_ROWS
+       if r != "plateau"},
+    ("mlflow media", "reference"): Known(4, "MLflow keeps 1 of 2 same-name texts and histograms "
+                                            "per log point (named by the step)"),
+    ("mlflow", "sigkill_in_validation"): Known(10, "no val/* point at step 12: its training "
+                                                   "metrics were stored, so the step is skipped"),
+    ("mlflow media", "sigkill_in_validation"): Known(10, "no validation histogram at step 12"),
+    ("mlflow", "sigkill_before_checkpoint"): Known(10, "the killed run's MLflow run stays RUNNING "
+                                                       "beside the new one"),
+    ("mlflow", "course_same_dir"): Known(1, "the new course writes into the old course's run and "
+                                            "keeps its values after step 8"),
+    ("mlflow media", "course_same_dir"): Known(1, "the old course's media after step 8 stay"),
+    ("mlflow", "course_other_dir"): Known(2, "the branch writes into the source's run; no run "
+                                             "of its own"),
+    ("mlflow media", "course_other_dir"): Known(2, "no MLflow run of its own"),
+    ("wandb", "sigkill"): _WANDB_KILLED,
+    ("wandb", "sigkill_in_validation"): _WANDB_KILLED,
+    ("mlflow", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
+    ("mlflow media", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
+    ("wandb", "sigkill_before_checkpoint"): Known(3, "wandb/saferun-sent-step stays when the "
+                                                     "crashed run's files go aside: step 2 dropped"),
+    ("wandb", "fresh"): Known(3, "wandb/saferun-sent-step is not moved aside: steps 3, 6 dropped"),
+    ("wandb", "course_same_dir"): Known(3, "the new course's rows are dropped as already sent"),
+    **{(r, e): Known(7, "the checkpoint of step 8 holds the infinite parameter (and its average)")
+       for r in ("checkpoint", "ema") for e in ("nonfinite_param", "nonfinite_param_rollback")},
+    **{(r, e): Known(6, "the continued sweep draws trials 0 and 1's parameters again")
+       for r, e in (("optuna study", "sweep_continued"), ("optuna study", "sweep_uninterrupted"),
+                    ("sweep summary", "sweep_uninterrupted"))},
+}
+
+
+def cells() -> list[tuple[str, str]]:
+    """Every (row, event) the grid checks."""
+    found = [(r, e) for r in RUN_ROWS for e in EVENTS if r != "plateau" or e in PLATEAU_EVENTS]
+    return found + [(r, e) for r in ("optuna study", "sweep summary") for e in SWEEP_EVENTS]
+
+
+def known(row: str, event: str) -> Optional[Known]:
+    return KNOWN.get((row, event))
