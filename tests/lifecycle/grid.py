@@ -81,35 +81,15 @@ _MLFLOW_ROLLBACK = Known(None, "new defect (not in issue 31): after guards.nonfi
                                "what the rollback undid (step 10 twice in its history, the abandoned "
                                "value first; its image too) while metrics.jsonl and TensorBoard cut it")
 KNOWN: dict[tuple[str, str], Known] = {
-    **{(r, "second_fit"): Known(5, "fit() to 6 then to 12 keeps the cosine schedule sized for 6 "
-                                   "steps: steps 7-12 train at its final rate") for r in RUN_ROWS
-       if r != "plateau"},
     ("mlflow media", "reference"): Known(4, "MLflow keeps 1 of 2 same-name texts and histograms "
                                             "per log point (named by the step)"),
-    ("mlflow", "sigkill_in_validation"): Known(10, "no val/* point at step 12: its training "
-                                                   "metrics were stored, so the step is skipped"),
-    ("mlflow media", "sigkill_in_validation"): Known(10, "no validation histogram at step 12"),
-    ("mlflow", "sigkill_before_checkpoint"): Known(10, "the killed run's MLflow run stays RUNNING "
-                                                       "beside the new one"),
-    ("mlflow", "course_same_dir"): Known(1, "the new course writes into the old course's run and "
-                                            "keeps its values after step 8"),
     ("mlflow media", "course_same_dir"): Known(1, "the old course's media after step 8 stay"),
-    ("mlflow", "course_other_dir"): Known(2, "the branch writes into the source's run; no run "
-                                             "of its own"),
     ("mlflow media", "course_other_dir"): Known(2, "no MLflow run of its own"),
     ("wandb", "sigkill"): _WANDB_KILLED,
     ("wandb", "sigkill_in_validation"): _WANDB_KILLED,
     ("mlflow", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
     ("mlflow media", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
-    ("wandb", "sigkill_before_checkpoint"): Known(3, "wandb/saferun-sent-step stays when the "
-                                                     "crashed run's files go aside: step 2 dropped"),
-    ("wandb", "fresh"): Known(3, "wandb/saferun-sent-step is not moved aside: steps 3, 6 dropped"),
-    ("wandb", "course_same_dir"): Known(3, "the new course's rows are dropped as already sent"),
-    **{(r, e): Known(7, "the checkpoint of step 8 holds the infinite parameter (and its average)")
-       for r in ("checkpoint", "ema") for e in ("nonfinite_param", "nonfinite_param_rollback")},
-    **{(r, e): Known(6, "the continued sweep draws trials 0 and 1's parameters again")
-       for r, e in (("optuna study", "sweep_continued"), ("optuna study", "sweep_uninterrupted"),
-                    ("sweep summary", "sweep_uninterrupted"))},
+    ("mlflow", "nonfinite_param_rollback"): _MLFLOW_ROLLBACK,
 }
 
 
