@@ -119,12 +119,16 @@ def hidden_layers_advice(model: nn.Module) -> str:
             f"{_fix(hidden[0][0])}.")
 
 
-def plain_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """'path.attr' -> (id, version) of every tensor a module holds as a plain attribute."""
+def plain_tensors(model: nn.Module, rows: int = 0) -> dict[str, tuple[int, int]]:
+    """'path.attr' -> (id, version) of every tensor a module holds as a plain attribute; with
+    `rows` (the batch's samples), not those with one row per sample: the data of a batch (a
+    detached copy of a forward's output, attention maps kept to look at) is not the model's
+    state, which does not grow with the batch."""
     found = {}
     for path, module in model.named_modules():
         for name, value in _plain_values(module):
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                    and not (rows > 1 and value.ndim >= 1 and value.shape[0] == rows):
                 found[_where(path, name)] = (id(value), _version(value))
     return found
 
@@ -220,9 +224,10 @@ class ModelAudit:
             log.warning("%s", warning)
         return warnings
 
-    def after_first_backward(self, step: int) -> list[str]:
+    def after_first_backward(self, step: int, rows: int = 0) -> list[str]:
         """Refuse what cannot train as meant; warn about state checkpoints lose. Returns the
-        warnings."""
+        warnings. `rows`: the samples in the first batch (a tensor attribute with one row per
+        sample is a forward's output kept to look at, not state)."""
         errors = self._untrained(step)
         # A tensor attribute still holding the first call's graph is a mistake only if the
         # second call's loss reaches back into it (an RNN state kept without detach); one that
@@ -232,7 +237,7 @@ class ModelAudit:
         if errors:
             raise ModelStateError(f"the model-state audit after the first backward (at step "
                                   f"{step}): " + "\n".join(errors))
-        warnings = self._changed_plain_tensors(step)
+        warnings = self._changed_plain_tensors(step, rows)
         for warning in warnings:
             log.warning("%s", warning)
         return warnings
@@ -270,8 +275,8 @@ class ModelAudit:
                     f"is known only from the first batch).")
         return errors
 
-    def _changed_plain_tensors(self, step: int) -> list[str]:
-        now = plain_tensors(self.model)
+    def _changed_plain_tensors(self, step: int, rows: int) -> list[str]:
+        now = plain_tensors(self.model, rows)
         outputs = self._carried  # a forward's output kept (a KL term): not state
         changed = [name for name, (ident, version) in now.items()
                    if name not in outputs and (
