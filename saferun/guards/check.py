@@ -162,17 +162,15 @@ def _eval_purity(make: Factory, cfg: Config) -> CheckResult:
 
 
 def _materialise_lazy(trainer: Trainer, seed: int) -> None:
-    """torch's lazy modules (nn.LazyLinear) take their shapes at the first forward, which in
-    training comes before any validation: so here too, lest their new parameters read as an
-    evaluation that changed the model (and as inference tensors, made in inference mode)."""
-    from torch.nn.modules.lazy import LazyModuleMixin
-
-    lazy = [m for m in trainer.model.modules() if isinstance(m, LazyModuleMixin)]
-    if any(m.has_uninitialized_params() for m in lazy):  # type: ignore[operator]
-        assert trainer.train_loader is not None
-        batch = first_batch(trainer.train_loader, seed, 0, trainer.device, False)
-        with modes.evaluating(trainer.model, "no_grad"), preserved_rng():
-            trainer.training_step(batch)
+    """One training forward (no gradient, training's modes), as training makes before any
+    validation: torch's lazy modules (nn.LazyLinear) take their shapes there, and a module
+    that keeps a copy of its output (`self.last = y.detach()`) writes it there; otherwise
+    their new parameters would read as an evaluation that changed the model (and as inference
+    tensors, made in inference mode)."""
+    assert trainer.train_loader is not None
+    batch = first_batch(trainer.train_loader, seed, 0, trainer.device, False)
+    with modes.training(trainer.model, _frozen(trainer)), torch.no_grad(), preserved_rng():
+        trainer.training_step(batch)
 
 
 def _declared_modes(make: Factory, cfg: Config) -> CheckResult:

@@ -273,8 +273,8 @@ def batch_dependence(model: nn.Module, call: Callable[[bool], Any], rows: int) -
     point reaches the output (else it tests nothing) and whether other samples' rows there
     reach sample 0's. A module whose input rows mix but whose output rows do not is where the
     batch gets mixed. A tensor that merely has as many rows as the batch (a position bias of
-    as many positions) is told apart by a second forward with the samples rolled: it stays
-    the same."""
+    as many positions, a constant) is told apart by a second forward with the samples rolled
+    by one row: it stays the same, so it is not a point."""
     if rows < 2:
         return "pass", "a batch of one sample: not checked"
     names = {id(m): n for n, m in model.named_modules()}
@@ -332,8 +332,8 @@ def batch_dependence(model: nn.Module, call: Callable[[bool], Any], rows: int) -
     reached = [(key, g) for (key, _), g in zip(points, grads)
                if g is not None and not _shared(key, values)]
     if not reached:
-        return "pass", (f"not checked, because nothing the batch feeds into the model's modules "
-                        f"reaches sample 0's {what}")
+        return "pass", (f"not checked, because nothing that follows the batch's samples inside "
+                        f"the model reaches sample 0's {what}")
     mixes = {key: _other_rows(g, rows) for key, g in reached}
     mixers = {m for (m, w, n), others in mixes.items()
               if w == "input" and others and not mixes.get((m, "output", n), [1])}
@@ -344,7 +344,7 @@ def batch_dependence(model: nn.Module, call: Callable[[bool], Any], rows: int) -
     others = sorted({j for v in mixes.values() for j in v})
     if others and (set(innermost) - set(by_design) or not innermost):
         blamed = [m for m in innermost if m not in by_design]
-        where = (f"module {short([repr(m or '(model)') for m in blamed], 3)} mixes the rows "
+        where = (f"module {', '.join(repr(m or '(model)') for m in blamed[:3])} mixes the rows "
                  f"of its input (its own forward code, outside its submodules)" if blamed else
                  f"the batch is mixed after {_first(reached, order)}")
         return "fail", (f"in eval mode, sample 0's {what} depends on the input of samples "
@@ -354,7 +354,7 @@ def batch_dependence(model: nn.Module, call: Callable[[bool], Any], rows: int) -
     traced = _first(reached, order)
     if others:
         return "pass", (f"samples depend on each other only through "
-                        f"{short([repr(m) for m in by_design], 3)}, which normalise with the "
+                        f"{', '.join(repr(m) for m in by_design[:3])}, which normalise with the "
                         f"batch's statistics in eval mode too (track_running_stats=False): by "
                         f"design; nothing else mixes the batch (traced from {traced}, {rows} "
                         f"per batch)")
@@ -363,11 +363,10 @@ def batch_dependence(model: nn.Module, call: Callable[[bool], Any], rows: int) -
 
 
 def _shared(key: tuple[str, str, int], values: list[dict[Any, torch.Tensor]]) -> bool:
-    """A tensor unchanged when the batch's samples were rolled, though its rows differ: it
-    holds something other than one row per sample."""
+    """A tensor unchanged when the batch's samples were rolled: it does not follow the samples
+    (a position bias with as many rows as the batch, a constant), so it tests nothing."""
     a, b = values[0].get(key), values[1].get(key)
-    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b)) \
-        and not bool(torch.equal(a, a.roll(1, 0)))
+    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def _other_rows(grad: torch.Tensor, rows: int) -> list[int]:
