@@ -258,7 +258,7 @@ def rolled(tree: Any, rows: int) -> Any:
         return tree.roll(1, 0) if tree.ndim >= 1 and tree.shape[0] == rows else tree
     if isinstance(tree, Mapping):
         items = {k: rolled(v, rows) for k, v in tree.items()}
-        return items if type(tree) is dict else type(tree)(items)
+        return items if type(tree) is dict else type(tree)(items)  # type: ignore[call-arg]  # a Mapping subclass built from a dict (a ModelOutput, BatchEncoding)
     if isinstance(tree, (tuple, list)):
         return type(tree)(rolled(v, rows) for v in tree)
     return tree

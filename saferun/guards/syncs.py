@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import sys
 import sysconfig
@@ -94,7 +95,12 @@ class HostSyncCounter:
     def _mark_host(self, out: Any) -> None:
         for t in _leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self._host[id(t)] = weakref.ref(t, lambda _, i=id(t): self._host.pop(i, None))
+                key = id(t)  # freed with the tensor, lest a new tensor at its address inherit it
+                self._host[key] = weakref.ref(t, functools.partial(self._forget, key))
+
+    def _forget(self, key: int, ref: Any) -> None:
+        if self._host.get(key) is ref:
+            del self._host[key]
 
     def _is_host(self, t: Any) -> bool:
         ref = self._host.get(id(t)) if isinstance(t, torch.Tensor) else None
