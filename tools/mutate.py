@@ -540,7 +540,7 @@ mutation("anomaly replay", BADSTEP,
          '        replayed = ("\\n" + self._anomaly_replay(bad.step) if False',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
-         "        if self._unused_check_pending:  # once, after the first backward\n",
+         "        if self._unused is not None and not self._unused.after_backward():  # the first steps\n",
          "        if False:\n",
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
@@ -563,8 +563,8 @@ mutation("eval purity: changed parameters and buffers", EVAL,
          "        probe = {}",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
 mutation("eval purity: inference tensors left on the model", "saferun/guards/purity.py",
-         "        problems += find_inference_tensors(model, before.outputs)  # metadata only: no sync",
-         "        pass",
+         "        problems += find_inference_tensors(  # metadata only: no sync\n",
+         "        problems += [] if True else find_inference_tensors(  # metadata only: no sync\n",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
 mutation("eval purity in predict", EVAL,
          "            check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),\n"
@@ -1362,15 +1362,84 @@ mutation("saferun check: compile parity runs the fit's own compile check", "safe
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
 
 mutation("several optimizers: unused parameters named per optimizer", MANUAL,
-         "            if self._unused_pending:  # guards.unused_params", "            if False:  #",
-         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
-mutation("several optimizers: unused parameters named in the first step only", MANUAL,
-         "        self._unused_pending = False  # checked in the first step only\n", "",
-         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
+         "            if unused is not None and not unused.after_backward():",
+         "            if False:",
+         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_once")
+mutation("several optimizers: unused parameters named once", MANUAL,
+         "                del self._unused[name]\n", "                pass\n",
+         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_once")
 
 mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferun/checkpoint/store.py",
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
+
+# issue 33: real architectures
+REAL, DC, SYNCS = "tests/guards/test_real_models.py", "saferun/guards/datachecks.py", "saferun/guards/syncs.py"
+CHK = "saferun/guards/check.py"
+mutation("batch independence: a point counts only if it follows the batch's samples", DC,
+         "    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))",
+         "    return False",
+         f"{REAL}::test_batch_independence_says_not_checked_when_nothing_reaches_the_output")
+mutation("batch independence: not checked unless a point reaches the output", DC,
+         "    if not reached:\n", "    if False:\n",
+         f"{REAL}::test_batch_independence_says_not_checked_when_nothing_reaches_the_output")
+mutation("batch independence: the module that mixes the batch is named", DC,
+         "              if w == \"input\" and others and not mixes.get((m, \"output\", n), [1])}",
+         "              if False}",
+         f"{REAL}::test_batch_mixing_in_llama_is_caught_and_a_clean_llama_is_tested")
+mutation("batch independence: a BatchNorm without running stats mixes by design", DC,
+         "    return isinstance(module, _NORMS) and not module.track_running_stats",
+         "    return False", f"{REAL}::test_batchnorm_without_running_stats_is_by_design")
+mutation("batch independence: the model called as training_step calls it", CHK,
+         "    if called is not None:\n        args, kwargs = called\n",
+         "    if False:\n        args, kwargs = called  # type: ignore[misc]\n",
+         f"{REAL}::test_batch_independence_without_predict_step_uses_the_model_call")
+mutation("batch independence: a failing predict_step is named, not a failure", CHK,
+         "            raise _NotChecked(\n", "            raise SaferunError(\n",
+         f"{REAL}::test_a_failing_predict_step_is_named_and_not_a_failure")
+mutation("input baseline: a keyword-only model call has its first input zeroed", DC,
+         "        if not args and first is not None and isinstance(kwargs[first], torch.Tensor):",
+         "        if False:",
+         f"{REAL}::test_input_baseline_runs_on_a_model_called_with_keywords_only")
+mutation("initial loss: a ModelOutput's logits are compared", DC,
+         '        output = output.get("logits")', "        output = None",
+         f"{REAL}::test_initial_loss_is_compared_on_a_model_output_with_logits")
+mutation("unused parameters: over a window, not the first step", "saferun/guards/unused.py",
+         "        if self.waiting and self.seen >= self.window:", "        if self.waiting:",
+         f"{REAL}::test_routed_experts_are_not_called_unused_but_a_never_routed_one_is")
+mutation("host syncs: a library read names the user's call", SYNCS,
+         "            return site + _caller_outside_libraries(frame) if _in_library(filename) else site",
+         "            return site", f"{REAL}::test_a_library_sync_names_the_users_call")
+mutation("host syncs: a read of a host-only tensor is not a sync", SYNCS,
+         "        if not counter._is_host(args[0] if args else None):", "        if True:",
+         f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs",
+         f"{REAL}::test_wav2vec2_layerdrop_is_not_a_sync")
+mutation("host syncs: a value check torch makes on CPU only is not a sync", SYNCS,
+         "            counter._in_read |= skip_check\n", "            counter._in_read |= False\n",
+         f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs")
+mutation("host syncs: a batch moved to the device is device data", SYNCS,
+         "                counter._host.pop(id(out), None)  # moved", "                pass  # moved",
+         "tests/guards/test_audits.py::test_the_loss_audit_reads_twice_once_per_fit_and_the_loop_stays_sync_free")
+mutation("eval purity: an attribute each forward writes anew is an output", "saferun/guards/purity.py",
+         "            model, before.outputs | rewritten(before, model))",
+         "            model, before.outputs)",
+         f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
+mutation("saferun check: eval purity after training's first forward", CHK,
+         "    _materialise_lazy(trainer, cfg.seed)\n", "",
+         f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
+mutation("model audit: a tensor with one row per sample is not state", "saferun/guards/model_audit.py",
+         "                    and not (rows > 1 and value.ndim >= 1 and value.shape[0] == rows):",
+         ":", f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
+mutation("frozen by hand: only a BatchNorm is named, not a Dropout", DC,
+         "                  if isinstance(m, _NORMS) and m.track_running_stats]",
+         "                  if isinstance(m, _NORMS + _DROPOUTS)]",
+         f"{REAL}::test_a_frozen_backbone_with_dropout_and_adapters_is_not_told_to_go_to_eval")
+mutation("data overlap: low-cardinality inputs are not a leak", DC,
+         "    if checked_train and 2 * len(seen) <= checked_train:", "    if False:",
+         f"{REAL}::test_low_cardinality_inputs_are_not_a_leak")
+mutation("batch order: batches of one sample are not judged", DC,
+         "    if all(len(y) < 2 for y in labels):", "    if False:",
+         f"{REAL}::test_batch_order_is_not_judged_at_batch_size_one")
 
 
 # ---------------------------------------------------------------- the runner
