@@ -215,7 +215,8 @@ class Trainer:
         self._habits = StepHabits()  # no backward or optimizer step inside training_step
         self.optimizer, self.scheduler, self._schedule = setup_optimizers(self, model)
         several = isinstance(self.optimizer, NamedOptimizers)  # build_optimizer's {name: optimizer}
-        self._habits.watch(self.optimizer.values() if several else [self.optimizer])  # type: ignore[attr-defined]  # several: a dict
+        self._habits.watch(self.optimizer.values() if several else [self.optimizer],  # type: ignore[attr-defined]  # several: a dict
+                           self._schedule.schedulers())
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)

@@ -37,7 +37,7 @@ from ..guards.failure_site import record
 from .habits import StepHabits
 from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
-from .optimizers import build_named
+from .optimizers import build_named, check_held
 from ..schedules import Schedule
 from .steps import check_optimizer_params
 from .update import OptimizerUpdate
@@ -221,6 +221,7 @@ def setup_optimizers(trainer: Any, model: torch.nn.Module) -> tuple[Any, Any, An
     if isinstance(trainer.optimizer, Mapping):
         return build_named(trainer, trainer.optimizer, model)
     check_optimizer_params(trainer.optimizer, model)
+    check_held({"": trainer.optimizer}, model)  # any optimizer class, as for several
     scheduler = trainer.build_scheduler(trainer.optimizer)
     return trainer.optimizer, scheduler, Schedule(trainer.optimizer, scheduler,
                                                   trainer.cfg.trainer.sched_metric,
