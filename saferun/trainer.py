@@ -208,7 +208,8 @@ class Trainer:
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, self.ranks.world_size)
         check_evaluation_limit(self.val_loader, t, self.ranks.world_size)  # same samples on any
-        setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size)
+        setup_warnings(model, self._frozen, t, self.train_loader, self.ranks.world_size,
+                       self.val_loader)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
@@ -521,7 +522,7 @@ class Trainer:
                     restore()  # an explanation replays the step
                     raise
             restore()
-            audit.after_first_backward(self.state.step + 1, self.batch_size(batch))
+            audit.after_first_backward(self.state.step + 1, batch_size_of(batch), vars(self))
             out = step_fn(batch)
             audit.carried_into(out, self.state.step + 1)
             return out

@@ -1150,7 +1150,7 @@ mutation("an optimizer.step() inside training_step is refused before the update"
          "saferun/loop/habits.py", "        if self.step and not self.saferun_steps:", "        if False:",
          "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
 mutation("self.optimize()'s own optimizer steps are not refused", "saferun/loop/update.py",
-         "            self._habits.saferun_steps = True  # (training_step may be running: several optimizers)\n",
+         "        self._habits.saferun_steps = True  # its clip, step, zero_grad and scheduler step are\n",
          "",
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 mutation("a backward inside training_step is refused at the first step", "saferun/loop/habits.py",
@@ -1192,8 +1192,8 @@ mutation("failure site: validation and predict errors are explained", "saferun/l
          "        record(exc, phase=phase, batch=batch)", "        pass",
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 mutation("failure site: an optimizer's failing step is named", "saferun/loop/update.py",
-         '                record(exc, optimize_part="step")\n                raise\n            finally:',
-         '                raise\n            finally:',
+         '                record(exc, optimize_part="step")\n                raise\n        optimizer.zero_grad(',
+         '                raise\n        optimizer.zero_grad(',
          f"{ERRS}::test_an_error_in_an_optimizers_step_names_the_call_and_the_step")
 mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',
@@ -1440,6 +1440,42 @@ mutation("data overlap: low-cardinality inputs are not a leak", DC,
 mutation("batch order: batches of one sample are not judged", DC,
          "    if all(len(y) < 2 for y in labels):", "    if False:",
          f"{REAL}::test_batch_order_is_not_judged_at_batch_size_one")
+ZM = "tests/guards/test_zoo_mistakes.py"
+mutation("optimizer: a parameter outside the model is refused, any optimizer", "saferun/loop/manual.py",
+         '    check_held({"": trainer.optimizer}, model)  # any optimizer class, as for several\n', "",
+         f"{ZM}::test_an_optimizer_over_another_models_parameters_is_refused",
+         f"{ZM}::test_an_optimizer_over_part_of_a_trainable_model_is_refused")
+mutation("optimizer: a parameter group that matches nothing is refused", "saferun/loop/optimizers.py",
+         '            if not group["params"]:', "            if False:",
+         f"{ZM}::test_a_parameter_group_that_matches_no_parameter_is_refused")
+mutation("model audit: a graph kept on the Trainer is named", "saferun/guards/model_audit.py",
+         "        if value.grad_fn is not None:\n            yield path, value",
+         "        if False:\n            yield path, value",
+         f"{ZM}::test_a_graph_kept_on_the_trainer_is_named")
+mutation("habits: a scheduler step in training_step is refused", "saferun/loop/habits.py",
+         '                "step": self._refused(cls.step, f"{cls.__name__}.step()"),',
+         '                "step": cls.step,',
+         f"{ZM}::test_the_loops_own_jobs_in_training_step_are_refused_before_anything_changes")
+mutation("habits: zero_grad in training_step is refused", "saferun/loop/habits.py",
+         "            opt.zero_grad = self._refused(  # type: ignore[method-assign]\n"
+         '                opt.zero_grad, f"{type(opt).__name__}.zero_grad()")\n', "",
+         f"{ZM}::test_the_loops_own_jobs_in_training_step_are_refused_before_anything_changes")
+mutation("habits: gradient clipping in training_step is refused", "saferun/loop/habits.py",
+         "        _refuse_clipping()\n", "",
+         f"{ZM}::test_the_loops_own_jobs_in_training_step_are_refused_before_anything_changes")
+mutation("loss audit: padding the loss does not ignore names ignore_index", "saferun/guards/loss_audit.py",
+         "    if len(values) == 1 and int(bad.sum()) > 1 and values[0] < 0 or \\\n",
+         "    if False and len(values) == 1 and int(bad.sum()) > 1 and values[0] < 0 or False and \\\n",
+         f"{ZM}::test_padding_labels_the_loss_does_not_ignore_name_ignore_index")
+mutation("initial loss: raw inputs are named as the cause", DC,
+         "    if not seen or not seen[0][1] > RAW_STD:", "    if True:",
+         f"{ZM}::test_raw_pixel_values_are_named_as_the_cause")
+mutation("setup: a validation loader that drops samples is named", DC,
+         "    if kept >= n:\n        return None", "    if True:\n        return None",
+         f"{ZM}::test_a_validation_loader_that_drops_samples_is_named")
+mutation("model audit: a BatchNorm at a batch of one sample is named", "saferun/guards/model_audit.py",
+         "        if module.training and isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == 1:",
+         "        if False:", f"{ZM}::test_batchnorm_at_an_effective_batch_of_one_is_named")
 
 
 # ---------------------------------------------------------------- the runner

@@ -294,13 +294,15 @@ def _initial_loss(make: Factory, cfg: Config) -> CheckResult:
     outputs: list[Any] = []
     handle = trainer.model.register_forward_hook(lambda m, a, out: outputs.append(out))
     try:
-        with modes.training(trainer.model, _frozen(trainer)), torch.no_grad():
+        with modes.training(trainer.model, _frozen(trainer)), torch.no_grad(), \
+                datachecks.first_layer_input(trainer.model, trainer.batch_size(batch)) as seen:
             loss, _ = loss_and_logs(trainer.training_step(batch), 0, need_grad=False)
     finally:
         handle.remove()
     out = datachecks.scores(outputs[0]) if outputs else None
     expected = datachecks.expected_initial_loss(batch, out) if out is not None else None
-    return CheckResult("initial loss", *datachecks.initial_loss_finding(float(loss), expected))
+    return CheckResult("initial loss", *datachecks.initial_loss_finding(
+        float(loss), expected, datachecks.unnormalised(seen)))
 
 
 def _batch_independence(make: Factory, cfg: Config) -> CheckResult:

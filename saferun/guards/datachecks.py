@@ -9,12 +9,13 @@ initialisation, batch independence and an input-independent baseline.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
 import math
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,11 +32,13 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 # ------------------------------------------------------------------ at setup
 
 def setup_warnings(model: nn.Module, frozen: Sequence[nn.Module], t: Any, loader: Any,
-                   world_size: int) -> list[str]:
+                   world_size: int, val_loader: Any = None) -> list[str]:
     """Log (and return) the setup-time findings: see `last_batch_of_one`, `frozen_by_hand`,
-    `fixed_order`."""
+    `fixed_order`, `evaluation_drops`."""
     found = [w for w in (last_batch_of_one(model, frozen, loader, world_size),
-                         *frozen_by_hand(model, frozen), fixed_order(loader, t.shuffle)) if w]
+                         *frozen_by_hand(model, frozen), fixed_order(loader, t.shuffle),
+                         evaluation_drops(val_loader, t.limit_val_batches is not None,
+                                          world_size)) if w]
     for warning in found:
         log.warning("%s", warning)
     return found
@@ -59,6 +62,31 @@ def last_batch_of_one(model: nn.Module, frozen: Sequence[nn.Module], loader: Any
             f"% batch_size {size} == 1, and BatchNorm {short(norms, 3)} in training mode "
             f"cannot normalise one sample (BatchNorm1d raises; 2d statistics of one image are "
             f"noise). Set trainer.drop_last=true (or another trainer.batch_size).")
+
+
+def evaluation_drops(loader: Any, limited: bool, world_size: int = 1) -> Optional[str]:
+    """A validation loader that yields fewer samples than its map-style dataset holds (built
+    with drop_last=True, or a sampler over part of it): the metrics silently leave samples
+    out. `limited`: trainer.limit_val_batches is set (a cut asked for)."""
+    if loader is None or limited or isinstance(loader.dataset, IterableDataset) \
+            or not hasattr(loader.dataset, "__len__"):
+        return None
+    batches = getattr(loader, "batch_sampler", None)
+    batches = getattr(batches, "batch_sampler", batches)  # inside saferun's IndexRecorder
+    sampler, size = getattr(batches, "sampler", None), getattr(batches, "batch_size", None)
+    if not hasattr(sampler, "__len__") or not size:
+        return None
+    per_rank = len(sampler)  # type: ignore[arg-type]  # has __len__ (checked above)
+    dropped_last = per_rank % size if getattr(batches, "drop_last", False) else 0
+    kept, n = (per_rank - dropped_last) * world_size, len(loader.dataset)
+    if kept >= n:
+        return None
+    why = (f"drop_last=True drops the last {dropped_last} of each pass{' per rank' if world_size > 1 else ''}"
+           if dropped_last else f"its sampler covers {per_rank * world_size} samples")
+    return (f"the validation loader yields {kept} of the {n} samples of its "
+            f"{type(loader.dataset).__name__} ({why}): every validation leaves {n - kept} out, "
+            f"and the metrics are not the validation set's. Build it with drop_last=False over "
+            f"every sample (trainer.limit_val_batches cuts it on purpose, saying so).")
 
 
 def fixed_order(loader: Any, shuffle: bool) -> Optional[str]:
@@ -192,8 +220,18 @@ def scores(output: Any) -> Optional[torch.Tensor]:
     return output if isinstance(output, torch.Tensor) else None
 
 
-def initial_loss_finding(loss: float, expected: Optional[tuple[float, int]]) -> tuple[str, str]:
-    """(status, finding) for the loss of an untrained model on one batch."""
+def initial_loss_finding(loss: float, expected: Optional[tuple[float, int]],
+                         raw_inputs: Optional[str] = None) -> tuple[str, str]:
+    """(status, finding) for the loss of an untrained model on one batch; `raw_inputs`: the
+    input's scale where it reaches the first weight layer, if far from unit (`unnormalised`),
+    named as the cause before the output layer."""
+    if raw_inputs is not None:
+        far = (f" (loss at initialisation {loss:.4g}, ln({expected[1]}) = {expected[0]:.3g})"
+               if expected is not None else f" (loss at initialisation {loss:.4g})")
+        return "warn", (f"{raw_inputs}: unnormalised inputs{far} make the first layer's outputs "
+                        f"and gradients huge and the learning rate wrong for them. Normalise the "
+                        f"inputs in the dataset's transform (images: x / 255, then the mean and "
+                        f"std per channel; features: standardise each).")
     if expected is None:
         return "pass", f"loss at initialisation {loss:.4g} (not a classification output: not compared)"
     ln_c, classes = expected
@@ -203,6 +241,44 @@ def initial_loss_finding(loss: float, expected: Optional[tuple[float, int]]) -> 
                         f"the output layer is mis-scaled (large initial logits) or the targets "
                         f"are not what the loss expects")
     return "pass", f"loss at initialisation {loss:.4g} (ln({classes}) = {ln_c:.3g})"
+
+
+_WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+RAW_STD = 10.0  # an input's standard deviation past which it is not normalised
+
+
+@contextlib.contextmanager
+def first_layer_input(model: nn.Module, rows: int) -> Iterator[list[tuple[str, float, float]]]:
+    """Inside: records (module name, std, largest magnitude) of the first float input with one
+    row per sample that enters a Linear or convolution: what the model's first weight layer
+    sees of the data."""
+    seen: list[tuple[str, float, float]] = []
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def look(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if not seen and isinstance(x, torch.Tensor) and x.is_floating_point() and x.ndim >= 1 \
+                and x.shape[0] == rows and x.numel() > 1:
+            x = x.detach().float()
+            seen.append((names[id(mod)], float(x.std()), float(x.abs().max())))
+
+    handles = [m.register_forward_pre_hook(look) for m in model.modules()
+               if isinstance(m, _WEIGHT_LAYERS)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def unnormalised(seen: Sequence[tuple[str, float, float]]) -> Optional[str]:
+    """Where raw inputs reach the first weight layer, said in a phrase; None if they are of
+    unit scale."""
+    if not seen or not seen[0][1] > RAW_STD:
+        return None
+    name, std, top = seen[0]
+    return (f"the inputs reach the model's first weight layer '{name}' with a standard "
+            f"deviation of {std:.3g} (values up to {top:.4g})")
 
 
 class _Stop(Exception):

@@ -155,7 +155,7 @@ def test_a_library_sync_names_the_users_call(tmp_path):
     found = check(Bert, tmp_path, ["host syncs"])["host syncs"]
     assert found.status == "warn", found
     assert "masking_utils.py" in found.finding and "called from your line" in found.finding
-    assert "zoo_models.py" in found.finding and "self.model(**batch" in found.finding, found
+    assert "zoo_models.py" in found.finding and "self.model(**batch" in found.finding, found.finding
 
 
 def test_host_only_reads_and_cpu_only_checks_are_not_syncs():
