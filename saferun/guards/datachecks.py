@@ -281,8 +281,9 @@ def unnormalised(seen: Sequence[tuple[str, float, float]]) -> Optional[str]:
             f"deviation of {std:.3g} (values up to {top:.4g})")
 
 
-class _Stop(Exception):
-    """Raised by `model_call`'s hook: the model's arguments are known, the call need not run."""
+class _Stop(BaseException):
+    """Raised by `model_call`'s hook: the model's arguments are known, the call need not run
+    (a BaseException, so that a training_step's `except Exception` does not swallow it)."""
 
 
 def model_call(model: nn.Module, step: Callable[[], Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
