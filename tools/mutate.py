@@ -1092,7 +1092,7 @@ mutation("a one-batch overfit that falls slowly is inconclusive", "saferun/guard
          "tests/testing/test_new_project.py::test_a_harmless_edit_passes_the_generated_check_test",
          known="its test is a slow generated-project check (pytest -m slow); killed by hand when written")
 mutation("lazy modules are materialised before the eval-purity check", "saferun/guards/check.py",
-         "    _materialise_lazy(trainer, cfg.seed)\n", "",
+         "    _first_forward(trainer, cfg.seed)\n", "",
          "tests/guards/test_check.py::test_lazy_modules_are_no_eval_purity_false_alarm")
 mutation("each check's Trainer has its own directory", "saferun/guards/check.py",
          "_run(check, _in_own_dir(make, tmp), base)", "_run(check, make, base)",
@@ -1425,7 +1425,7 @@ mutation("eval purity: an attribute each forward writes anew is an output", "saf
          "            model, before.outputs)",
          f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
 mutation("saferun check: eval purity after training's first forward", CHK,
-         "    _materialise_lazy(trainer, cfg.seed)\n", "",
+         "    _first_forward(trainer, cfg.seed)\n", "",
          f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
 mutation("model audit: a tensor with one row per sample is not state", "saferun/guards/model_audit.py",
          "                    and not (rows > 1 and value.ndim >= 1 and value.shape[0] == rows):",

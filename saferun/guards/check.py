@@ -155,13 +155,13 @@ def _eval_purity(make: Factory, cfg: Config) -> CheckResult:
     trainer.setup()
     if trainer.val_loader is None:
         return CheckResult("eval purity", "pass", "no validation set: not checked")
-    _materialise_lazy(trainer, cfg.seed)
+    _first_forward(trainer, cfg.seed)
     trainer.validate()  # raises, naming the tensor, if evaluation changes the model
     return CheckResult("eval purity", "pass",
                        "validation leaves every parameter and buffer unchanged, no inference tensors")
 
 
-def _materialise_lazy(trainer: Trainer, seed: int) -> None:
+def _first_forward(trainer: Trainer, seed: int) -> None:
     """One training forward (no gradient, training's modes), as training makes before any
     validation: torch's lazy modules (nn.LazyLinear) take their shapes there, and a module
     that keeps a copy of its output (`self.last = y.detach()`) writes it there; otherwise
