@@ -183,7 +183,8 @@ class GuardsConfig:
     """On a non-finite step, replay it from the last checkpoint under detect_anomaly and name
     the operation that produced it (keeps a step-0 checkpoint so there is always one)."""
     unused_params: bool = True
-    """After the first step, name the trainable parameters that received no gradient."""
+    """Name the trainable parameters that received no gradient in any of the first 20 steps
+    (a routed expert without one on some steps is not named)."""
     spikes: str = "off"
     """Loss spikes and gradient explosions (each step compared on the device, before the update,
     with a limit from robust median/MAD statistics of the recent steps, refreshed every log

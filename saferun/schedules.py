@@ -101,6 +101,10 @@ class Schedule:
         assert self.scheduler is not None
         self.scheduler.step(metrics[self.metric])  # type: ignore[arg-type]  # ReduceLROnPlateau: the metric
 
+    def schedulers(self) -> list[Any]:
+        """The scheduler, if any (for the refusal of a scheduler step in training_step)."""
+        return [] if self.scheduler is None else [self.scheduler]
+
     def rates(self) -> dict[str, float]:
         """The learning rate the latest step used, per parameter group: `train/lr` for the
         first group, `train/lr/<name>` for a group with a 'name' key, else `train/lr/group<i>`."""
@@ -148,6 +152,9 @@ class NamedSchedules:
         self.by_name = {name: Schedule(opt, schedulers.get(name),
                                        metric if name in plateaus else None, validates)
                         for name, opt in optimizers.items()}
+
+    def schedulers(self) -> list[Any]:
+        return [s for schedule in self.by_name.values() for s in schedule.schedulers()]
 
     def after_step(self) -> None:
         for schedule in self.by_name.values():

@@ -42,7 +42,7 @@ from .guards.failure_site import record
 from .guards.loss_audit import LossCallAudit
 from .guards.model_audit import ModelAudit
 from .guards.preflight import preflight
-from .guards.unused import report_unused_parameters
+from .guards.unused import UnusedParameters, window
 from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
 from .loop.evaluation import Evaluator
@@ -246,14 +246,16 @@ class Trainer:
         check_training_loader(self.train_loader, data.world_size)
         self._plan_threads()
         check_evaluation_limit(self.val_loader, t, data.world_size)  # same samples on any
-        setup_warnings(model, self._frozen, t, self.train_loader, data.world_size)
+        setup_warnings(model, self._frozen, t, self.train_loader, data.world_size,
+                       self.val_loader)
         self._params = trainable_parameters(model)
         self.optimizer = self.build_optimizer(self._params)
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
         self._habits = StepHabits()  # no backward or optimizer step inside training_step
         self.optimizer, self.scheduler, self._schedule = setup_optimizers(self, model)
         several = isinstance(self.optimizer, NamedOptimizers)  # build_optimizer's {name: optimizer}
-        self._habits.watch(self.optimizer.values() if several else [self.optimizer])  # type: ignore[attr-defined]  # several: a dict
+        self._habits.watch(self.optimizer.values() if several else [self.optimizer],  # type: ignore[attr-defined]  # several: a dict
+                           self._schedule.schedulers())
         self._ema = averaging.weight_average(self.model, self.optimizer, t.ema)  # trainer.ema, or None
         self._scaler = grad_scaler(self.device, t.precision)
         self._autocast = autocast_factory(self.device, t.precision)
@@ -301,7 +303,9 @@ class Trainer:
 
     def _setup_guards(self) -> None:
         g = self.cfg.guards
-        self._unused_check_pending = g.unused_params
+        self._unused: Optional[UnusedParameters] = UnusedParameters(
+            self.model.named_parameters(), window(self.cfg.trainer.max_steps, self.state.step)
+        ) if g.unused_params else None
         self._declared = modes.DeclaredModes(self.model, self._frozen) if g.declared_modes else None
         self._check_first_batch = False
         if g.preflight:
@@ -383,8 +387,8 @@ class Trainer:
         loss, logs, samples = self._forward_backward(micro_batches)
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
-        if self._unused_check_pending:  # once, after the first backward
-            self._unused_check_pending = report_unused_parameters(self.model.named_parameters())
+        if self._unused is not None and not self._unused.after_backward():  # the first steps
+            self._unused = None
         grad_norm, skipped, spike, loss_spike = self._update(  # (a skip policy: one host sync)
             self.optimizer, self._params, self._schedule, loss)
         self._scaler.update()  # after the step (a skipped one too: it saw the gradients)
@@ -621,7 +625,7 @@ class Trainer:
                     restore()  # an explanation replays the step
                     raise
             restore()
-            audit.after_first_backward(self.state.step + 1)
+            audit.after_first_backward(self.state.step + 1, batch_size_of(batch), vars(self))
             out = step_fn(batch)
             audit.carried_into(out, self.state.step + 1)
             return out

@@ -533,7 +533,7 @@ mutation("anomaly replay", BADSTEP,
          '        replayed = ("\\n" + self._anomaly_replay(bad.step) if False',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
-         "        if self._unused_check_pending:  # once, after the first backward\n",
+         "        if self._unused is not None and not self._unused.after_backward():  # the first steps\n",
          "        if False:\n",
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
@@ -556,8 +556,8 @@ mutation("eval purity: changed parameters and buffers", EVAL,
          "        probe = {}",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
 mutation("eval purity: inference tensors left on the model", "saferun/guards/purity.py",
-         "        problems += find_inference_tensors(model, before.outputs)  # metadata only: no sync",
-         "        pass",
+         "        problems += find_inference_tensors(  # metadata only: no sync\n",
+         "        problems += [] if True else find_inference_tensors(  # metadata only: no sync\n",
          f"{GUARDS}::test_evaluation_that_changes_the_model_is_named")
 mutation("eval purity in predict", EVAL,
          "            check_purity(before, self._model, float(purity_changed(before, fingerprint(self._model))),\n"
@@ -1084,7 +1084,7 @@ mutation("a one-batch overfit that falls slowly is inconclusive", "saferun/guard
          "tests/testing/test_new_project.py::test_a_harmless_edit_passes_the_generated_check_test",
          known="its test is a slow generated-project check (pytest -m slow); killed by hand when written")
 mutation("lazy modules are materialised before the eval-purity check", "saferun/guards/check.py",
-         "    _materialise_lazy(trainer, cfg.seed)\n", "",
+         "    _first_forward(trainer, cfg.seed)\n", "",
          "tests/guards/test_check.py::test_lazy_modules_are_no_eval_purity_false_alarm")
 mutation("each check's Trainer has its own directory", "saferun/guards/check.py",
          "_run(check, _in_own_dir(make, tmp), base)", "_run(check, make, base)",
@@ -1142,7 +1142,7 @@ mutation("an optimizer.step() inside training_step is refused before the update"
          "saferun/loop/habits.py", "        if self.step and not self.saferun_steps:", "        if False:",
          "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
 mutation("self.optimize()'s own optimizer steps are not refused", "saferun/loop/update.py",
-         "            self._habits.saferun_steps = True  # (training_step may be running: several optimizers)\n",
+         "        self._habits.saferun_steps = True  # its clip, step, zero_grad and scheduler step are\n",
          "",
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 mutation("a backward inside training_step is refused at the first step", "saferun/loop/habits.py",
@@ -1184,8 +1184,8 @@ mutation("failure site: validation and predict errors are explained", "saferun/l
          "        record(exc, phase=phase, batch=batch)", "        pass",
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 mutation("failure site: an optimizer's failing step is named", "saferun/loop/update.py",
-         '                record(exc, optimize_part="step")\n                raise\n            finally:',
-         '                raise\n            finally:',
+         '                record(exc, optimize_part="step")\n                raise\n        optimizer.zero_grad(',
+         '                raise\n        optimizer.zero_grad(',
          f"{ERRS}::test_an_error_in_an_optimizers_step_names_the_call_and_the_step")
 mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',
@@ -1354,11 +1354,12 @@ mutation("saferun check: compile parity runs the fit's own compile check", "safe
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
 
 mutation("several optimizers: unused parameters named per optimizer", MANUAL,
-         "            if self._unused_pending:  # guards.unused_params", "            if False:  #",
-         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
-mutation("several optimizers: unused parameters named in the first step only", MANUAL,
-         "        self._unused_pending = False  # checked in the first step only\n", "",
-         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_in_the_first_step_only")
+         "            if unused is not None and not unused.after_backward():",
+         "            if False:",
+         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_once")
+mutation("several optimizers: unused parameters named once", MANUAL,
+         "                del self._unused[name]\n", "                pass\n",
+         f"{OPTS}::test_unused_parameters_are_named_per_optimizer_once")
 
 mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferun/checkpoint/store.py",
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
@@ -1810,6 +1811,111 @@ mutation("course: the command line drops a refused run's intent", "saferun/cli/r
          "        if intended:  # refused", "        if False:  # refused",
          TCOURSE + "::test_from_the_command_line_a_refused_change_leaves_no_intent",
          known="its test is slow (pytest -m slow, a command-line run); killed by hand when written")
+
+# issue 33: real architectures
+REAL, DC, SYNCS = "tests/guards/test_real_models.py", "saferun/guards/datachecks.py", "saferun/guards/syncs.py"
+CHK = "saferun/guards/check.py"
+mutation("batch independence: a point counts only if it follows the batch's samples", DC,
+         "    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))",
+         "    return False",
+         f"{REAL}::test_batch_independence_says_not_checked_when_nothing_reaches_the_output")
+mutation("batch independence: not checked unless a point reaches the output", DC,
+         "    if not reached:\n", "    if False:\n",
+         f"{REAL}::test_batch_independence_says_not_checked_when_nothing_reaches_the_output")
+mutation("batch independence: the module that mixes the batch is named", DC,
+         "              if w == \"input\" and others and not mixes.get((m, \"output\", n), [1])}",
+         "              if False}",
+         f"{REAL}::test_batch_mixing_in_llama_is_caught_and_a_clean_llama_is_tested")
+mutation("batch independence: a BatchNorm without running stats mixes by design", DC,
+         "    return isinstance(module, _NORMS) and not module.track_running_stats",
+         "    return False", f"{REAL}::test_batchnorm_without_running_stats_is_by_design")
+mutation("batch independence: the model called as training_step calls it", CHK,
+         "    if called is not None:\n        args, kwargs = called\n",
+         "    if False:\n        args, kwargs = called  # type: ignore[misc]\n",
+         f"{REAL}::test_batch_independence_without_predict_step_uses_the_model_call")
+mutation("batch independence: a failing predict_step is named, not a failure", CHK,
+         "            raise _NotChecked(\n", "            raise SaferunError(\n",
+         f"{REAL}::test_a_failing_predict_step_is_named_and_not_a_failure")
+mutation("input baseline: a keyword-only model call has its first input zeroed", DC,
+         "        if not args and first is not None and isinstance(kwargs[first], torch.Tensor):",
+         "        if False:",
+         f"{REAL}::test_input_baseline_runs_on_a_model_called_with_keywords_only")
+mutation("initial loss: a ModelOutput's logits are compared", DC,
+         '        output = output.get("logits")', "        output = None",
+         f"{REAL}::test_initial_loss_is_compared_on_a_model_output_with_logits")
+mutation("unused parameters: over a window, not the first step", "saferun/guards/unused.py",
+         "        if self.waiting and self.seen >= self.window:", "        if self.waiting:",
+         f"{REAL}::test_routed_experts_are_not_called_unused_but_a_never_routed_one_is")
+mutation("host syncs: a library read names the user's call", SYNCS,
+         "            return site + _caller_outside_libraries(frame) if _in_library(filename) else site",
+         "            return site", f"{REAL}::test_a_library_sync_names_the_users_call")
+mutation("host syncs: a read of a host-only tensor is not a sync", SYNCS,
+         "        if not counter._is_host(args[0] if args else None):", "        if True:",
+         f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs",
+         f"{REAL}::test_wav2vec2_layerdrop_is_not_a_sync")
+mutation("host syncs: a value check torch makes on CPU only is not a sync", SYNCS,
+         "            counter._in_read |= skip_check\n", "            counter._in_read |= False\n",
+         f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs")
+mutation("host syncs: a batch moved to the device is device data", SYNCS,
+         "                counter._host.pop(id(out), None)  # moved", "                pass  # moved",
+         "tests/guards/test_audits.py::test_the_loss_audit_reads_twice_once_per_fit_and_the_loop_stays_sync_free")
+mutation("eval purity: an attribute each forward writes anew is an output", "saferun/guards/purity.py",
+         "            model, before.outputs | rewritten(before, model))",
+         "            model, before.outputs)",
+         f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
+mutation("saferun check: eval purity after training's first forward", CHK,
+         "    _first_forward(trainer, cfg.seed)\n", "",
+         f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
+mutation("model audit: a tensor with one row per sample is not state", "saferun/guards/model_audit.py",
+         "                    and not (rows > 1 and value.ndim >= 1 and value.shape[0] == rows):",
+         ":", f"{REAL}::test_a_detached_output_kept_on_the_module_is_not_state")
+mutation("frozen by hand: only a BatchNorm is named, not a Dropout", DC,
+         "                  if isinstance(m, _NORMS) and m.track_running_stats]",
+         "                  if isinstance(m, _NORMS + _DROPOUTS)]",
+         f"{REAL}::test_a_frozen_backbone_with_dropout_and_adapters_is_not_told_to_go_to_eval")
+mutation("data overlap: low-cardinality inputs are not a leak", DC,
+         "    if checked_train and 2 * len(seen) <= checked_train:", "    if False:",
+         f"{REAL}::test_low_cardinality_inputs_are_not_a_leak")
+mutation("batch order: batches of one sample are not judged", DC,
+         "    if all(len(y) < 2 for y in labels):", "    if False:",
+         f"{REAL}::test_batch_order_is_not_judged_at_batch_size_one")
+ZM = "tests/guards/test_zoo_mistakes.py"
+mutation("optimizer: a parameter outside the model is refused, any optimizer", "saferun/loop/manual.py",
+         '    check_held({"": trainer.optimizer}, model)  # any optimizer class, as for several\n', "",
+         f"{ZM}::test_an_optimizer_over_another_models_parameters_is_refused",
+         f"{ZM}::test_an_optimizer_over_part_of_a_trainable_model_is_refused")
+mutation("optimizer: a parameter group that matches nothing is refused", "saferun/loop/optimizers.py",
+         '            if not group["params"]:', "            if False:",
+         f"{ZM}::test_a_parameter_group_that_matches_no_parameter_is_refused")
+mutation("model audit: a graph kept on the Trainer is named", "saferun/guards/model_audit.py",
+         "        if value.grad_fn is not None:\n            yield path, value",
+         "        if False:\n            yield path, value",
+         f"{ZM}::test_a_graph_kept_on_the_trainer_is_named")
+mutation("habits: a scheduler step in training_step is refused", "saferun/loop/habits.py",
+         '                "step": self._refused(cls.step, f"{cls.__name__}.step()"),',
+         '                "step": cls.step,',
+         f"{ZM}::test_the_loops_own_jobs_in_training_step_are_refused_before_anything_changes")
+mutation("habits: zero_grad in training_step is refused", "saferun/loop/habits.py",
+         "            opt.zero_grad = self._refused(  # type: ignore[method-assign]\n"
+         '                opt.zero_grad, f"{type(opt).__name__}.zero_grad()")\n', "",
+         f"{ZM}::test_the_loops_own_jobs_in_training_step_are_refused_before_anything_changes")
+mutation("habits: gradient clipping in training_step is refused", "saferun/loop/habits.py",
+         "        _refuse_clipping()\n", "",
+         f"{ZM}::test_the_loops_own_jobs_in_training_step_are_refused_before_anything_changes")
+mutation("loss audit: padding the loss does not ignore names ignore_index", "saferun/guards/loss_audit.py",
+         "    if len(values) == 1 and int(bad.sum()) > 1 and values[0] < 0 or \\\n",
+         "    if False and len(values) == 1 and int(bad.sum()) > 1 and values[0] < 0 or False and \\\n",
+         f"{ZM}::test_padding_labels_the_loss_does_not_ignore_name_ignore_index")
+mutation("initial loss: raw inputs are named as the cause", DC,
+         "    if not seen or not seen[0][1] > RAW_STD:", "    if True:",
+         f"{ZM}::test_raw_pixel_values_are_named_as_the_cause")
+mutation("setup: a validation loader that drops samples is named", DC,
+         "    if kept >= n:\n        return None", "    if True:\n        return None",
+         f"{ZM}::test_a_validation_loader_that_drops_samples_is_named")
+mutation("model audit: a BatchNorm at a batch of one sample is named", "saferun/guards/model_audit.py",
+         "        if module.training and isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == 1:",
+         "        if False:", f"{ZM}::test_batchnorm_at_an_effective_batch_of_one_is_named")
+
 
 # ---------------------------------------------------------------- the runner
 

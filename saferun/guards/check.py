@@ -155,24 +155,22 @@ def _eval_purity(make: Factory, cfg: Config) -> CheckResult:
     trainer.setup()
     if trainer.val_loader is None:
         return CheckResult("eval purity", "pass", "no validation set: not checked")
-    _materialise_lazy(trainer, cfg.seed)
+    _first_forward(trainer, cfg.seed)
     trainer.validate()  # raises, naming the tensor, if evaluation changes the model
     return CheckResult("eval purity", "pass",
                        "validation leaves every parameter and buffer unchanged, no inference tensors")
 
 
-def _materialise_lazy(trainer: Trainer, seed: int) -> None:
-    """torch's lazy modules (nn.LazyLinear) take their shapes at the first forward, which in
-    training comes before any validation: so here too, lest their new parameters read as an
-    evaluation that changed the model (and as inference tensors, made in inference mode)."""
-    from torch.nn.modules.lazy import LazyModuleMixin
-
-    lazy = [m for m in trainer.model.modules() if isinstance(m, LazyModuleMixin)]
-    if any(m.has_uninitialized_params() for m in lazy):  # type: ignore[operator]
-        assert trainer.train_loader is not None
-        batch = first_batch(trainer.train_loader, seed, 0, trainer.device, False)
-        with modes.evaluating(trainer.model, "no_grad"), preserved_rng():
-            trainer.training_step(batch)
+def _first_forward(trainer: Trainer, seed: int) -> None:
+    """One training forward (no gradient, training's modes), as training makes before any
+    validation: torch's lazy modules (nn.LazyLinear) take their shapes there, and a module
+    that keeps a copy of its output (`self.last = y.detach()`) writes it there; otherwise
+    their new parameters would read as an evaluation that changed the model (and as inference
+    tensors, made in inference mode)."""
+    assert trainer.train_loader is not None
+    batch = first_batch(trainer.train_loader, seed, 0, trainer.device, False)
+    with modes.training(trainer.model, _frozen(trainer)), torch.no_grad(), preserved_rng():
+        trainer.training_step(batch)
 
 
 def _declared_modes(make: Factory, cfg: Config) -> CheckResult:
@@ -224,6 +222,12 @@ def _host_syncs(make: Factory, cfg: Config) -> CheckResult:
         from .sync_audit import audit
 
         top = audit(steps)[0]
+        if top.caller:
+            return CheckResult("host syncs", "warn", (
+                f"{per_step:.2f} per step; most in library code at {top.site} ({top.code}), "
+                f"called from your line {top.caller} ({top.caller_code}): the library reads a "
+                f"value of what that call passes; change the call (an argument it inspects, "
+                f"such as an all-ones mask, can often be left out) or make it at log points only"))
         return CheckResult("host syncs", "warn", f"{per_step:.2f} per step; most at {top.site} "
                                                  f"({top.code}). Keep values on the device.")
     return CheckResult("host syncs", "pass", "0 per training step between log points")
@@ -290,29 +294,61 @@ def _initial_loss(make: Factory, cfg: Config) -> CheckResult:
     outputs: list[Any] = []
     handle = trainer.model.register_forward_hook(lambda m, a, out: outputs.append(out))
     try:
-        with modes.training(trainer.model, _frozen(trainer)), torch.no_grad():
+        with modes.training(trainer.model, _frozen(trainer)), torch.no_grad(), \
+                datachecks.first_layer_input(trainer.model, trainer.batch_size(batch)) as seen:
             loss, _ = loss_and_logs(trainer.training_step(batch), 0, need_grad=False)
     finally:
         handle.remove()
-    out = outputs[0] if outputs and isinstance(outputs[0], torch.Tensor) else None
+    out = datachecks.scores(outputs[0]) if outputs else None
     expected = datachecks.expected_initial_loss(batch, out) if out is not None else None
-    return CheckResult("initial loss", *datachecks.initial_loss_finding(float(loss), expected))
+    return CheckResult("initial loss", *datachecks.initial_loss_finding(
+        float(loss), expected, datachecks.unnormalised(seen)))
 
 
 def _batch_independence(make: Factory, cfg: Config) -> CheckResult:
     trainer, batch = _first_batch(make, cfg)
     rows = trainer.batch_size(batch)
     with modes.evaluating(trainer.model, "no_grad"), torch.enable_grad():
-        def call() -> Any:
-            return trainer.predict_step(batch)
-        return CheckResult("batch independence", *datachecks.batch_dependence(trainer.model, call, rows))
+        try:
+            return CheckResult("batch independence", *datachecks.batch_dependence(
+                trainer.model, _model_call(trainer, batch), rows))
+        except _NotChecked as e:
+            return CheckResult("batch independence", "skip", str(e))
+
+
+class _NotChecked(Exception):
+    """A check cannot run on this Trainer (what it needs from the user's code failed)."""
+
+
+def _model_call(trainer: Trainer, batch: Any) -> Callable[[bool], Any]:
+    """call(roll): the model's output on `batch` (its samples rolled by one row if `roll`):
+    the model called as training_step calls it (positional or keyword arguments), or
+    predict_step if training_step calls only submodules."""
+    model = trainer.model
+    with torch.no_grad(), preserved_rng():
+        called = datachecks.model_call(model, lambda: trainer.training_step(batch))
+    rows = trainer.batch_size(batch)
+    if called is not None:
+        args, kwargs = called
+        return lambda roll: model(*datachecks.rolled(args, rows), **datachecks.rolled(kwargs, rows)) \
+            if roll else model(*args, **kwargs)
+
+    def predict(roll: bool) -> Any:
+        try:
+            return trainer.predict_step(datachecks.rolled(batch, rows) if roll else batch)
+        except Exception as e:
+            raise _NotChecked(
+                f"not checked, because training_step does not call the model itself and "
+                f"predict_step(batch) raised {type(e).__name__}: {e}. Override "
+                f"predict_step(batch) to return the model's output for a batch.") from e
+    return predict
 
 
 def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
-    """Fit one repeated batch twice, with real and with zeroed inputs, then compare the loss
+    """Fit one repeated batch twice, with zeroed and with real inputs, then compare the loss
     on it in eval mode (no dropout noise): only a model that uses its inputs gets lower."""
     steps, starts, losses, zeroed_calls = 2 * STEPS, [], [], [0]
-    for zeroed in (False, True):
+    for zeroed in (True, False):
         trainer, batch = _first_batch(make, copy.deepcopy(cfg))
         if isinstance(trainer.optimizer, NamedOptimizers):
             return CheckResult("input baseline", "pass", NO_SINGLE_LOSS)
@@ -320,6 +356,10 @@ def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
         try:
             with preserved_rng():  # the loss before fitting: the same draws follow either way
                 starts.append(_eval_loss(trainer, batch))
+            if zeroed and not zeroed_calls[0]:
+                return CheckResult("input baseline", "pass", "not checked, because "
+                                   "training_step does not call the model itself (only its "
+                                   "submodules) with a tensor input")
             with modes.training(trainer.model, _frozen(trainer)):
                 for _ in range(steps):
                     trainer.train_step([batch])
@@ -327,11 +367,8 @@ def _input_baseline(make: Factory, cfg: Config) -> CheckResult:
         finally:
             if handle is not None:
                 handle.remove()
-    if not zeroed_calls[0]:
-        return CheckResult("input baseline", "pass", "training_step does not call the model "
-                           "itself (only its submodules): not checked")
     return CheckResult("input baseline", *datachecks.baseline_finding(
-        losses[0], losses[1], (starts[0], starts[1]), steps))
+        losses[1], losses[0], (starts[1], starts[0]), steps))
 
 
 def _eval_loss(trainer: Trainer, batch: Any) -> float:

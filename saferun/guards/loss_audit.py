@@ -132,9 +132,27 @@ def _class_index(name: str, x: torch.Tensor, y: torch.Tensor, ignore: int
         return "error", (f"F.{name} got class indices {values} outside [0, {classes}) (C = "
                          f"{classes}, the size of the input's class dimension) at target "
                          f"positions {samples}{f' ({len(where)} in all)' if len(where) > 5 else ''}"
-                         f". Labels must run from 0 to C-1: remap them (e.g. 1-based labels: "
-                         f"y - 1), or give the model C outputs.")
+                         f". {_out_of_range_advice(y, bad, values, ignore)}")
     return _probabilities(name, x)
+
+
+def _out_of_range_advice(y: torch.Tensor, bad: torch.Tensor, values: list[int], ignore: int) -> str:
+    """What to do about targets outside [0, C): one value everywhere it is out of range marks
+    positions to skip (padding, unlabelled), which is what ignore_index is for."""
+    if len(values) == 1 and int(bad.sum()) > 1 and values[0] < 0 or \
+            len(values) == 1 and _fills_row_ends(y, values[0]):
+        v = values[0]
+        return (f"Every out-of-range target is {v}, a marker of positions to skip (padding, "
+                f"unlabelled), but the loss's ignore_index is {ignore}: pass ignore_index={v} to "
+                f"the loss, or pad the targets with {ignore} (Hugging Face models ignore -100 "
+                f"only).")
+    return ("Labels must run from 0 to C-1: remap them (e.g. 1-based labels: y - 1), or give "
+            "the model C outputs.")
+
+
+def _fills_row_ends(y: torch.Tensor, v: int) -> bool:
+    """`v` fills the end of some rows of a (N, T) target, as padding does."""
+    return y.dim() >= 2 and bool((y[..., -1] == v).any()) and y.shape[-1] > 1
 
 
 def _row_sums_one(x: torch.Tensor) -> bool:

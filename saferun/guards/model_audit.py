@@ -23,8 +23,9 @@ into a graph kept from the first call?). Nothing runs per step after that.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -119,12 +120,16 @@ def hidden_layers_advice(model: nn.Module) -> str:
             f"{_fix(hidden[0][0])}.")
 
 
-def plain_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """'path.attr' -> (id, version) of every tensor a module holds as a plain attribute."""
+def plain_tensors(model: nn.Module, rows: int = 0) -> dict[str, tuple[int, int]]:
+    """'path.attr' -> (id, version) of every tensor a module holds as a plain attribute; with
+    `rows` (the batch's samples), not those with one row per sample: the data of a batch (a
+    detached copy of a forward's output, attention maps kept to look at) is not the model's
+    state, which does not grow with the batch."""
     found = {}
     for path, module in model.named_modules():
         for name, value in _plain_values(module):
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                    and not (rows > 1 and value.ndim >= 1 and value.shape[0] == rows):
                 found[_where(path, name)] = (id(value), _version(value))
     return found
 
@@ -201,10 +206,17 @@ class ModelAudit:
         self.hidden = hidden_modules(model)
         self.tensors = plain_tensors(model)
         self._carried: dict[str, Any] = {}
+        self._one_sample: dict[str, tuple[int, ...]] = {}  # a BatchNorm's input of one sample
+        self._norm_hooks: list[Any] = []
 
     def at_setup(self) -> list[str]:
         """Warn about trainable modules or parameters in plain containers (they may be a frozen
-        teacher kept out of the model on purpose: a gradient reaching them is refused later)."""
+        teacher kept out of the model on purpose: a gradient reaching them is refused later);
+        watch the first step's BatchNorm inputs (see `after_first_backward`)."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self._norm_hooks.append(module.register_forward_pre_hook(
+                    functools.partial(self._norm_input, name)))
         warnings = []
         for name, value in self.hidden:
             params = [value] if isinstance(value, nn.Parameter) else list(value.parameters())
@@ -220,9 +232,31 @@ class ModelAudit:
             log.warning("%s", warning)
         return warnings
 
-    def after_first_backward(self, step: int) -> list[str]:
-        """Refuse what cannot train as meant; warn about state checkpoints lose. Returns the
-        warnings."""
+    def _norm_input(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if module.training and isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == 1:
+            self._one_sample.setdefault(name, tuple(x.shape))
+
+    def _norms_of_one_sample(self, step: int) -> list[str]:
+        for handle in self._norm_hooks:
+            handle.remove()
+        self._norm_hooks = []
+        if not self._one_sample:
+            return []
+        shown = ", ".join(f"'{n}' (input {list(s)})" for n, s in list(self._one_sample.items())[:3])
+        return [f"at step {step}, BatchNorm {shown} normalised a batch of one sample in training "
+                f"mode: its statistics (and its running mean and variance) are one sample's, "
+                f"noise rather than the batch's. Raise the samples per forward "
+                f"(trainer.batch_size; with trainer.accumulate, each micro-batch is one "
+                f"forward), call the model on the whole batch rather than sample by sample, or "
+                f"use GroupNorm/LayerNorm, which do not depend on the batch."]
+
+    def after_first_backward(self, step: int, rows: int = 0,
+                             holders: Optional[Mapping[str, Any]] = None) -> list[str]:
+        """Refuse what cannot train as meant; warn about state checkpoints lose and graphs
+        kept alive. Returns the warnings. `rows`: the samples in the first batch (a tensor
+        attribute with one row per sample is a forward's output kept to look at, not state);
+        `holders`: the Trainer's attributes (a graph kept there, in a list of losses, say)."""
         errors = self._untrained(step)
         # A tensor attribute still holding the first call's graph is a mistake only if the
         # second call's loss reaches back into it (an RNN state kept without detach); one that
@@ -232,7 +266,8 @@ class ModelAudit:
         if errors:
             raise ModelStateError(f"the model-state audit after the first backward (at step "
                                   f"{step}): " + "\n".join(errors))
-        warnings = self._changed_plain_tensors(step)
+        warnings = (self._changed_plain_tensors(step, rows) + graphs_held(holders or {}, step)
+                    + self._norms_of_one_sample(step))
         for warning in warnings:
             log.warning("%s", warning)
         return warnings
@@ -270,8 +305,8 @@ class ModelAudit:
                     f"is known only from the first batch).")
         return errors
 
-    def _changed_plain_tensors(self, step: int) -> list[str]:
-        now = plain_tensors(self.model)
+    def _changed_plain_tensors(self, step: int, rows: int) -> list[str]:
+        now = plain_tensors(self.model, rows)
         outputs = self._carried  # a forward's output kept (a KL term): not state
         changed = [name for name, (ident, version) in now.items()
                    if name not in outputs and (
@@ -286,6 +321,33 @@ class ModelAudit:
                 f"differs, and .to() does not move them. Register each as a buffer "
                 f"(self.register_buffer(name, tensor), persistent=False for a cache that is "
                 f"recomputed anyway)."]
+
+
+def graphs_held(holders: Mapping[str, Any], step: int) -> list[str]:
+    """The tensors holding an autograd graph in `holders` (the Trainer's attributes), directly
+    or in lists, tuples and dicts: after the first backward, each keeps a step's activations
+    in memory, and a list of them one more step's with each step."""
+    found = [path for name, value in holders.items() for path, _ in _graph_tensors(value, name, 3)]
+    if not found:
+        return []
+    return [f"after the first backward (at step {step}), {', '.join(repr(f) for f in found[:3])}"
+            f"{f' ({len(found)} in all)' if len(found) > 3 else ''} on the Trainer "
+            f"hold{'s' if len(found) == 1 else ''} a tensor with its autograd graph: every "
+            f"activation of that step stays in memory (in a list, one more step's with each "
+            f"step, until memory runs out). Keep loss.detach() instead (saferun logs the loss "
+            f"itself; read values at log points)."]
+
+
+def _graph_tensors(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            yield path, value
+    elif depth and isinstance(value, Mapping):
+        for k, v in list(value.items())[:64]:
+            yield from _graph_tensors(v, f"{path}[{k!r}]", depth - 1)
+    elif depth and isinstance(value, (list, tuple)):
+        for i, v in enumerate(value[:64]):
+            yield from _graph_tensors(v, f"{path}[{i}]", depth - 1)
 
 
 def _container_kind(name: str) -> str:

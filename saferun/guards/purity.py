@@ -15,6 +15,7 @@ torch's bare "Inference tensors cannot be saved for backward".
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -45,6 +46,11 @@ class Fingerprint:
     # plain attributes holding a forward's output with its graph (a KL term, attention weights
     # kept to look at): each forward, training's too, writes them anew
     outputs: frozenset[str] = frozenset()
+    # path -> a weak reference to each plain tensor attribute (not an inference tensor): one
+    # that evaluation binds anew was written by training's forward too (a detached copy of an
+    # output kept to look at, `self.last = y.detach()`): the next training forward writes it
+    # anew as well (weak: an id could be reused by the new tensor once the old one is freed)
+    attributes: tuple[tuple[str, "weakref.ref[torch.Tensor]"], ...] = ()
 
 
 def fingerprint(module: nn.Module) -> Fingerprint:
@@ -60,8 +66,19 @@ def fingerprint(module: nn.Module) -> Fingerprint:
     if rows:
         device = rows[0].device
         sums = torch.stack([r.to(device, non_blocking=True) for r in rows])
-    outputs = frozenset(path for path, t in _attribute_tensors(module) if t.grad_fn is not None)
-    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(layouts), sums, outputs)
+    held = list(_attribute_tensors(module))
+    outputs = frozenset(path for path, t in held if t.grad_fn is not None)
+    attributes = tuple((path, weakref.ref(t)) for path, t in held if not t.is_inference())
+    return Fingerprint(tuple(names), tuple(kinds), tuple(owners), tuple(layouts), sums, outputs,
+                       attributes)
+
+
+def rewritten(before: Fingerprint, module: nn.Module) -> frozenset[str]:
+    """The plain attributes that held a tensor before an evaluation and a new one after it: a
+    forward writes them each call (training's too), so they are its outputs, not state."""
+    refs = dict(before.attributes)
+    return frozenset(path for path, t in _attribute_tensors(module)
+                     if path in refs and refs[path]() is not t)
 
 
 def diff(before: Fingerprint, after: Fingerprint) -> list[str]:
@@ -222,7 +239,8 @@ def check_purity(before: Optional[Fingerprint], model: nn.Module, changed: float
                     "every rank stops, as their models now differ"]
     if eval_grad_mode == "inference_mode":
         # not the attributes that held a forward's output before (training writes them anew)
-        problems += find_inference_tensors(model, before.outputs)  # metadata only: no sync
+        problems += find_inference_tensors(  # metadata only: no sync
+            model, before.outputs | rewritten(before, model))
     if problems:
         raise SaferunError(
             f"evaluation changed the model (guards.eval_purity), at step {step}:\n"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..callbacks import Callback
+from .syncs import CALLED_FROM
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib")})
@@ -29,7 +30,10 @@ COST = {
 _ADVICE = {
     "user": ("keep the value on the device (loss.detach(), running sums) and read it at log steps; "
              "a Python if on a tensor also syncs (use torch.where)"),
-    "library": "a library call reads a tensor value here; call it only at log steps",
+    "library": ("a library reads a tensor value here on each call from your line after '<-': "
+                "change what that call passes (an argument the library inspects, such as an "
+                "all-ones mask it checks before skipping it, can often be left out) or make "
+                "the call only at log steps"),
     "saferun": "saferun's own reads (at log steps and validation)",
     "unknown": "no Python source line was found for this read",
 }
@@ -51,6 +55,10 @@ class SyncSite:
     """total / number of audited steps."""
     code: str
     """The source line, stripped ('' when unavailable)."""
+    caller: str = ""
+    """For a library's line: 'file:line' of the user's code that called into the library."""
+    caller_code: str = ""
+    """The caller's source line, stripped."""
 
 
 def audit(steps: Sequence[Mapping[str, int]]) -> list[SyncSite]:
@@ -63,8 +71,11 @@ def audit(steps: Sequence[Mapping[str, int]]) -> list[SyncSite]:
                 totals[site] = totals.get(site, 0) + n
                 steps_with[site] = steps_with.get(site, 0) + 1
     num_steps = max(len(steps), 1)
-    found = [SyncSite(site, _origin(site), n, steps_with[site], n / num_steps, _source(site))
-             for site, n in totals.items()]
+    found = []
+    for key, n in totals.items():
+        site, _, caller = key.partition(CALLED_FROM)
+        found.append(SyncSite(site, _origin(site), n, steps_with[key], n / num_steps,
+                              _source(site), caller, _source(caller) if caller else ""))
     return sorted(found, key=lambda s: (-s.total, s.site))
 
 
@@ -78,6 +89,9 @@ def format_audit(steps: Sequence[Mapping[str, int]], device_type: str = "cuda") 
     for s in sites:
         lines.append(f"  {s.per_step:5.2f}/step  {s.site}  [{s.origin}]" +
                      (f"  {s.code}" if s.code else ""))
+        if s.caller:
+            lines.append(f"             <- {s.caller}  [user]" +
+                         (f"  {s.caller_code}" if s.caller_code else ""))
     for origin in ("user", "library", "unknown"):
         if any(s.origin == origin for s in sites):
             lines.append(f"  {origin} lines: {_ADVICE[origin]}.")

@@ -1,4 +1,10 @@
-"""guards.unused_params: name trainable parameters that got no gradient in the first step."""
+"""guards.unused_params: name trainable parameters that got no gradient in any step of a window.
+
+Under routing (a mixture of experts sends no token to some expert on some step) or layer drop,
+a parameter without a gradient on one step is normal; one that gets none on any of the first
+`WINDOW` steps is not trained by this loss. Each step checks only the parameters still
+waiting for a gradient: after the first step of a model that uses all its parameters, none.
+"""
 
 from __future__ import annotations
 
@@ -11,23 +17,46 @@ from ..loop.steps import short
 
 log = logging.getLogger("saferun")
 
+WINDOW = 20  # steps
 
-def report_unused_parameters(named: Iterable[tuple[str, nn.Parameter]],
-                             optimizer: Optional[str] = None) -> bool:
-    """After the first backward: warn naming the trainable parameters of `named` that got no
-    gradient; `optimizer`: with several optimizers, the one whose loss gave none. Returns
-    False (nothing left to check), for the caller's pending flag."""
-    unused = [n for n, p in named if p.requires_grad and p.grad is None]
-    if unused and optimizer is None:
-        log.warning(
-            "%d trainable parameter(s) received no gradient in the first step: %s. "
-            "training_step's loss does not depend on them; if that is intended, freeze them "
-            "(trainer.frozen_modules) so that weight decay does not move them, and note that "
-            "DistributedDataParallel needs find_unused_parameters=True for them.",
-            len(unused), short(unused))
-    elif unused:
-        log.warning("%d parameter(s) of optimizer %r received no gradient from its loss in "
-                    "the first step: %s. Its loss does not depend on them; freeze them or "
-                    "move them to the optimizer whose loss trains them.", len(unused), optimizer,
-                    short(unused))
-    return False
+
+class UnusedParameters:
+    """The trainable parameters of `named` that have not had a gradient yet, reported once if
+    they get none in `window` steps; `optimizer`: with several optimizers, the one whose loss
+    gave none."""
+
+    def __init__(self, named: Iterable[tuple[str, nn.Parameter]], window: int = WINDOW,
+                 optimizer: Optional[str] = None) -> None:
+        self.waiting = {n: p for n, p in named if p.requires_grad}
+        self.window, self.seen, self.optimizer = max(window, 1), 0, optimizer
+
+    def after_backward(self) -> bool:
+        """After a step's backward: drop the parameters that got a gradient; report those left
+        at the window's end. Returns whether there is anything left to check (the caller's
+        pending flag)."""
+        self.waiting = {n: p for n, p in self.waiting.items() if p.grad is None}
+        self.seen += 1
+        if self.waiting and self.seen >= self.window:
+            self._report()
+        return bool(self.waiting) and self.seen < self.window
+
+    def _report(self) -> None:
+        unused = list(self.waiting)
+        steps = "the first step" if self.seen == 1 else f"any of the first {self.seen} steps"
+        if self.optimizer is None:
+            log.warning(
+                "%d trainable parameter(s) received no gradient in %s: %s. training_step's loss "
+                "does not depend on them; if they are never meant to train, freeze them "
+                "(trainer.frozen_modules) so that weight decay does not move them, and note "
+                "that DistributedDataParallel needs find_unused_parameters=True for them.",
+                len(unused), steps, short(unused))
+        else:
+            log.warning("%d parameter(s) of optimizer %r received no gradient from its loss in "
+                        "%s: %s. Its loss does not depend on them; if they are never meant to "
+                        "train, freeze them or move them to the optimizer whose loss trains them.",
+                        len(unused), self.optimizer, steps, short(unused))
+
+
+def window(max_steps: Optional[int], step: int) -> int:
+    """The steps the guard watches: WINDOW, or the steps the run has left if fewer."""
+    return WINDOW if max_steps is None else max(1, min(WINDOW, max_steps - step))

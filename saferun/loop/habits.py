@@ -1,11 +1,13 @@
 """Habits from other frameworks, refused with what saferun does instead: a step hook that
-takes more than the batch (`training_step(self, batch, batch_idx)`), checked at setup; and a
-backward or optimizer step made inside training_step, refused before it changes any weight."""
+takes more than the batch (`training_step(self, batch, batch_idx)`), checked at setup; and the
+loop's own jobs done again inside training_step (a backward, an optimizer step, zero_grad, a
+scheduler step, gradient clipping), refused before they change anything."""
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -47,6 +49,10 @@ def fit_arguments(trainer: Any, given: Sequence[Any]) -> SaferunError:
         f"Evaluation data goes to test(data) and predict(data).")
 
 
+_RUNNING: list["StepHabits"] = []  # the habits whose training_step runs now (for the clip functions)
+_CLIPS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
+
+
 class StepHabits:
     """Refuses an optimizer step or a backward made inside training_step, where saferun makes
     them itself from the returned loss (or in `self.optimize(name, loss)`).
@@ -59,24 +65,48 @@ class StepHabits:
     """
 
     def __init__(self) -> None:
-        self.step = 0  # while training_step runs: the step it computes; else 0
+        self._step = 0
         self.saferun_steps = False  # self.optimize() steps an optimizer inside training_step
         self.first_pending = True
 
-    def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    @property
+    def step(self) -> int:
+        """While training_step runs: the step it computes; else 0."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        _RUNNING[:] = [self] if value else [h for h in _RUNNING if h is not self]
+
+    def watch(self, optimizers: Iterable[torch.optim.Optimizer],
+              schedulers: Iterable[Any] = ()) -> None:
+        """Refuse, while training_step runs, each optimizer's step and zero_grad, each
+        scheduler's step, and torch's gradient clipping (torch.nn.utils.clip_grad_norm_,
+        clip_grad_value_), unless saferun makes them (self.optimize())."""
         for opt in optimizers:
             opt.register_step_pre_hook(self._before_step)
+            opt.zero_grad = self._refused(  # type: ignore[method-assign]
+                opt.zero_grad, f"{type(opt).__name__}.zero_grad()")
+        for sched in schedulers:
+            # a subclass, not an instance attribute: a scheduler's state_dict is its __dict__
+            cls = type(sched)
+            sched.__class__ = type(cls.__name__, (cls,), {
+                "step": self._refused(cls.step, f"{cls.__name__}.step()"),
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _refuse_clipping()
+
+    def _refused(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            if self._step and not self.saferun_steps:
+                raise SaferunError(_loop_job(self._step, what))
+            return fn(*args, **kwargs)
+        return refused
 
     def _before_step(self, optimizer: Any, *_: Any) -> None:
         if self.step and not self.saferun_steps:
-            raise SaferunError(
-                f"step {self.step}: training_step called {type(optimizer).__name__}.step() "
-                f"itself (refused before it changed any weight). saferun makes the backward, the "
-                f"gradient clipping, the non-finite check, the optimizer and scheduler steps and "
-                f"zero_grad itself, from the loss training_step returns: remove loss.backward(), "
-                f"optimizer.step() and zero_grad() from training_step and return the loss. With "
-                f"several optimizers, return {{name: optimizer}} from build_optimizer and call "
-                f"self.optimize(name, loss) in training_step for each.")
+            raise SaferunError(_loop_job(self.step, f"{type(optimizer).__name__}.step()"))
 
     def grads_before(self, params: Sequence[torch.Tensor]) -> bool:
         """At the first step only: does any parameter hold a gradient already?"""
@@ -95,3 +125,47 @@ class StepHabits:
             f"loss.backward() (and any optimizer.step() or zero_grad()) from training_step and "
             f"return the loss. With several optimizers, return {{name: optimizer}} from "
             f"build_optimizer and call self.optimize(name, loss) in training_step for each.")
+
+
+_DOES_INSTEAD = {
+    "zero_grad()": "saferun zeroes the gradients itself after each update (set_to_none=True)",
+    "step()": "saferun steps the optimizer and the scheduler itself after the backward",
+    "clip_grad": "saferun clips the gradients itself before the update: set "
+                 "trainer.max_grad_norm (e.g. trainer.max_grad_norm=1.0)",
+}
+
+
+def _loop_job(step: int, what: str) -> str:
+    instead = next(v for k, v in _DOES_INSTEAD.items() if k in what)
+    return (f"step {step}: training_step called {what} itself (refused before it changed any "
+            f"weight): {instead}. saferun makes the backward, the gradient clipping, the "
+            f"non-finite check, the optimizer and scheduler steps and zero_grad itself, from the "
+            f"loss training_step returns: remove loss.backward(), optimizer.step() and "
+            f"zero_grad() from training_step and return the loss; step no scheduler and clip no "
+            f"gradient there either. With several optimizers, return {{name: optimizer}} from "
+            f"build_optimizer and call self.optimize(name, loss) in training_step for each.")
+
+
+def _refuse_clipping() -> None:
+    """Wrap torch's gradient clipping functions (once per process) to refuse a call made
+    inside a running training_step that is not saferun's own."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for module in (utils, clip_grad):
+        for name in _CLIPS:
+            fn: Optional[Callable[..., Any]] = getattr(module, name, None)
+            if fn is None or getattr(fn, "_saferun_refuses", False):
+                continue
+            setattr(module, name, _clip_refused(fn, name))
+
+
+def _clip_refused(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        running = _RUNNING[0] if _RUNNING else None
+        if running is not None and running.step and not running.saferun_steps:
+            raise SaferunError(_loop_job(running.step, f"torch.nn.utils.{name}()"))
+        return fn(*args, **kwargs)
+    refused._saferun_refuses = True  # type: ignore[attr-defined]
+    return refused

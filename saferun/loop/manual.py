@@ -37,11 +37,11 @@ from ..guards.failure_site import record
 from .habits import StepHabits
 from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
-from .optimizers import build_named
+from .optimizers import build_named, check_held
 from ..schedules import Schedule
 from .steps import check_optimizer_params
 from .update import OptimizerUpdate
-from ..guards.unused import report_unused_parameters
+from ..guards.unused import UnusedParameters, window
 from .transfer import move_to_device, samples_in
 
 
@@ -82,7 +82,9 @@ class ManualSteps:
                               if p.requires_grad] for name, opt in trainer.optimizer.items()}
         self._done: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None  # in a step
         self._skipped: list[str] = []
-        self._unused_pending = trainer.cfg.guards.unused_params
+        left = window(trainer.cfg.trainer.max_steps, trainer.state.step)
+        self._unused = {name: UnusedParameters(params, left, name) for name, params in
+                        self.params.items()} if trainer.cfg.guards.unused_params else {}
         self._replay: Optional[bool] = None  # an explanation's replay: optimize() updates nothing
 
     def step(self, micro_batches: Sequence[Any]) -> StepOutput:
@@ -115,7 +117,6 @@ class ManualSteps:
                 f"{', '.join(map(repr, missing))} (it called {', '.join(map(repr, done)) or 'none'}). "
                 f"With several optimizers every step updates each one once, so that its "
                 f"schedule, gradient norm and checkpoint state stay in step with the loop.")
-        self._unused_pending = False  # checked in the first step only
         logs = _user_logs(out, step)
         if self._declared is not None:
             self._declared.check(step)
@@ -172,8 +173,9 @@ class ManualSteps:
             except BaseException as exc:
                 record(exc, optimize_part="backward")
                 raise
-            if self._unused_pending:  # guards.unused_params, per optimizer, in the first step
-                report_unused_parameters(self.params[name], name)
+            unused = self._unused.get(name)  # guards.unused_params, in the first steps
+            if unused is not None and not unused.after_backward():
+                del self._unused[name]
             self._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
             loss = loss.detach()
             norm, skipped, _, _ = self._update(opt, params, self._schedule.by_name[name], loss)
@@ -219,6 +221,7 @@ def setup_optimizers(trainer: Any, model: torch.nn.Module) -> tuple[Any, Any, An
     if isinstance(trainer.optimizer, Mapping):
         return build_named(trainer, trainer.optimizer, model)
     check_optimizer_params(trainer.optimizer, model)
+    check_held({"": trainer.optimizer}, model)  # any optimizer class, as for several
     scheduler = trainer.build_scheduler(trainer.optimizer)
     return trainer.optimizer, scheduler, Schedule(trainer.optimizer, scheduler,
                                                   trainer.cfg.trainer.sched_metric,

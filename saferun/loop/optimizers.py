@@ -93,12 +93,9 @@ def build_named(trainer: Any, optimizers: Mapping[str, Any], model: nn.Module
 
 
 def check_named(named: NamedOptimizers, model: nn.Module) -> None:
-    """Names are non-empty strings; each optimizer is one; each trainable parameter belongs
-    to exactly one optimizer, and every parameter they hold is the model's."""
+    """Names are non-empty strings; each optimizer is one; see `check_held`."""
     if not named:
         raise SaferunError("build_optimizer returned an empty dict: name at least one optimizer.")
-    owner: dict[int, str] = {}
-    in_model = {id(p) for p in model.parameters()}
     for name, opt in named.items():
         if not isinstance(name, str) or not name or "/" in name:
             raise SaferunError(f"build_optimizer: optimizer names must be non-empty strings "
@@ -107,14 +104,35 @@ def check_named(named: NamedOptimizers, model: nn.Module) -> None:
             raise SaferunError(f"build_optimizer: {name!r} is a {type(opt).__name__}, not a "
                                f"torch.optim.Optimizer.")
         check_optimizer_params(opt, model, name)
-        for group in opt.param_groups:
+    check_held(named, model)
+
+
+def check_held(optimizers: Mapping[str, torch.optim.Optimizer], model: nn.Module) -> None:
+    """What the optimizers hold against what the model trains, whatever the optimizer class:
+    every parameter they hold is the model's (not a copy's, not another model's), each
+    trainable parameter is in exactly one optimizer, and no parameter group is empty (a filter
+    by name that matched nothing). `optimizers`: {name: optimizer}; "" names the only one."""
+    owner: dict[int, str] = {}
+    in_model = {id(p) for p in model.parameters()}
+    for name, opt in optimizers.items():
+        what = repr(name) if name else "the optimizer"
+        for i, group in enumerate(opt.param_groups):
+            if not group["params"]:
+                settings = {k: v for k, v in group.items() if k in ("lr", "weight_decay")}
+                raise SaferunError(
+                    f"build_optimizer: {what}'s parameter group {i} ({settings}) holds no "
+                    f"parameter: the filter that chose its parameters (by name or type, e.g. "
+                    f"norms and biases without weight decay) matched none of the model's, so its "
+                    f"settings apply to nothing. Check the names against "
+                    f"[n for n, _ in model.named_parameters()].")
             for p in group["params"]:
                 if id(p) not in in_model:
                     raise SaferunError(
-                        f"build_optimizer: {name!r} holds a parameter of shape {tuple(p.shape)} "
-                        f"that is not in the model, so checkpoints would not hold its value "
-                        f"and a resume would not restore it. Make it part of the model (an "
-                        f"nn.Parameter attribute of a module).")
+                        f"build_optimizer: {what} holds a parameter of shape {tuple(p.shape)} "
+                        f"that is not in the model (another model's, or a copy's): stepping it "
+                        f"does not change the model that trains, checkpoints would not hold its "
+                        f"value and a resume would not restore it. Build the optimizer from "
+                        f"build_optimizer's params argument (or self.model's parameters).")
                 if owner.setdefault(id(p), name) != name:
                     raise SaferunError(
                         f"build_optimizer: parameter '{_name_of(p, model)}' is in both "
@@ -124,10 +142,12 @@ def check_named(named: NamedOptimizers, model: nn.Module) -> None:
                         f"optimizer.")
     orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
     if orphans:
+        holders = ", ".join(n for n in optimizers if n) or "the optimizer"
         raise SaferunError(
-            f"build_optimizer: trainable parameter(s) {', '.join(orphans[:8])} are in no "
-            f"optimizer ({', '.join(named)}), so they would never train. Add them to one, or "
-            f"freeze them (trainer.frozen_modules).")
+            f"build_optimizer: trainable parameter(s) {', '.join(orphans[:8])}"
+            f"{f' ({len(orphans)} in all)' if len(orphans) > 8 else ''} are in no optimizer "
+            f"({holders}), so they get gradients but never train. Add them to one, or freeze "
+            f"them (trainer.frozen_modules).")
 
 
 def check_config(cfg: Any) -> None:

@@ -37,6 +37,15 @@ class OptimizerUpdate:
         """(gradient norm before clipping, skipped, spiked, the loss spiked): the two spike
         flags on the device, None without guards.spikes. A skip policy reads one value per
         step from the device (agreed over ranks); otherwise nothing is read."""
+        self._habits.saferun_steps = True  # its clip, step, zero_grad and scheduler step are
+        try:  # saferun's own (training_step may be running: several optimizers)
+            return self._update(optimizer, params, schedule, loss)
+        finally:
+            self._habits.saferun_steps = False
+
+    def _update(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                schedule: Any, loss: torch.Tensor
+                ) -> tuple[torch.Tensor, bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
         scaler, guard = self._scaler, self._guard
         try:
             scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones
@@ -47,14 +56,11 @@ class OptimizerUpdate:
         spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)  # device
         skipped = guard.skips and guard.bad_now(loss, norm, spike)
         if not skipped:
-            self._habits.saferun_steps = True  # (training_step may be running: several optimizers)
             try:
                 scaler.step(optimizer)
             except BaseException as exc:
                 record(exc, optimize_part="step")
                 raise
-            finally:
-                self._habits.saferun_steps = False
         optimizer.zero_grad(set_to_none=True)
         schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         return norm, skipped, spike, loss_spike
