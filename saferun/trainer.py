@@ -277,7 +277,7 @@ class Trainer:
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch, data)
         self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
-        self._update = OptimizerUpdate(self._scaler, self._guard, self._habits, t.max_grad_norm,
+        self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm,
                                        self._strategy.meshes)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
@@ -342,12 +342,7 @@ class Trainer:
                     control = self._end_step(control, validated, bool(micro_batches))
                     if (control and control.stop) or state.step >= limit:
                         break
-                if self._running.steps:
-                    self._log()
-                if not validated:
-                    self._validate_and_report(Control(stop=True))  # the loop has ended
-                self._checkpointer.save_final(restore_best=any(
-                    getattr(cb, "restore_best", False) for cb in self._callbacks.callbacks))
+                self._end_of_loop(validated)
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
@@ -360,6 +355,16 @@ class Trainer:
         finally:
             self._checkpointer.end_run()
         return dict(state.metrics)
+
+    def _end_of_loop(self, validated: bool) -> None:
+        """After the last step: its log point, the final validation unless the loop has just
+        validated, and the final save."""
+        if self._running.steps:
+            self._log()
+        if not validated:
+            self._validate_and_report(Control(stop=True))  # the loop has ended
+        self._checkpointer.save_final(restore_best=any(
+            getattr(cb, "restore_best", False) for cb in self._callbacks.callbacks))
 
     def _failure(self, exc: BaseException) -> BaseException:
         """What fit() raises for `exc`: the preemption exit (after the save), an explained

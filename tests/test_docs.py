@@ -134,7 +134,9 @@ def test_nothing_in_the_repository_points_outside_it():
             assert not any(o in text for o in outside), path
 
 
-FILE_NAMES = {"saferun.log", "saferun.lock"}  # files a run writes, not Python names
+FILE_NAMES = {"saferun.log", "saferun.lock",  # files a run writes, not Python names
+              # tags the MLflow logger writes on a run (docs/logging.md)
+              "saferun.previous_run_id", "saferun.resumed_step", "saferun.resumed_from"}
 RESOLVE = """
 import functools, importlib, json, sys
 failed = []

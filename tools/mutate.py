@@ -130,8 +130,8 @@ mutation("predict runs in eval mode without autograd", EVAL,
 # the one update after backward (loop/update.py): the single-optimizer step and each optimize()
 UPD = "saferun/loop/update.py"
 mutation("zero_grad(set_to_none=True)", UPD,
-         "        optimizer.zero_grad(set_to_none=True)\n",
-         "        optimizer.zero_grad(set_to_none=False)\n",
+         "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
+         "        type(optimizer).zero_grad(optimizer, set_to_none=False)\n",
          f"{STEP}::test_grads_are_set_to_none_after_each_step")
 mutation("clip after unscale", UPD,
          "            scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones\n",
@@ -209,7 +209,7 @@ mutation("several optimizers: a loss's gradients only in its optimizer's paramet
 mutation("several optimizers: unscale_ per optimizer before its clip", UPD,
          "            scaler.unscale_(optimizer)  #", "            pass  #", HAND_WRITTEN)
 mutation("several optimizers: zero_grad(set_to_none=True) after each update", UPD,
-         "        optimizer.zero_grad(set_to_none=True)\n", "        pass\n", HAND_WRITTEN)
+         "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n", "        pass\n", HAND_WRITTEN)
 mutation("several optimizers: each scheduler steps after its optimizer", MANUAL,
          "self._update(opt, params, self._schedule.by_name[name], loss)",
          "self._update(opt, params, self._schedule.by_name[self.names[0]], loss)", HAND_WRITTEN)
@@ -501,8 +501,8 @@ mutation("skip leaves the scheduler untouched", UPD,
          "            schedule.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip drops the bad gradients", UPD,
-         "        optimizer.zero_grad(set_to_none=True)\n",
-         "        if not skipped:\n            optimizer.zero_grad(set_to_none=True)\n",
+         "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
+         "        if not skipped:\n            type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip stops after max_consecutive", BADSTEP,
          "        if self._skips_in_a_row >= self._g.max_consecutive:", "        if False:",
@@ -1139,10 +1139,10 @@ mutation("a step hook taking more than the batch is refused at setup", "saferun/
          "        continue",
          "tests/loop/test_loop_edges.py::test_a_step_hook_taking_a_batch_index_is_refused_at_setup")
 mutation("an optimizer.step() inside training_step is refused before the update",
-         "saferun/loop/habits.py", "        if self.step and not self.saferun_steps:", "        if False:",
+         "saferun/loop/habits.py", "        if self.step and not self.saferun_steps:\n            raise SaferunError(_loop_job(self.step, f\"{type(optimizer)", "        if False:\n            raise SaferunError(_loop_job(self.step, f\"{type(optimizer)",
          "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
-mutation("self.optimize()'s own optimizer steps are not refused", "saferun/loop/update.py",
-         "        self._habits.saferun_steps = True  # its clip, step, zero_grad and scheduler step are\n",
+mutation("self.optimize()'s own optimizer steps are not refused", MANUAL,
+         "            self._habits.saferun_steps = True  # inside training_step: this update's step,\n",
          "",
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 mutation("a backward inside training_step is refused at the first step", "saferun/loop/habits.py",
@@ -1184,8 +1184,8 @@ mutation("failure site: validation and predict errors are explained", "saferun/l
          "        record(exc, phase=phase, batch=batch)", "        pass",
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 mutation("failure site: an optimizer's failing step is named", "saferun/loop/update.py",
-         '                record(exc, optimize_part="step")\n                raise\n        optimizer.zero_grad(',
-         '                raise\n        optimizer.zero_grad(',
+         '                record(exc, optimize_part="step")\n                raise\n        # the class',
+         '                raise\n        # the class',
          f"{ERRS}::test_an_error_in_an_optimizers_step_names_the_call_and_the_step")
 mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',

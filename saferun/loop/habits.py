@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -49,7 +50,7 @@ def fit_arguments(trainer: Any, given: Sequence[Any]) -> SaferunError:
         f"Evaluation data goes to test(data) and predict(data).")
 
 
-_RUNNING: list["StepHabits"] = []  # the habits whose training_step runs now (for the clip functions)
+_WATCHING: "weakref.WeakSet[StepHabits]" = weakref.WeakSet()  # (the clip functions ask them)
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
 
 
@@ -65,19 +66,9 @@ class StepHabits:
     """
 
     def __init__(self) -> None:
-        self._step = 0
+        self.step = 0  # while training_step runs: the step it computes; else 0
         self.saferun_steps = False  # self.optimize() steps an optimizer inside training_step
         self.first_pending = True
-
-    @property
-    def step(self) -> int:
-        """While training_step runs: the step it computes; else 0."""
-        return self._step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._step = value
-        _RUNNING[:] = [self] if value else [h for h in _RUNNING if h is not self]
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer],
               schedulers: Iterable[Any] = ()) -> None:
@@ -94,13 +85,14 @@ class StepHabits:
             sched.__class__ = type(cls.__name__, (cls,), {
                 "step": self._refused(cls.step, f"{cls.__name__}.step()"),
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _WATCHING.add(self)
         _refuse_clipping()
 
     def _refused(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
         @functools.wraps(fn)
         def refused(*args: Any, **kwargs: Any) -> Any:
-            if self._step and not self.saferun_steps:
-                raise SaferunError(_loop_job(self._step, what))
+            if self.step and not self.saferun_steps:
+                raise SaferunError(_loop_job(self.step, what))
             return fn(*args, **kwargs)
         return refused
 
@@ -163,9 +155,9 @@ def _refuse_clipping() -> None:
 def _clip_refused(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def refused(*args: Any, **kwargs: Any) -> Any:
-        running = _RUNNING[0] if _RUNNING else None
-        if running is not None and running.step and not running.saferun_steps:
-            raise SaferunError(_loop_job(running.step, f"torch.nn.utils.{name}()"))
+        for habits in _WATCHING:  # (a call from saferun itself does not come here)
+            if habits.step and not habits.saferun_steps:
+                raise SaferunError(_loop_job(habits.step, f"torch.nn.utils.{name}()"))
         return fn(*args, **kwargs)
     refused._saferun_refuses = True  # type: ignore[attr-defined]
     return refused

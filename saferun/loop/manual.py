@@ -178,7 +178,11 @@ class ManualSteps:
                 del self._unused[name]
             self._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
             loss = loss.detach()
-            norm, skipped, _, _ = self._update(opt, params, self._schedule.by_name[name], loss)
+            self._habits.saferun_steps = True  # inside training_step: this update's step,
+            try:  # zero_grad and scheduler step are saferun's own
+                norm, skipped, _, _ = self._update(opt, params, self._schedule.by_name[name], loss)
+            finally:
+                self._habits.saferun_steps = False
             if skipped:
                 self._skipped.append(name)  # this update is dropped; the others stand
         # A fused optimizer (or an update through .data) changes the weights without telling

@@ -17,18 +17,21 @@ import torch
 from torch import nn
 
 from ..guards.failure_site import record
-from .habits import StepHabits
+
+# torch's function itself: saferun's own clipping never goes through the wrapper that refuses a
+# clip inside training_step (loop/habits.py), so it costs no call per step
+_clip_grad_norm = torch.nn.utils.clip_grad.clip_grad_norm_
 
 
 class OptimizerUpdate:
     """Applies one optimizer's update from the gradients its backward left."""
 
-    def __init__(self, scaler: Any, guard: Any, habits: StepHabits,
-                 max_grad_norm: Optional[float], meshes: bool = False) -> None:
+    def __init__(self, scaler: Any, guard: Any, max_grad_norm: Optional[float],
+                 meshes: bool = False) -> None:
         """`scaler`: the GradScaler (disabled outside fp16); `guard`: the BadStepPolicy (its
-        spike detectors and skip verdict); `habits`: told that the step is saferun's own;
-        `meshes`: the parameters may lie on several device meshes (the strategy's `meshes`)."""
-        self._scaler, self._guard, self._habits = scaler, guard, habits
+        spike detectors and skip verdict); `meshes`: the parameters may lie on several device
+        meshes (the strategy's `meshes`)."""
+        self._scaler, self._guard = scaler, guard
         self._max_grad_norm, self._meshes = max_grad_norm, meshes
 
     def __call__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
@@ -37,15 +40,6 @@ class OptimizerUpdate:
         """(gradient norm before clipping, skipped, spiked, the loss spiked): the two spike
         flags on the device, None without guards.spikes. A skip policy reads one value per
         step from the device (agreed over ranks); otherwise nothing is read."""
-        self._habits.saferun_steps = True  # its clip, step, zero_grad and scheduler step are
-        try:  # saferun's own (training_step may be running: several optimizers)
-            return self._update(optimizer, params, schedule, loss)
-        finally:
-            self._habits.saferun_steps = False
-
-    def _update(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
-                schedule: Any, loss: torch.Tensor
-                ) -> tuple[torch.Tensor, bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
         scaler, guard = self._scaler, self._guard
         try:
             scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones
@@ -61,7 +55,8 @@ class OptimizerUpdate:
             except BaseException as exc:
                 record(exc, optimize_part="step")
                 raise
-        optimizer.zero_grad(set_to_none=True)
+        # the class's zero_grad, not the instance's wrapper that refuses one inside training_step
+        type(optimizer).zero_grad(optimizer, set_to_none=True)
         schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         return norm, skipped, spike, loss_spike
 
@@ -84,7 +79,7 @@ def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float],
         for g in groups:  # one foreach per mesh (torch's foreach does not mix them)
             torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm)
         return norm
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = _clip_grad_norm(params, max_norm)
     return norm if type(norm) is torch.Tensor else _global(norm)  # (no failed getattr per step)
 
 
