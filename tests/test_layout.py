@@ -1,6 +1,7 @@
 """House rules checked mechanically (style.md R1, R5, R7, R9)."""
 
 import ast
+import re
 import inspect
 from pathlib import Path
 
@@ -161,3 +162,21 @@ def test_no_part_reaches_further_into_the_trainers_private_state():
     # Each part gets what it needs passed in; none reaches into the Trainer's own state.
     assert not found, (f"reads or writes of Trainer private attributes outside trainer.py "
                        f"(pass what the part needs instead): {found}")
+
+
+def test_every_module_is_named_in_the_architecture_page():
+    """docs/architecture.md's tree names every module of saferun/ (by file name; a name that
+    several packages share, as `package/name.py` or in its package's paragraph)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    tree = page[page.index("```\nsaferun/"):]
+    tree = tree[:tree.index("\n```", 4)]
+    blocks = re.split(r"\n  (?=\S)", tree)  # one per top-level entry: `loop/  ...`, `trainer.py ...`
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        where = [b for b in blocks if b.startswith(f"{rel.parent}/")] if rel.parent.parts else blocks
+        if not any(re.search(rf"(?<![\w/]){re.escape(path.name)}", b) for b in where):
+            missing.append(str(rel))
+    assert not missing, f"modules the architecture page does not name: {missing}"
