@@ -1917,6 +1917,13 @@ mutation("model audit: a BatchNorm at a batch of one sample is named", "saferun/
          "        if False:", f"{ZM}::test_batchnorm_at_an_effective_batch_of_one_is_named")
 
 
+# issue 33: a Trainer named on the command line without a recipe
+mutation("command line: task._target_ without a recipe says the digits recipe's settings stay",
+         "saferun/cli/compose.py", "    if not sets_task or chooses:\n        return None",
+         "    if True:\n        return None",
+         "tests/cli/test_first_hour.py::test_a_trainer_named_without_a_recipe_is_told_it_keeps_the_default_recipes_settings")
+
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .compose import _config_dirs, compose_config, flags_first
+from .compose import _config_dirs, compose_config, flags_first, kept_recipe_note
 
 CHECK_FLAGS = {"-h": 0, "--help": 0, "-cd": 1, "--config-dir": 1}
 USAGE = """usage: saferun check [-cd DIR] [OVERRIDES]
@@ -39,6 +39,9 @@ def check(args: list[str]) -> None:
     if problem is not None:
         print(f"saferun check: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
+    note = kept_recipe_note(overrides)
+    if note is not None:
+        print(f"saferun check: warning: {note}", file=sys.stderr)
     try:
         config = compose_config(overrides, dirs)
         results = run_checks(make_factory(config.task), config)

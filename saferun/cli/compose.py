@@ -30,6 +30,21 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str] = (
     return load_config(plain_config(cfg))
 
 
+def kept_recipe_note(overrides: Sequence[str]) -> Optional[str]:
+    """`task._target_=X` with no recipe chosen: X runs with the default recipe's settings (its
+    model and data nodes, learning rate, step limits). Legitimate, but easy to miss: said."""
+    sets_task = any(o.lstrip("+").startswith("task._target_=") for o in overrides)
+    chooses = any(o.lstrip("~+").split("=", 1)[0] == "recipe" for o in overrides)
+    if not sets_task or chooses:
+        return None
+    return ("task._target_ replaces the default recipe's Trainer but keeps the rest of the digits "
+            "recipe (conf/recipe/digits.yaml: its model and data nodes, optim.lr, trainer.max_steps "
+            "and the other trainer keys it sets). To start from saferun's defaults instead, "
+            "write ~recipe ++task._target_=... (then set model and data yourself); or name your "
+            "own recipe (-cd DIR recipe=NAME); `saferun run --cfg job ...` shows the config your "
+            "Trainer gets.")
+
+
 def compose_problem(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Optional[str]:
     """What Hydra's composition of `overrides` refuses (an unknown option, a key it cannot
     override, a value of the wrong type), in one line with the fix; None if it composes (or

@@ -122,13 +122,18 @@ def _check_override_keys(args: list[str]) -> None:
     """A misspelt key: name the closest valid one before Hydra suggests '+key' (which the
     schema then refuses anyway)."""
     from ..config import Config
+    from ..parallel.distributed import ranks_from_env
     from ..suggest import unknown_override
+    from .compose import kept_recipe_note
 
     dirs, overrides = _config_dirs(args)
     problem = unknown_override(overrides, Config, dirs)
     if problem is not None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)
+    note = kept_recipe_note(overrides)
+    if note is not None and ranks_from_env().rank == 0:
+        print(f"saferun: warning: {note}", file=sys.stderr)
 
 
 def _check_composition(args: list[str]) -> None:

@@ -155,3 +155,22 @@ def test_a_mistaken_command_line_gets_one_error_line_and_leaves_nothing(tmp_path
     for w in words:
         assert w in proc.stderr, proc.stderr
     assert list(tmp_path.rglob("*")) == []
+
+
+@pytest.mark.parametrize("args, warned", [
+    (["task._target_=saferun.recipes.tabular.TabularTrainer"], True),  # digits' settings stay
+    (["task._target_=saferun.recipes.tabular.TabularTrainer", "recipe=tabular"], False),
+    (["~recipe", "++task._target_=saferun.recipes.tabular.TabularTrainer"], False),
+    (["recipe=charlm"], False),
+])
+def test_a_trainer_named_without_a_recipe_is_told_it_keeps_the_default_recipes_settings(
+        tmp_path, args, warned):
+    """`saferun run/check task._target_=X` alone runs X with the digits recipe's model, data,
+    learning rate and limits (issue 33): legitimate, so not refused, but said."""
+    proc = saferun("run", *args, "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("saferun: warning:")]
+    assert bool(said) == warned, proc.stderr
+    if warned:
+        assert "conf/recipe/digits.yaml" in said[0] and "~recipe" in said[0]
+        assert "lr: 0.003" in proc.stdout  # what the warning says: the recipe's value is there
