@@ -93,7 +93,9 @@ class MLflowLogger(Callback):
     to a checkpoint that travels: a resume=auto continues it; a change of course (resume=PATH
     here or into another run directory) starts a new run, tagged saferun.previous_run_id with
     the checkpoint's run, holding that run's metrics up to the resumed step, then its own. A
-    fresh start starts a new run and ends an earlier attempt's run left RUNNING (KILLED).
+    fresh start starts a new run and ends an earlier attempt's run left RUNNING (KILLED). A
+    rollback (guards.nonfinite=rollback) goes on in a new linked run holding the history up
+    to the restored step: MLflow cannot delete the points the rollback undid.
 
     Args:
         tracking_uri: where the runs go; default: sqlite:///<run_dir>/../mlflow.db, one store
@@ -118,6 +120,8 @@ class MLflowLogger(Callback):
         self._superseded: Optional[str] = None  # the run of a course set aside
         self._resumed_from = ""
         self._media_at: tuple[int, dict[str, int]] = (-1, {})  # same-name media at one step
+        self._sent = -1  # checkpointed: the latest step sent (a rollback's new run holds up to it)
+        self._view: Optional[TrainerView] = None  # while fit() runs
 
     def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
         self.run_id, self._superseded = None, _run_id(aside, MLFLOW_RUN)
@@ -131,7 +135,7 @@ class MLflowLogger(Callback):
 
         root = os.path.dirname(os.path.abspath(view.run_dir))
         os.makedirs(root, exist_ok=True)
-        self._client = MlflowClient(self.tracking_uri or f"sqlite:///{root}/mlflow.db")
+        self._client, self._view = MlflowClient(self.tracking_uri or f"sqlite:///{root}/mlflow.db"), view
         mine = _run_id(view.run_dir, MLFLOW_RUN)
         if mine is not None:  # this run directory's course: continue its run
             self.run_id = mine
@@ -143,7 +147,11 @@ class MLflowLogger(Callback):
         if self._superseded is not None and self._superseded != self.run_id:
             self._end_superseded()
 
-    def _start(self, view: TrainerView, root: str, previous: Optional[str]) -> None:
+    def _start(self, view: TrainerView, root: str, previous: Optional[str],
+               step: Optional[int] = None) -> None:
+        """A new MLflow run for this run directory; linked to `previous` (the run the course
+        logged to), holding its history up to `step` (default: the resumed step)."""
+        step = view.step if step is None else step
         from mlflow.entities import Param
 
         name = self.experiment or view.config.get("name") or "saferun"
@@ -152,7 +160,7 @@ class MLflowLogger(Callback):
             name, artifact_location=f"file://{root}/mlartifacts")
         tags = {"saferun.run_dir": view.run_dir, **self.tags}
         if previous is not None:  # a new course: linked to the run its checkpoint logged to
-            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(view.step)})
+            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(step)})
             if self._resumed_from:  # (told by on_course_change)
                 tags["saferun.resumed_from"] = self._resumed_from
         run = self._client.create_run(experiment, run_name=self.run_name or os.path.basename(
@@ -162,7 +170,7 @@ class MLflowLogger(Callback):
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
             self._client.log_batch(self.run_id, params=params[i:i + 100])
         if previous is not None:
-            self._copy_past(previous, view.step)
+            self._copy_past(previous, step)
 
     def _copy_past(self, previous: str, step: int) -> None:
         """The course's past, `previous`'s metrics up to `step`, into the new run (as
@@ -181,6 +189,26 @@ class MLflowLogger(Callback):
         for i in range(0, len(past), 1000):  # MLflow takes at most 1000 metrics per call
             self._client.log_batch(self.run_id, metrics=past[i:i + 1000])
         self._held = _latest_steps(past)
+        self._copy_media(previous, step)
+
+    def _copy_media(self, previous: str, step: int) -> None:
+        """`previous`'s images, texts and histograms up to `step` into the new run, under the
+        same names (images/KEY+step+N+..., texts/NAME/step_N(-i).txt, histograms/...)."""
+        import tempfile
+
+        from mlflow.artifacts import download_artifacts
+
+        kinds = [a.path for a in self._client.list_artifacts(previous)
+                 if a.is_dir and a.path in ("images", "texts", "histograms")]
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in kinds:
+                download_artifacts(run_id=previous, artifact_path=kind, dst_path=tmp,
+                                   tracking_uri=self._client.tracking_uri)
+            for folder, _, files in os.walk(tmp):
+                for name in files:
+                    if _media_step(name) <= step:
+                        self._client.log_artifact(self.run_id, os.path.join(folder, name),
+                                                  os.path.relpath(folder, tmp))
 
     def _continue(self, view: TrainerView) -> None:
         assert self.run_id is not None
@@ -234,11 +262,13 @@ class MLflowLogger(Callback):
                if step > self._held.get(k, -1)]
         if new:
             self._client.log_batch(self.run_id, metrics=new)
+        self._sent = max(self._sent, step)
 
     def on_media(self, view: TrainerView, media: Sequence[Media]) -> None:
         if self._client is None:
             return
         for m in media:
+            self._sent = max(self._sent, m.step)
             if m.kind == "image":
                 if m.step > self._held_images.get(m.name.replace("/", "~"), -1):
                     self._client.log_image(self.run_id, _image_hwc(m.value), key=m.name, step=m.step)
@@ -265,18 +295,44 @@ class MLflowLogger(Callback):
         self._client.log_dict(self.run_id, {"step": view.step, "metrics": dict(metrics)},
                               "summary.json")
         self._client.set_terminated(self.run_id, "FINISHED")
-        self._client = None
+        self._client = self._view = None
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         if self._client is not None:
             self._client.set_terminated(self.run_id, "FAILED")
-            self._client = None
+            self._client = self._view = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id}
+        return {"run_id": self.run_id, "sent": self._sent}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._client is not None and self._view is not None:  # a rollback mid-run
+            self._roll_back(self._view, int(state.get("sent", -1)))
+            return
         self.run_id = state.get("run_id") or self.run_id
+        self._sent = int(state.get("sent", -1))
+
+    def _roll_back(self, view: TrainerView, step: int) -> None:
+        """guards.nonfinite=rollback restored a checkpoint: what this run was sent after it
+        (`step`, the latest step sent before it was saved) is undone. MLflow cannot delete
+        metric points, so the run goes on in a new MLflow run that holds this one's history
+        up to `step`, linked to it as a course change is; the abandoned run ends KILLED."""
+        abandoned = self.run_id
+        assert abandoned is not None
+        self._client.set_tag(abandoned, "saferun.rolled_back_to_step", str(step))
+        self._client.set_terminated(abandoned, "KILLED")
+        self._start(view, os.path.dirname(os.path.abspath(view.run_dir)), abandoned, step)
+        self._client.set_tag(self.run_id, "saferun.rolled_back_from", abandoned)
+        _write_json(os.path.join(view.run_dir, MLFLOW_RUN),
+                    {"run_id": self.run_id, "tracking_uri": self._client.tracking_uri})
+        self._sent, self._media_at = step, (-1, {})
+
+
+def _media_step(name: str) -> int:
+    """The step of a media artifact's file name: KEY+step+N+... (images), step_N(-i).EXT."""
+    if "+step+" in name:
+        return int(name.split("+step+")[1].split("+")[0])
+    return int(name.removeprefix("step_").split(".")[0].split("-")[0])
 
 
 def _latest_steps(metrics: Sequence[Any]) -> dict[str, int]:

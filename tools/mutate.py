@@ -1057,7 +1057,7 @@ mutation("MLflow: the steps a resumed run's store holds are not sent again", "sa
          "               if step > self._held.get(k, -1)]", "               if True]",
          "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
 mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/trackers.py",
-         '        return {"run_id": self.run_id}', "        return {}",
+         '        return {"run_id": self.run_id, "sent": self._sent}', '        return {"sent": self._sent}',
          "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
          "        if step <= self._held:\n", "        if False:\n",
@@ -1370,7 +1370,7 @@ mutation("trackers: MLflow continues the run its run directory names, not the ch
          "        mine = _run_id(view.run_dir, MLFLOW_RUN)\n", "        mine = self.run_id\n",
          f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("trackers: MLflow's new course holds its past up to the resumed step", TRK,
-         "            self._copy_past(previous, view.step)", "            pass",
+         "            self._copy_past(previous, step)", "            pass",
          f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("trackers: MLflow skips what the store holds metric by metric", TRK,
          "               if step > self._held.get(k, -1)]",
@@ -1915,6 +1915,22 @@ mutation("setup: a validation loader that drops samples is named", DC,
 mutation("model audit: a BatchNorm at a batch of one sample is named", "saferun/guards/model_audit.py",
          "        if module.training and isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == 1:",
          "        if False:", f"{ZM}::test_batchnorm_at_an_effective_batch_of_one_is_named")
+
+
+# issue 31: trackers after the merge
+GRID = "tests/lifecycle/test_grid.py::test_cell"
+mutation("trackers: a rollback moves MLflow to a new run holding the history up to the restored step",
+         TRK, '            self._roll_back(self._view, int(state.get("sent", -1)))\n            return\n',
+         "            pass\n", f"{GRID}[mlflow|nonfinite_rollback]")
+mutation("trackers: MLflow's checkpointed state names the latest step sent before the save", TRK,
+         '        return {"run_id": self.run_id, "sent": self._sent}',
+         '        return {"run_id": self.run_id, "sent": 10**9}', f"{GRID}[mlflow|nonfinite_rollback]")
+mutation("trackers: MLflow's new run (course change, rollback) holds the media up to its step", TRK,
+         "        self._copy_media(previous, step)\n", "",
+         f"{GRID}[mlflow media|course_same_dir]")
+mutation("trackers: MLflow's new run copies no media after its step", TRK,
+         "                    if _media_step(name) <= step:", "                    if True:",
+         f"{GRID}[mlflow media|nonfinite_rollback]")
 
 
 # ---------------------------------------------------------------- the runner

@@ -70,7 +70,8 @@ DEFAULT = {
     ("mlflow", "sigkill_in_validation"), ("mlflow", "sigkill_before_checkpoint"),
     ("mlflow", "course_same_dir"), ("mlflow", "course_other_dir"), ("wandb", "fresh"),
     ("scheduler", "second_fit"), ("plateau", "sigterm"), ("best", "nonfinite_raise"),
-    ("checkpoint", "nonfinite_rollback"), ("mlflow", "nonfinite_rollback"), ("checkpoint", "nonfinite_param"),
+    ("checkpoint", "nonfinite_rollback"), ("mlflow", "nonfinite_rollback"), ("mlflow media", "nonfinite_rollback"),
+    ("mlflow media", "course_same_dir"), ("checkpoint", "nonfinite_param"),
     ("checkpoint", "nonfinite_param_rollback"), ("ema", "two_ranks"), ("early stopping", "sigkill"),
     ("optuna study", "sweep_continued"), ("sweep summary", "sweep_continued")}
 
@@ -81,15 +82,8 @@ _MLFLOW_ROLLBACK = Known(None, "new defect (not in issue 31): after guards.nonfi
                                "what the rollback undid (step 10 twice in its history, the abandoned "
                                "value first; its image too) while metrics.jsonl and TensorBoard cut it")
 KNOWN: dict[tuple[str, str], Known] = {
-    ("mlflow media", "reference"): Known(4, "MLflow keeps 1 of 2 same-name texts and histograms "
-                                            "per log point (named by the step)"),
-    ("mlflow media", "course_same_dir"): Known(1, "the old course's media after step 8 stay"),
-    ("mlflow media", "course_other_dir"): Known(2, "no MLflow run of its own"),
     ("wandb", "sigkill"): _WANDB_KILLED,
     ("wandb", "sigkill_in_validation"): _WANDB_KILLED,
-    ("mlflow", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
-    ("mlflow media", "nonfinite_rollback"): _MLFLOW_ROLLBACK,
-    ("mlflow", "nonfinite_param_rollback"): _MLFLOW_ROLLBACK,
 }
 
 

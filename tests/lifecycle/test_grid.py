@@ -165,6 +165,7 @@ def check_reference(row: str, runs: Runs, ref: Outcome) -> None:
         assert counts == {"texts/train/note": len(tb["train/note/text_summary"]),
                           "histograms/train/weights": len(tb["train/weights"]),
                           "histograms/val/logits": len(tb["val/logits"]),
+                          "histograms/val_ema/logits": len(tb["val_ema/logits"]),  # (trainer.ema)
                           "images/train/grid": len(tb["train/grid"])}, counts
     elif row == "wandb":
         (one,) = rb.wandb_runs(d).values()
