@@ -1931,7 +1931,10 @@ mutation("trackers: MLflow's new run (course change, rollback) holds the media u
 mutation("trackers: MLflow's new run copies no media after its step", TRK,
          "                    if _media_step(name) <= step:", "                    if True:",
          f"{GRID}[mlflow media|nonfinite_rollback]")
-
+mutation("trackers: W&B after a kill names from which step it may lack what was sent", TRK,
+         '"%d on it gets every step.", self.run_id, self._held + 1, self.sent,',
+         '"%d on it gets every step.", self.run_id, self.sent, self.sent,',
+         f"{GRID}[wandb|sigkill]")
 
 # ---------------------------------------------------------------- the runner
 
