@@ -13,14 +13,16 @@ the checkpoint's course logged to; nothing of the old run is changed.
 
 from __future__ import annotations
 
+import glob
 import html
 import importlib
 import json
 import logging
 import os
+import struct
 import time
 import uuid
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .callbacks import Callback, TrainerView
 from .errors import ConfigError
@@ -367,6 +369,47 @@ def _write_json(path: str, record: Mapping[str, Any]) -> None:
 WANDB_RUN = os.path.join("wandb", "saferun-run.json")  # the W&B run id, the latest step sent
 
 
+def wandb_records(data: bytes, block: int = 32768) -> Iterator[bytes]:
+    """The records of a W&B transaction log (run-ID.wandb): a 7-byte header, then LevelDB's
+    log format (32 KiB blocks of (checksum, length, type) chunks; types 1 and 4 end a record).
+    A record cut off by a kill is left out."""
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4) and pos <= len(data):
+            yield pending
+        if kind in (1, 4):
+            pending = b""
+
+
+def wandb_latest_step(run_dir: str, run_id: str) -> int:
+    """The latest step of W&B run `run_id` that W&B wrote to its transaction logs under
+    <run_dir>/wandb (what survived a kill; -1: none). Read once, at a resume."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    latest = -1
+    for path in glob.glob(os.path.join(run_dir, "wandb", "*run-*", f"run-{run_id}.wandb")):
+        with open(path, "rb") as f:
+            data = f.read()
+        for raw in wandb_records(data):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            try:
+                record.ParseFromString(raw)
+            except DecodeError:
+                continue
+            if record.WhichOneof("record_type") == "history":
+                steps = [i.value_json for i in record.history.item  # (a key, or nested_key)
+                         if (i.key or "/".join(i.nested_key)) == "_step"]
+                latest = max([latest] + [int(json.loads(v)) for v in steps])
+    return latest
+
+
 class WandbLogger(Callback):
     """Weights & Biases: metrics with their steps, the config, images, histograms and texts.
     Offline by default (<run_dir>/wandb/, upload later with `wandb sync`); online only with
@@ -374,7 +417,8 @@ class WandbLogger(Callback):
 
     The W&B run belongs to the run directory (<run_dir>/wandb/saferun-run.json): a resume=auto
     continues it, sending again what W&B may not hold (a process killed before W&B finished
-    loses what W&B's service buffered: said at the resume); a fresh start or a change of course
+    loses what W&B's service buffered: the resume names the steps after the last one W&B
+    wrote to its transaction log); a fresh start or a change of course
     sets wandb/ aside with the course it belongs to and starts a new run (after a change of
     course its config names the previous run, saferun.previous_run_id, and the resumed step: it
     holds the steps after it).
@@ -417,11 +461,12 @@ class WandbLogger(Callback):
             with open(self._own) as f:  # the steps an interrupted run sent after its checkpoint
                 record = json.load(f)
             self._held, self._held_keys = int(record.get("sent", -1)), set(record.get("keys", ()))
-            if self.sent > self._held:  # the checkpoint's process was killed before W&B finished
+            written = max(self._held, wandb_latest_step(view.run_dir, self.run_id))
+            if self.sent > written:  # the checkpoint's process was killed before W&B finished
                 log.warning("W&B: the process that saved the checkpoint was killed before W&B "
                             "had written what it was sent (W&B buffers it): W&B run %s may lack "
                             "steps %d to %d; metrics.jsonl and TensorBoard hold them. From step "
-                            "%d on it gets every step.", self.run_id, self._held + 1, self.sent,
+                            "%d on it gets every step.", self.run_id, written + 1, self.sent,
                             self.sent + 1)
         else:  # a new course (a fresh start, a change of course, a branch): a new run
             if self.run_id is not None:

@@ -1401,7 +1401,7 @@ mutation("trackers: W&B records as held only what a finished W&B run wrote", TRK
          '        self.sent = step\n        _write_json(self._own, {"run_id": self.run_id, "sent": step, "keys": []})\n',
          f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
 mutation("trackers: W&B says which steps a killed process may have lost", TRK,
-         "            if self.sent > self._held:", "            if False:",
+         "            if self.sent > written:", "            if False:",
          f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
 mutation("trackers: W&B's new course names the previous run in its config", TRK,
          '                config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}',
@@ -1932,9 +1932,15 @@ mutation("trackers: MLflow's new run copies no media after its step", TRK,
          "                    if _media_step(name) <= step:", "                    if True:",
          f"{GRID}[mlflow media|nonfinite_rollback]")
 mutation("trackers: W&B after a kill names from which step it may lack what was sent", TRK,
-         '"%d on it gets every step.", self.run_id, self._held + 1, self.sent,',
+         '"%d on it gets every step.", self.run_id, written + 1, self.sent,',
          '"%d on it gets every step.", self.run_id, self.sent, self.sent,',
          f"{GRID}[wandb|sigkill]")
+mutation("trackers: W&B's resume reads the latest step W&B wrote from its own transaction log", TRK,
+         "            written = max(self._held, wandb_latest_step(view.run_dir, self.run_id))",
+         "            written = self._held", f"{GRID}[wandb|sigkill]")
+mutation("trackers: W&B's transaction log: the step of a history row under nested_key", TRK,
+         '                         if (i.key or "/".join(i.nested_key)) == "_step"]',
+         '                         if i.key == "_step"]', f"{GRID}[wandb|sigkill]")
 
 # ---------------------------------------------------------------- the runner
 

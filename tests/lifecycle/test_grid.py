@@ -269,6 +269,8 @@ def check_wandb_killed(got: Outcome, want: Outcome) -> None:
                                                  f"steps {first} to {last} it warned of")
     wrong = {k: [p for p in v if p not in wanted.get(k, [])] for k, v in held.items()}
     assert not any(wrong.values()), f"W&B holds values the reference never logged: {wrong}"
+    kept = sorted({s for v in held.values() for s, _ in v if first <= s <= last})
+    assert not kept, f"the warning names steps {first} to {last}, but W&B holds steps {kept}"
     assert len(rb.wandb_runs(got.run_dir)) == 1  # a resume continues its W&B run
 
 
