@@ -123,7 +123,7 @@ class MLflowLogger(Callback):
         self._resumed_from = ""
         self._media_at: tuple[int, dict[str, int]] = (-1, {})  # same-name media at one step
         self._sent = -1  # checkpointed: the latest step sent (a rollback's new run holds up to it)
-        self._view: Optional[TrainerView] = None  # while fit() runs
+        self._rolled_back: Optional[int] = None  # a rollback's restored state: its step sent
 
     def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
         self.run_id, self._superseded = None, _run_id(aside, MLFLOW_RUN)
@@ -137,7 +137,8 @@ class MLflowLogger(Callback):
 
         root = os.path.dirname(os.path.abspath(view.run_dir))
         os.makedirs(root, exist_ok=True)
-        self._client, self._view = MlflowClient(self.tracking_uri or f"sqlite:///{root}/mlflow.db"), view
+        self._client = MlflowClient(self.tracking_uri or f"sqlite:///{root}/mlflow.db")
+        self._rolled_back = None
         mine = _run_id(view.run_dir, MLFLOW_RUN)
         if mine is not None:  # this run directory's course: continue its run
             self.run_id = mine
@@ -249,9 +250,11 @@ class MLflowLogger(Callback):
         self._superseded = None
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self._after_rollback(view)
         self._metrics(view.step, metrics)
 
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self._after_rollback(view)
         self._metrics(view.step, metrics)
 
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -269,6 +272,7 @@ class MLflowLogger(Callback):
     def on_media(self, view: TrainerView, media: Sequence[Media]) -> None:
         if self._client is None:
             return
+        self._after_rollback(view)
         for m in media:
             self._sent = max(self._sent, m.step)
             if m.kind == "image":
@@ -290,6 +294,7 @@ class MLflowLogger(Callback):
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         if self._client is None:
             return
+        self._after_rollback(view)
         for name in ("model.pt", "model_ema.pt"):
             path = os.path.join(view.run_dir, name)
             if os.path.isfile(path):
@@ -297,29 +302,31 @@ class MLflowLogger(Callback):
         self._client.log_dict(self.run_id, {"step": view.step, "metrics": dict(metrics)},
                               "summary.json")
         self._client.set_terminated(self.run_id, "FINISHED")
-        self._client = self._view = None
+        self._client = None
 
     def on_exception(self, view: TrainerView, exc: BaseException) -> None:
         if self._client is not None:
             self._client.set_terminated(self.run_id, "FAILED")
-            self._client = self._view = None
+            self._client = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "sent": self._sent}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self._client is not None and self._view is not None:  # a rollback mid-run
-            self._roll_back(self._view, int(state.get("sent", -1)))
+        if self._client is not None:  # a rollback mid-run: acted on at the next event (the
+            self._rolled_back = int(state.get("sent", -1))  # policy may try older checkpoints)
             return
         self.run_id = state.get("run_id") or self.run_id
         self._sent = int(state.get("sent", -1))
 
-    def _roll_back(self, view: TrainerView, step: int) -> None:
+    def _after_rollback(self, view: TrainerView) -> None:
         """guards.nonfinite=rollback restored a checkpoint: what this run was sent after it
-        (`step`, the latest step sent before it was saved) is undone. MLflow cannot delete
-        metric points, so the run goes on in a new MLflow run that holds this one's history
-        up to `step`, linked to it as a course change is; the abandoned run ends KILLED."""
-        abandoned = self.run_id
+        (its latest step sent before it was saved) is undone. MLflow cannot delete metric
+        points, so the run goes on in a new MLflow run that holds this one's history up to
+        that step, linked to it as a course change is; the abandoned run ends KILLED."""
+        if self._rolled_back is None:
+            return
+        step, self._rolled_back, abandoned = self._rolled_back, None, self.run_id
         assert abandoned is not None
         self._client.set_tag(abandoned, "saferun.rolled_back_to_step", str(step))
         self._client.set_terminated(abandoned, "KILLED")

@@ -1920,8 +1920,8 @@ mutation("model audit: a BatchNorm at a batch of one sample is named", "saferun/
 # issue 31: trackers after the merge
 GRID = "tests/lifecycle/test_grid.py::test_cell"
 mutation("trackers: a rollback moves MLflow to a new run holding the history up to the restored step",
-         TRK, '            self._roll_back(self._view, int(state.get("sent", -1)))\n            return\n',
-         "            pass\n", f"{GRID}[mlflow|nonfinite_rollback]")
+         TRK, "        if self._rolled_back is None:\n            return\n",
+         "        if True:\n            return\n", f"{GRID}[mlflow|nonfinite_rollback]")
 mutation("trackers: MLflow's checkpointed state names the latest step sent before the save", TRK,
          '        return {"run_id": self.run_id, "sent": self._sent}',
          '        return {"run_id": self.run_id, "sent": 10**9}', f"{GRID}[mlflow|nonfinite_rollback]")
