@@ -13,14 +13,16 @@ the checkpoint's course logged to; nothing of the old run is changed.
 
 from __future__ import annotations
 
+import glob
 import html
 import importlib
 import json
 import logging
 import os
+import struct
 import time
 import uuid
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .callbacks import Callback, TrainerView
 from .errors import ConfigError
@@ -93,7 +95,9 @@ class MLflowLogger(Callback):
     to a checkpoint that travels: a resume=auto continues it; a change of course (resume=PATH
     here or into another run directory) starts a new run, tagged saferun.previous_run_id with
     the checkpoint's run, holding that run's metrics up to the resumed step, then its own. A
-    fresh start starts a new run and ends an earlier attempt's run left RUNNING (KILLED).
+    fresh start starts a new run and ends an earlier attempt's run left RUNNING (KILLED). A
+    rollback (guards.nonfinite=rollback) goes on in a new linked run holding the history up
+    to the restored step: MLflow cannot delete the points the rollback undid.
 
     Args:
         tracking_uri: where the runs go; default: sqlite:///<run_dir>/../mlflow.db, one store
@@ -118,6 +122,8 @@ class MLflowLogger(Callback):
         self._superseded: Optional[str] = None  # the run of a course set aside
         self._resumed_from = ""
         self._media_at: tuple[int, dict[str, int]] = (-1, {})  # same-name media at one step
+        self._sent = -1  # checkpointed: the latest step sent (a rollback's new run holds up to it)
+        self._rolled_back: Optional[int] = None  # a rollback's restored state: its step sent
 
     def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
         self.run_id, self._superseded = None, _run_id(aside, MLFLOW_RUN)
@@ -132,6 +138,7 @@ class MLflowLogger(Callback):
         root = os.path.dirname(os.path.abspath(view.run_dir))
         os.makedirs(root, exist_ok=True)
         self._client = MlflowClient(self.tracking_uri or f"sqlite:///{root}/mlflow.db")
+        self._rolled_back = None
         mine = _run_id(view.run_dir, MLFLOW_RUN)
         if mine is not None:  # this run directory's course: continue its run
             self.run_id = mine
@@ -143,7 +150,11 @@ class MLflowLogger(Callback):
         if self._superseded is not None and self._superseded != self.run_id:
             self._end_superseded()
 
-    def _start(self, view: TrainerView, root: str, previous: Optional[str]) -> None:
+    def _start(self, view: TrainerView, root: str, previous: Optional[str],
+               step: Optional[int] = None) -> None:
+        """A new MLflow run for this run directory; linked to `previous` (the run the course
+        logged to), holding its history up to `step` (default: the resumed step)."""
+        step = view.step if step is None else step
         from mlflow.entities import Param
 
         name = self.experiment or view.config.get("name") or "saferun"
@@ -152,7 +163,7 @@ class MLflowLogger(Callback):
             name, artifact_location=f"file://{root}/mlartifacts")
         tags = {"saferun.run_dir": view.run_dir, **self.tags}
         if previous is not None:  # a new course: linked to the run its checkpoint logged to
-            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(view.step)})
+            tags.update({"saferun.previous_run_id": previous, "saferun.resumed_step": str(step)})
             if self._resumed_from:  # (told by on_course_change)
                 tags["saferun.resumed_from"] = self._resumed_from
         run = self._client.create_run(experiment, run_name=self.run_name or os.path.basename(
@@ -162,7 +173,7 @@ class MLflowLogger(Callback):
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
             self._client.log_batch(self.run_id, params=params[i:i + 100])
         if previous is not None:
-            self._copy_past(previous, view.step)
+            self._copy_past(previous, step)
 
     def _copy_past(self, previous: str, step: int) -> None:
         """The course's past, `previous`'s metrics up to `step`, into the new run (as
@@ -181,6 +192,26 @@ class MLflowLogger(Callback):
         for i in range(0, len(past), 1000):  # MLflow takes at most 1000 metrics per call
             self._client.log_batch(self.run_id, metrics=past[i:i + 1000])
         self._held = _latest_steps(past)
+        self._copy_media(previous, step)
+
+    def _copy_media(self, previous: str, step: int) -> None:
+        """`previous`'s images, texts and histograms up to `step` into the new run, under the
+        same names (images/KEY+step+N+..., texts/NAME/step_N(-i).txt, histograms/...)."""
+        import tempfile
+
+        from mlflow.artifacts import download_artifacts
+
+        kinds = [a.path for a in self._client.list_artifacts(previous)
+                 if a.is_dir and a.path in ("images", "texts", "histograms")]
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in kinds:
+                download_artifacts(run_id=previous, artifact_path=kind, dst_path=tmp,
+                                   tracking_uri=self._client.tracking_uri)
+            for folder, _, files in os.walk(tmp):
+                for name in files:
+                    if _media_step(name) <= step:
+                        self._client.log_artifact(self.run_id, os.path.join(folder, name),
+                                                  os.path.relpath(folder, tmp))
 
     def _continue(self, view: TrainerView) -> None:
         assert self.run_id is not None
@@ -219,9 +250,11 @@ class MLflowLogger(Callback):
         self._superseded = None
 
     def on_log(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self._after_rollback(view)
         self._metrics(view.step, metrics)
 
     def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
+        self._after_rollback(view)
         self._metrics(view.step, metrics)
 
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -234,11 +267,14 @@ class MLflowLogger(Callback):
                if step > self._held.get(k, -1)]
         if new:
             self._client.log_batch(self.run_id, metrics=new)
+        self._sent = max(self._sent, step)
 
     def on_media(self, view: TrainerView, media: Sequence[Media]) -> None:
         if self._client is None:
             return
+        self._after_rollback(view)
         for m in media:
+            self._sent = max(self._sent, m.step)
             if m.kind == "image":
                 if m.step > self._held_images.get(m.name.replace("/", "~"), -1):
                     self._client.log_image(self.run_id, _image_hwc(m.value), key=m.name, step=m.step)
@@ -258,6 +294,7 @@ class MLflowLogger(Callback):
     def on_fit_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         if self._client is None:
             return
+        self._after_rollback(view)
         for name in ("model.pt", "model_ema.pt"):
             path = os.path.join(view.run_dir, name)
             if os.path.isfile(path):
@@ -273,10 +310,38 @@ class MLflowLogger(Callback):
             self._client = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id}
+        return {"run_id": self.run_id, "sent": self._sent}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._client is not None:  # a rollback mid-run: acted on at the next event (the
+            self._rolled_back = int(state.get("sent", -1))  # policy may try older checkpoints)
+            return
         self.run_id = state.get("run_id") or self.run_id
+        self._sent = int(state.get("sent", -1))
+
+    def _after_rollback(self, view: TrainerView) -> None:
+        """guards.nonfinite=rollback restored a checkpoint: what this run was sent after it
+        (its latest step sent before it was saved) is undone. MLflow cannot delete metric
+        points, so the run goes on in a new MLflow run that holds this one's history up to
+        that step, linked to it as a course change is; the abandoned run ends KILLED."""
+        if self._rolled_back is None:
+            return
+        step, self._rolled_back, abandoned = self._rolled_back, None, self.run_id
+        assert abandoned is not None
+        self._client.set_tag(abandoned, "saferun.rolled_back_to_step", str(step))
+        self._client.set_terminated(abandoned, "KILLED")
+        self._start(view, os.path.dirname(os.path.abspath(view.run_dir)), abandoned, step)
+        self._client.set_tag(self.run_id, "saferun.rolled_back_from", abandoned)
+        _write_json(os.path.join(view.run_dir, MLFLOW_RUN),
+                    {"run_id": self.run_id, "tracking_uri": self._client.tracking_uri})
+        self._sent, self._media_at = step, (-1, {})
+
+
+def _media_step(name: str) -> int:
+    """The step of a media artifact's file name: KEY+step+N+... (images), step_N(-i).EXT."""
+    if "+step+" in name:
+        return int(name.split("+step+")[1].split("+")[0])
+    return int(name.removeprefix("step_").split(".")[0].split("-")[0])
 
 
 def _latest_steps(metrics: Sequence[Any]) -> dict[str, int]:
@@ -311,6 +376,47 @@ def _write_json(path: str, record: Mapping[str, Any]) -> None:
 WANDB_RUN = os.path.join("wandb", "saferun-run.json")  # the W&B run id, the latest step sent
 
 
+def wandb_records(data: bytes, block: int = 32768) -> Iterator[bytes]:
+    """The records of a W&B transaction log (run-ID.wandb): a 7-byte header, then LevelDB's
+    log format (32 KiB blocks of (checksum, length, type) chunks; types 1 and 4 end a record).
+    A record cut off by a kill is left out."""
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4) and pos <= len(data):
+            yield pending
+        if kind in (1, 4):
+            pending = b""
+
+
+def wandb_latest_step(run_dir: str, run_id: str) -> int:
+    """The latest step of W&B run `run_id` that W&B wrote to its transaction logs under
+    <run_dir>/wandb (what survived a kill; -1: none). Read once, at a resume."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    latest = -1
+    for path in glob.glob(os.path.join(run_dir, "wandb", "*run-*", f"run-{run_id}.wandb")):
+        with open(path, "rb") as f:
+            data = f.read()
+        for raw in wandb_records(data):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            try:
+                record.ParseFromString(raw)
+            except DecodeError:
+                continue
+            if record.WhichOneof("record_type") == "history":
+                steps = [i.value_json for i in record.history.item  # (a key, or nested_key)
+                         if (i.key or "/".join(i.nested_key)) == "_step"]
+                latest = max([latest] + [int(json.loads(v)) for v in steps])
+    return latest
+
+
 class WandbLogger(Callback):
     """Weights & Biases: metrics with their steps, the config, images, histograms and texts.
     Offline by default (<run_dir>/wandb/, upload later with `wandb sync`); online only with
@@ -318,7 +424,8 @@ class WandbLogger(Callback):
 
     The W&B run belongs to the run directory (<run_dir>/wandb/saferun-run.json): a resume=auto
     continues it, sending again what W&B may not hold (a process killed before W&B finished
-    loses what W&B's service buffered: said at the resume); a fresh start or a change of course
+    loses what W&B's service buffered: the resume names the steps after the last one W&B
+    wrote to its transaction log); a fresh start or a change of course
     sets wandb/ aside with the course it belongs to and starts a new run (after a change of
     course its config names the previous run, saferun.previous_run_id, and the resumed step: it
     holds the steps after it).
@@ -361,11 +468,12 @@ class WandbLogger(Callback):
             with open(self._own) as f:  # the steps an interrupted run sent after its checkpoint
                 record = json.load(f)
             self._held, self._held_keys = int(record.get("sent", -1)), set(record.get("keys", ()))
-            if self.sent > self._held:  # the checkpoint's process was killed before W&B finished
+            written = max(self._held, wandb_latest_step(view.run_dir, self.run_id))
+            if self.sent > written:  # the checkpoint's process was killed before W&B finished
                 log.warning("W&B: the process that saved the checkpoint was killed before W&B "
                             "had written what it was sent (W&B buffers it): W&B run %s may lack "
                             "steps %d to %d; metrics.jsonl and TensorBoard hold them. From step "
-                            "%d on it gets every step.", self.run_id, self._held + 1, self.sent,
+                            "%d on it gets every step.", self.run_id, written + 1, self.sent,
                             self.sent + 1)
         else:  # a new course (a fresh start, a change of course, a branch): a new run
             if self.run_id is not None:

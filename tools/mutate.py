@@ -1057,7 +1057,7 @@ mutation("MLflow: the steps a resumed run's store holds are not sent again", "sa
          "               if step > self._held.get(k, -1)]", "               if True]",
          "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
 mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/trackers.py",
-         '        return {"run_id": self.run_id}', "        return {}",
+         '        return {"run_id": self.run_id, "sent": self._sent}', '        return {"sent": self._sent}',
          "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
          "        if step <= self._held:\n", "        if False:\n",
@@ -1370,7 +1370,7 @@ mutation("trackers: MLflow continues the run its run directory names, not the ch
          "        mine = _run_id(view.run_dir, MLFLOW_RUN)\n", "        mine = self.run_id\n",
          f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("trackers: MLflow's new course holds its past up to the resumed step", TRK,
-         "            self._copy_past(previous, view.step)", "            pass",
+         "            self._copy_past(previous, step)", "            pass",
          f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
 mutation("trackers: MLflow skips what the store holds metric by metric", TRK,
          "               if step > self._held.get(k, -1)]",
@@ -1401,7 +1401,7 @@ mutation("trackers: W&B records as held only what a finished W&B run wrote", TRK
          '        self.sent = step\n        _write_json(self._own, {"run_id": self.run_id, "sent": step, "keys": []})\n',
          f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
 mutation("trackers: W&B says which steps a killed process may have lost", TRK,
-         "            if self.sent > self._held:", "            if False:",
+         "            if self.sent > written:", "            if False:",
          f"{LIFE}::test_wandb_after_a_sigkill_sends_every_step_after_the_checkpoint_and_says_what_it_may_lack")
 mutation("trackers: W&B's new course names the previous run in its config", TRK,
          '                config["saferun"] = {"previous_run_id": self.run_id, "resumed_step": view.step}',
@@ -1923,6 +1923,31 @@ mutation("command line: task._target_ without a recipe says the digits recipe's 
          "    if True:\n        return None",
          "tests/cli/test_first_hour.py::test_a_trainer_named_without_a_recipe_is_told_it_keeps_the_default_recipes_settings")
 
+
+# issue 31: trackers after the merge
+GRID = "tests/lifecycle/test_grid.py::test_cell"
+mutation("trackers: a rollback moves MLflow to a new run holding the history up to the restored step",
+         TRK, "        if self._rolled_back is None:\n            return\n",
+         "        if True:\n            return\n", f"{GRID}[mlflow|nonfinite_rollback]")
+mutation("trackers: MLflow's checkpointed state names the latest step sent before the save", TRK,
+         '        return {"run_id": self.run_id, "sent": self._sent}',
+         '        return {"run_id": self.run_id, "sent": 10**9}', f"{GRID}[mlflow|nonfinite_rollback]")
+mutation("trackers: MLflow's new run (course change, rollback) holds the media up to its step", TRK,
+         "        self._copy_media(previous, step)\n", "",
+         f"{GRID}[mlflow media|course_same_dir]")
+mutation("trackers: MLflow's new run copies no media after its step", TRK,
+         "                    if _media_step(name) <= step:", "                    if True:",
+         f"{GRID}[mlflow media|nonfinite_rollback]")
+mutation("trackers: W&B after a kill names from which step it may lack what was sent", TRK,
+         '"%d on it gets every step.", self.run_id, written + 1, self.sent,',
+         '"%d on it gets every step.", self.run_id, self.sent, self.sent,',
+         f"{GRID}[wandb|sigkill]")
+mutation("trackers: W&B's resume reads the latest step W&B wrote from its own transaction log", TRK,
+         "            written = max(self._held, wandb_latest_step(view.run_dir, self.run_id))",
+         "            written = self._held", f"{GRID}[wandb|sigkill]")
+mutation("trackers: W&B's transaction log: the step of a history row under nested_key", TRK,
+         '                         if (i.key or "/".join(i.nested_key)) == "_step"]',
+         '                         if i.key == "_step"]', f"{GRID}[wandb|sigkill]")
 
 # ---------------------------------------------------------------- the runner
 

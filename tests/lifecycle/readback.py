@@ -6,14 +6,14 @@ transaction log, the checkpoints, model_best.pt and model_ema.pt. Each view is p
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 import torch
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
+from saferun.trackers import wandb_records
 
 Series = dict[str, list[tuple[int, float]]]
 SKIPPED = ("perf/", "time", "_")  # timings and the trackers' own bookkeeping
@@ -112,22 +112,6 @@ def mlflow_media(run: Any) -> dict[str, list[str]]:
 
 # ------------------------------------------------------------------ W&B offline
 
-def _wandb_records(data: bytes, block: int = 32768) -> Iterator[bytes]:
-    """W&B's transaction log: a 7-byte header, then LevelDB's log format (32 KiB blocks of
-    (checksum, length, type) chunks; types 1 and 4 end a record)."""
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            yield pending
-            pending = b""
-
-
 def wandb_runs(run_dir: Path) -> dict[str, list[tuple[int, dict[str, Any]]]]:
     """{W&B run id: [(step, {key: value})]} from every offline run under <run_dir>/wandb and the
     folders a course change or a fresh start set aside; media keys keep their type only."""
@@ -136,7 +120,7 @@ def wandb_runs(run_dir: Path) -> dict[str, list[tuple[int, dict[str, Any]]]]:
     got: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for path in sorted(run_dir.glob("**/wandb/offline-run-*/run-*.wandb")):
         rows = got.setdefault(path.stem.removeprefix("run-"), [])
-        for raw in _wandb_records(path.read_bytes()):
+        for raw in wandb_records(path.read_bytes()):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(raw)
             if record.WhichOneof("record_type") != "history":

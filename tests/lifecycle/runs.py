@@ -77,9 +77,19 @@ class Runs:
 
 
 def _resumed(run_dir: Path, **kw: Any) -> Outcome:
+    """resume=auto in this process; what saferun warned is in notes["warnings"]."""
+    import logging
+
     cfg = config(run_dir, **kw)
     cfg["resume"] = "auto"
-    return Outcome(run_dir, job=run_in_process(cfg))
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("saferun").addHandler(handler)
+    try:
+        return Outcome(run_dir, job=run_in_process(cfg), notes={"warnings": said})
+    finally:
+        logging.getLogger("saferun").removeHandler(handler)
 
 
 def reference(runs: Runs, run_dir: Path, sched: str = "cosine") -> Outcome:

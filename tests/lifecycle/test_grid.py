@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import readback as rb
-from grid import KIND, PLATEAU_EVENTS, cells, known, DEFAULT
+from grid import KIND, PLATEAU_EVENTS, WANDB_KILLED, cells, known, DEFAULT
 from grid_job import LOG_EVERY
 from runs import COURSE_FROM, Outcome, Runs, flush_wandb
 from saferun.errors import NonFiniteError, SaferunError
@@ -165,6 +166,7 @@ def check_reference(row: str, runs: Runs, ref: Outcome) -> None:
         assert counts == {"texts/train/note": len(tb["train/note/text_summary"]),
                           "histograms/train/weights": len(tb["train/weights"]),
                           "histograms/val/logits": len(tb["val/logits"]),
+                          "histograms/val_ema/logits": len(tb["val_ema/logits"]),  # (trainer.ema)
                           "images/train/grid": len(tb["train/grid"])}, counts
     elif row == "wandb":
         (one,) = rb.wandb_runs(d).values()
@@ -249,6 +251,27 @@ def check_equal(row: str, got: Outcome, want: Outcome, approx: bool = False) -> 
     if row == "wandb" and got.run_dir.name in ("sigkill", "sigkill_in_validation", "sigterm",
                                                  "second_fit", "two_ranks"):
         assert len(rb.wandb_runs(got.run_dir)) == 1  # a resume continues its W&B run
+
+
+def check_wandb_killed(got: Outcome, want: Outcome) -> None:
+    """W&B after a SIGKILL (grid.WANDB_KILLED): the resume names the steps W&B may lack; W&B
+    holds every other step as the reference does, and of the named ones only right values."""
+    assert got.error is None, f"refused: {got.error}"
+    said = [m for m in got.notes["warnings"] if "W&B" in m and "may lack steps" in m]
+    assert said, "W&B lost rows of the killed run and the resume did not say which"
+    first, last = map(int, re.search(r"may lack steps (\d+) to (\d+)", said[0]).groups())
+    held, wanted = wandb_view(got.run_dir), view("wandb", want.run_dir)
+
+    def outside(series: dict[str, Any]) -> dict[str, Any]:
+        return {k: [p for p in v if not first <= p[0] <= last] for k, v in series.items()}
+
+    assert_same(outside(held), outside(wanted), f"W&B after {got.run_dir.name} outside the "
+                                                 f"steps {first} to {last} it warned of")
+    wrong = {k: [p for p in v if p not in wanted.get(k, [])] for k, v in held.items()}
+    assert not any(wrong.values()), f"W&B holds values the reference never logged: {wrong}"
+    kept = sorted({s for v in held.values() for s, _ in v if first <= s <= last})
+    assert not kept, f"the warning names steps {first} to {last}, but W&B holds steps {kept}"
+    assert len(rb.wandb_runs(got.run_dir)) == 1  # a resume continues its W&B run
 
 
 def check_course(row: str, runs: Runs, got: Outcome) -> None:
@@ -341,6 +364,8 @@ def test_cell(runs: Runs, row: str, event: str) -> None:
         flush_wandb()
     if event == "reference":
         check_reference(row, runs, got)
+    elif row == "wandb" and event in WANDB_KILLED:
+        check_wandb_killed(got, ref)
     elif kind == "equal":
         check_equal(row, got, ref, approx=event == "two_ranks")
     elif kind == "equal or refused":
