@@ -136,7 +136,8 @@ def test_nothing_in_the_repository_points_outside_it():
 
 FILE_NAMES = {"saferun.log", "saferun.lock",  # files a run writes, not Python names
               # tags the MLflow logger writes on a run (docs/logging.md)
-              "saferun.previous_run_id", "saferun.resumed_step", "saferun.resumed_from"}
+              "saferun.previous_run_id", "saferun.resumed_step", "saferun.resumed_from",
+              "saferun.rolled_back_from", "saferun.rolled_back_to_step"}
 RESOLVE = """
 import functools, importlib, json, sys
 failed = []
