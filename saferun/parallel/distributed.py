@@ -65,7 +65,22 @@ def _leave_group() -> None:
     the process then aborts (SIGABRT) after a run that succeeded, and torchrun reports
     the job as failed. A group the user destroyed already is left alone."""
     if dist.is_initialized():
+        _never_freed(list(dist.distributed_c10d._world.pg_map))
         dist.destroy_process_group()
+
+
+def _never_freed(groups: list[Any]) -> None:
+    """Keep the groups alive to the end of the process. After destroy_process_group, gloo's
+    threads stay alive while anything still holds a group (seen at exit: gloo_tcp_loop and two
+    pt_gloo_runloop threads, with no Python object left holding it); whatever holds it is freed
+    during interpreter teardown, and destroying the group then can abort the process
+    (`terminate called without an active exception`, SIGABRT) after a run that succeeded. A
+    group never freed is never torn down: the operating system ends its threads with the
+    process."""
+    import ctypes
+
+    for group in groups:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _several(group: Any = None) -> bool:
