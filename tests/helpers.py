@@ -62,3 +62,20 @@ class InfGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * float("inf")
+
+
+def assert_equal_nested(got, want, where: str = "state") -> None:
+    """Nested dicts, lists and tensors equal: tensors bitwise, the rest exactly."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            assert_equal_nested(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_equal_nested(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+

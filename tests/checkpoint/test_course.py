@@ -18,7 +18,7 @@ from saferun.checkpoint import list_checkpoints, load_checkpoint
 from saferun.checkpoint.course import RECORD
 from saferun.checkpoint.intent import INTENT
 from toys import TENSORBOARD, TOYS_PATH, ToyTrainer, toy_config
-from helpers import superseded
+from helpers import assert_equal_nested, superseded
 
 
 def config(run_dir, steps, resume=None, lr=0.05):
@@ -61,18 +61,7 @@ def whole_state(checkpoint):
 
 
 def assert_same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
+    assert_equal_nested(b, a, path)
 
 
 @pytest.mark.slow  # four runs; one process: the tests below

@@ -25,7 +25,7 @@ from saferun.checkpoint.sharded import SafeReader
 from saferun.checkpoint.store import CheckpointError, load_latest
 from saferun.errors import ConfigError
 from toys import ToyTrainer, toy_config
-from helpers import free_port
+from helpers import assert_equal_nested, free_port
 
 JOB = str(Path(__file__).with_name("fsdp_job.py"))
 TIMEOUT = 300  # a hang fails the test instead of the suite
@@ -219,20 +219,6 @@ def test_activation_checkpointed_blocks_shard_and_train_exactly_as_without(fsdp_
             assert_equal_nested(load(run_dir, name), load(fsdp_run, name), name)
 
 
-def assert_equal_nested(got, want, where):
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for k in want:
-            assert_equal_nested(got[k], want[k], f"{where}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_equal_nested(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
 
 @pytest.mark.slow
 def test_four_processes_shard_in_quarters_and_equal_ddp(tmp_path):
@@ -342,7 +328,7 @@ def test_a_nan_on_one_rank_stops_both_and_rollback_reloads_the_shards(tmp_path):
     out = proc.stdout + proc.stderr
     # both ranks reload the step-5 shards together, each time, until max_consecutive (5)
     assert proc.returncode != 0
-    assert out.count("step-00000005 (step 5); training continues") == 2 * 5, out
+    assert out.count("step-00000005 (step 5), the newest clean checkpoint; training continues") == 2 * 5, out
     assert out.count("Cannot roll back: 6 rollbacks") == 2, out
 
 
