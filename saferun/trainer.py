@@ -244,7 +244,7 @@ class Trainer:
         check_datasets(train_set, val_set, data.world_size)
         self.train_loader, self.val_loader = self.build_dataloaders(train_set, val_set)
         check_training_loader(self.train_loader, data.world_size)
-        self._plan_threads()
+        self._threads_unsaid: Optional[str] = self._plan_threads()
         check_evaluation_limit(self.val_loader, t, data.world_size)  # same samples on any
         setup_warnings(model, self._frozen, t, self.train_loader, data.world_size,
                        self.val_loader)
@@ -291,15 +291,20 @@ class Trainer:
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
-    def _plan_threads(self) -> None:
-        """trainer.num_threads: torch's threads for this process's share of the cores, said
-        once (loop/threads.py)."""
+    def _plan_threads(self) -> str:
+        """trainer.num_threads: torch's threads for this process's share of the cores
+        (loop/threads.py); returns the plan in words for `_say_threads`."""
         workers = getattr(self.train_loader, "num_workers", 0)
         plan = plan_threads(self.cfg.trainer.num_threads, os.environ, usable_cores(), workers,
                             torch.get_num_threads())
-        said = apply_plan(plan)
-        if self.ranks.is_main:
-            log.info("%s", said)
+        return apply_plan(plan)
+
+    def _say_threads(self) -> None:
+        """Say the threads plan once, when the run directory is this run's: a start refused
+        there (another run's checkpoints) must write nothing into that run's saferun.log."""
+        if self._threads_unsaid is not None and self.ranks.is_main:
+            log.info("%s", self._threads_unsaid)
+        self._threads_unsaid = None
 
     def _setup_guards(self) -> None:
         g = self.cfg.guards
@@ -321,6 +326,7 @@ class Trainer:
         t, state, cbs = self.cfg.trainer, self.state, self._callbacks
         limit = self._check_limits()
         self._checkpointer.begin_run()
+        self._say_threads()
         try:
             self._start_training()
             cbs.on_fit_start(self.view)
@@ -457,6 +463,7 @@ class Trainer:
         """Average `validation_step` over the validation set, in eval mode without autograd."""
         self.setup()
         self._checkpointer.check_evaluated_weights("validate")
+        self._say_threads()
         if self.val_loader is None:
             return {}
         set_loader_epoch(self.val_loader, self.cfg.seed, 0, self._strategy.data.rank)
@@ -497,6 +504,7 @@ class Trainer:
         metrics.jsonl, TensorBoard, the log; summary.json in the run directory)."""
         self.setup()
         self._checkpointer.check_evaluated_weights("test")
+        self._say_threads()
         self._say_if_initial_weights("test")
         self.test_loader = loader = self._test_loader(data)
         self._logbook.take()  # (what an earlier pass left: not this one's)
@@ -566,6 +574,7 @@ class Trainer:
         """
         self.setup()
         self._checkpointer.check_evaluated_weights("predict")
+        self._say_threads()
         self._say_if_initial_weights("predict")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.cfg.trainer.val_batch_size or self.cfg.trainer.batch_size,

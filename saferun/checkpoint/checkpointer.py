@@ -255,10 +255,6 @@ class Checkpointer:
         """Check and lock the run directory (one writer at a time), start fresh or resume, and
         only then, with the run accepted, record its config in <run_dir>/config.yaml."""
         o = self._owner
-        if self._unsaid and o.ranks.is_main:
-            log.info(inference_note(o.cfg.trainer.save_best or "", "trainer.save_best",
-                                    "trainer.save_best_mode={mode}"))
-        self._unsaid = False
         intent.kill_point("course-built")  # the model built, the checkpoint read, nothing recorded
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
         try:
@@ -274,6 +270,10 @@ class Checkpointer:
             self.resume()
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
+            if self._unsaid and o.ranks.is_main:  # now: a refused start says nothing there
+                log.info(inference_note(o.cfg.trainer.save_best or "", "trainer.save_best",
+                                        "trainer.save_best_mode={mode}"))
+            self._unsaid = False
         except BaseException as e:
             self._run_dir_lock.release()
             if isinstance(e, SaferunError):  # refused: its intent too (a kill leaves it)

@@ -76,7 +76,7 @@ def test_auto_counts_the_loader_workers(tmp_path, torch_threads, caplog, monkeyp
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)  # torch's default
     with caplog.at_level(logging.INFO, logger="saferun"):
-        ToyTrainer(toy_config(tmp_path, max_steps=1, num_workers=1)).setup()
+        ToyTrainer(toy_config(tmp_path, max_steps=1, num_workers=1)).fit()  # said once accepted
     assert torch.get_num_threads() == max(1, cores - 1)
     assert any(f"auto: {cores} cores this process may use / 1 process on the node - 1 loader "
                f"worker = {max(1, cores - 1)};" in r.getMessage() for r in caplog.records)
@@ -87,7 +87,7 @@ def test_the_environments_omp_num_threads_is_left_as_torch_took_it(tmp_path, tor
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # what torch did with it at start-up
     with caplog.at_level(logging.INFO, logger="saferun"):
-        ToyTrainer(toy_config(tmp_path, max_steps=1)).setup()
+        ToyTrainer(toy_config(tmp_path, max_steps=1)).validate()  # said by every entry point
     assert torch.get_num_threads() == 1
     assert any("OMP_NUM_THREADS=1 from the environment wins" in r.getMessage()
                for r in caplog.records)
