@@ -213,14 +213,37 @@ except ImportError:  # pragma: no cover - hydra-core is a dependency
 
 
 class SweepSummary(_HydraCallback):
-    """After a multirun: summary.txt, the jobs ranked by the objective (`saferun.sweep.summary`)."""
+    """After a multirun: summary.txt, the jobs ranked by the objective (`saferun.sweep.summary`).
+    A sweep that a job's error (or Ctrl-C) stopped gets it too, from `summarize_stopped_sweep`."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        global _SWEEP_DIR
+        _SWEEP_DIR = Path(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from ..sweep.summary import sweep_summary
+        write_sweep_summary(Path(config.hydra.sweep.dir))
 
-        sweep_dir = Path(config.hydra.sweep.dir)
-        table = sweep_summary(sweep_dir) if sweep_dir.is_dir() else None
-        if table is None:
-            return
-        (sweep_dir / "summary.txt").write_text(table + "\n")
-        print(f"\nsaferun: sweep summary ({sweep_dir / 'summary.txt'})\n{table}", flush=True)
+
+_SWEEP_DIR: Optional[Path] = None  # the multirun this process started, once Hydra started it
+
+
+def write_sweep_summary(sweep_dir: Path, trailer: str = "") -> None:
+    """summary.txt in `sweep_dir` (and printed), with `trailer` as its last line if given."""
+    from ..sweep.summary import sweep_summary
+
+    table = sweep_summary(sweep_dir) if sweep_dir.is_dir() else None
+    if table is None:
+        return
+    table += f"\n{trailer}" if trailer else ""
+    (sweep_dir / "summary.txt").write_text(table + "\n")
+    print(f"\nsaferun: sweep summary ({sweep_dir / 'summary.txt'})\n{table}", flush=True)
+
+
+def summarize_stopped_sweep(failed_job: Optional[str]) -> None:
+    """A job's error (or an interrupt) ended the multirun before Hydra's end: the jobs that
+    finished are summarized all the same, so their results are not lost in the scroll-back."""
+    if _SWEEP_DIR is None:  # stopped before any job started: nothing to summarize
+        return
+    where = f" at job {failed_job}" if failed_job is not None else ""
+    write_sweep_summary(_SWEEP_DIR, f"the sweep stopped{where} (its error is above): the jobs "
+                        "after it did not run. Fix the cause and run the sweep again.")

@@ -63,7 +63,12 @@ def _run(args: list[str]) -> None:
     # run is accepted, not before, unless the command line sets it (then Hydra writes it).
     _WRITE_HYDRA_DIR = not any("hydra.output_subdir=" in arg for arg in args)
     sys.argv = ["saferun"] + args
-    hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
+    try:
+        hydra.main(version_base="1.3", config_path="pkg://saferun.conf", config_name="config")(task)()
+    except BaseException:
+        if "-m" in args or "--multirun" in args:
+            compose.summarize_stopped_sweep(_RUNNING_JOB)
+        raise
     if ranks_from_env().world_size > 1:
         import torch.distributed as dist
 
@@ -72,6 +77,7 @@ def _run(args: list[str]) -> None:
 
 _WRITE_HYDRA_DIR = False  # saferun, not Hydra, writes <run dir>/.hydra/ (after acceptance)
 _JOB_STARTED = False  # Hydra composed the config and started the job (_train)
+_RUNNING_JOB: Optional[str] = None  # the multirun job _train runs now (its number), if any
 _ARGS: list[str] = []  # the command line as given, for the commands an error suggests
 
 
@@ -222,6 +228,8 @@ def _train(cfg: Any) -> Optional[float]:
     note_log_files()  # before anything is logged: where this run's lines in saferun.log start
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
+    global _RUNNING_JOB
+    _RUNNING_JOB = str(hydra_cfg.job.num) if hydra_cfg.mode.name == "MULTIRUN" else None  # type: ignore[union-attr]  # set by Hydra
     main = ranks_from_env().is_main
     started = time.time()
     try:
@@ -251,6 +259,7 @@ def _train(cfg: Any) -> Optional[float]:
         if main:
             rundirs.remove_if_refused(run_dir)
         raise SystemExit(1) from None
+    _RUNNING_JOB = None  # it finished: a stop after this is not this job's
     if not main:
         return None
     summary = {

@@ -70,6 +70,20 @@ def test_multirun_gives_each_job_a_directory_and_prints_a_summary(tmp_path):
     assert "sweep summary" in proc.stdout
 
 
+def test_a_sweep_a_job_stops_still_summarizes_the_jobs_that_finished(tmp_path):
+    # job 1 diverges (non-finite at its first log point): the sweep stops there with its error,
+    # job 2 never runs, and job 0's result is in summary.txt, not only in the scroll-back
+    proc = saferun("run", "-m", *FAST, "optim.lr=1e-3,1e30,2e-3", "hydra.sweep.dir=sweep",
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "non-finite values at step" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
+    table = (tmp_path / "sweep" / "summary.txt").read_text().splitlines()
+    assert table[0].startswith("1 jobs ranked by val/loss (min)") and "job 0" in table[1]
+    assert table[3].split()[:2] == ["*", "0"] and table[4].split()[:2] == ["1", "no"]
+    assert table[-1].startswith("the sweep stopped at job 1 (its error is above)")
+    assert "sweep summary" in proc.stdout
+
+
 def test_new_copies_a_recipe_that_runs_its_own_code(tmp_path):
     proc = saferun("new", "mydigits", "--from", "digits", cwd=tmp_path)
     copy = tmp_path / "mydigits"
