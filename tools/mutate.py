@@ -1724,11 +1724,12 @@ mutation("direction: an unknown name is refused at config time", "saferun/config
          "            self.best_mode()  # now:", "            pass  # now:",
          DIRECTION + "test_a_name_without_a_direction_is_refused_naming_the_setting")
 mutation("direction: the inference is said once", "saferun/checkpoint/checkpointer.py",
-         "        self._unsaid = False\n        intent.kill_point", "        intent.kill_point",
+         "            self._unsaid = False\n        except BaseException as e:",
+         "        except BaseException as e:",
          DIRECTION + "test_save_best_of_an_accuracy_keeps_the_highest_and_says_so_once",
          DIRECTION + "test_a_given_mode_wins_over_the_name",
-         also=(("saferun/checkpoint/checkpointer.py", "        if self._unsaid and o.ranks.is_main:",
-                "        if o.ranks.is_main:"),))
+         also=(("saferun/checkpoint/checkpointer.py", "            if self._unsaid and o.ranks.is_main:",
+                "            if o.ranks.is_main:"),))
 mutation("direction: EarlyStopping infers its direction from the monitored name", "saferun/stopping.py",
          "        self.mode = metric_mode(monitor, mode,", '        self.mode = mode or "min" if True else metric_mode(monitor, mode,',
          DIRECTION + "test_early_stopping_on_an_accuracy_goes_on_while_it_rises")
