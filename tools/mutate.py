@@ -1567,6 +1567,10 @@ mutation("perf: tokens/s from the task's tokens per sample", PERF,
 mutation("perf: a GPU's peak only for the GPU itself (A10 is not A10G)", PERF,
          'if re.search(rf"\\b{re.escape(key)}\\b", name):', "if key in name:",
          f"{PERFT}::test_the_peak_is_known_for_common_gpus_only")
+mutation("perf: no peak for a precision the GPU has no tensor cores for", PERF,
+         "            if tflops is None or precision not in precisions:\n",
+         "            if tflops is None:\n",
+         f"{PERFT}::test_the_peak_is_known_for_common_gpus_only")
 STEPT = "tests/loop/test_steptimer.py::"
 mutation("perf: the split of the log point's step joins its metrics", T,
          "        self._timer.at_log_point(metrics, self.state.step)  #", "        pass  #",
