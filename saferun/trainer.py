@@ -600,7 +600,7 @@ class Trainer:
             self._audit_first_steps()
         if self._perf.counting:
             self._count_first_step()
-        self._timer.plan(self.state.step, self.state.max_steps)  # times each log point's step
+        self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
 
     def _count_first_step(self) -> None:
         """The throughput report's FLOPs: the next train_step runs under torch's FLOP counter

@@ -1584,6 +1584,10 @@ mutation("perf: the data wait is not counted as the forward and backward", T,
 mutation("perf: the optimizer's time is its own phase", T,
          '            timer.lap("optimizer")\n', '            timer.lap("guards")\n',
          f"{STEPT}test_a_slow_optimizer_step_shows_as_optimizer_time")
+mutation("perf: the timed step starts after the step before's validation and save",
+         "saferun/loop/steptimer.py",
+         "        if starting and self.before == step:\n", "        if self.before == step:\n",
+         f"{STEPT}test_logging_every_step_times_every_step_without_the_validation_before_it")
 mutation("perf: several optimizers: no phase that would count another's time", "saferun/loop/steptimer.py",
          '        if not self._phases and phase != "data_wait":\n            return\n', "",
          f"{STEPT}test_several_optimizers_split_only_the_data_wait")

@@ -51,13 +51,16 @@ class StepTimer:
         self._started = 0.0
         self._times: dict[str, float] = {}
 
-    def plan(self, step: int, limit: Optional[float]) -> None:
+    def plan(self, step: int, limit: Optional[float], starting: bool = False) -> None:
         """After step `step` (a fit's start, a log point): time the next step that ends at a log
-        point, or the run's last step `limit` (None: not known), whichever comes first."""
+        point, or the run's last step `limit` (None: not known), whichever comes first. The
+        loop starts the timer once the step before it has ended (its validation and save too);
+        `starting`: a fit starts here, so if the timed step is the next one, it starts now."""
+        self.on = False
         self.limit = math.inf if limit is None else limit
         timed = min((step // self._every + 1) * self._every, self.limit)
         self.before = int(timed) - 1 if timed != math.inf else -1
-        if self.before == step:
+        if starting and self.before == step:
             self.start(step)
 
     def start(self, step: int) -> None:
@@ -86,7 +89,6 @@ class StepTimer:
                 if phase in self._times:
                     metrics[f"perf/{phase}_ms"] = 1e3 * self._times[phase]
             metrics["perf/step_ms"] = 1e3 * (end - self._started)
-        self.on = False
         self.plan(step, self.limit)
 
     def _now(self) -> float:

@@ -129,3 +129,32 @@ def test_several_optimizers_split_only_the_data_wait(tmp_path):
     final = Two(config(tmp_path, max_steps=8)).fit()
     assert 0.0 <= final["perf/data_wait_ms"] <= final["perf/step_ms"]
     assert not {name for name in PHASES[1:] if name in final}
+
+
+def test_logging_every_step_times_every_step_without_the_validation_before_it(tmp_path):
+    """With a log point at every step, each step is timed from the end of the one before,
+    after that step's validation: a slow validation is in no phase of the next step."""
+
+    class SlowValidation(Mlp):
+        def build_datasets(self):
+            train = super().build_datasets()[0]
+            return train, SlowSamples(train)
+
+        def validation_step(self, batch):
+            x, y = batch
+            return {"loss": F.cross_entropy(self.model(x), y)}
+
+    class Ends(StepEnds):
+        validated = {}
+
+        def on_validation_end(self, view, metrics):
+            self.validated[view.step] = time.perf_counter()
+
+    ends = Ends()
+    SlowValidation(config(tmp_path, max_steps=4, log_every_n_steps=1, val_every_n_steps=1,
+                          limit_val_batches=1), callbacks=[ends]).fit()
+    lines = logged(tmp_path)
+    assert [x["step"] for x in lines] == [1, 2, 3, 4] and sorted(ends.validated) == [1, 2, 3, 4]
+    for x in lines[1:]:  # the phases lie between the validation before and the step's end
+        phases = sum(x[name] for name in PHASES)
+        assert phases <= 1e3 * (ends.at[x["step"]] - ends.validated[x["step"] - 1]), x
