@@ -3,6 +3,7 @@
     python benchmarks/loop_window.py                   # 9 interleaved rounds, fresh processes
     python benchmarks/loop_window.py --count           # counts per step: no timing
     python benchmarks/loop_window.py --quick           # a smoke run (seconds)
+    python benchmarks/loop_window.py --count --workload cnn --steps 400   # the CNN's counts
 
 `step_micro.py` times `train_step` alone; this times everything around it too: the batch stream,
 the per-step bookkeeping, the callbacks, the log points, the stop checks and the checkpoint
@@ -133,7 +134,7 @@ class OpCounter:
         self.mode = Mode()
 
 
-def hand_loop(steps: int, window: Window) -> float:
+def hand_loop(steps: int, window: Window, workload: str = "mlp") -> float:
     """The reference: the job written by hand, as a careful user writes it."""
     import torch
     import torch.nn.functional as F
@@ -143,8 +144,8 @@ def hand_loop(steps: int, window: Window) -> float:
     from common import build_datasets, build_model
 
     torch.manual_seed(0)
-    model = build_model("mlp")
-    train_set, _ = build_datasets("mlp")
+    model = build_model(workload)
+    train_set, _ = build_datasets(workload)
     loader = DataLoader(train_set, batch_size=64, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -169,7 +170,8 @@ def hand_loop(steps: int, window: Window) -> float:
     return last
 
 
-def saferun_loop(steps: int, window: Window, guards: dict[str, Any], run_dir: str) -> float:
+def saferun_loop(steps: int, window: Window, guards: dict[str, Any], run_dir: str,
+                 workload: str = "mlp") -> float:
     """The same job as a saferun Trainer, with its defaults (and `guards`)."""
     from typing import Optional as Opt
 
@@ -186,10 +188,10 @@ def saferun_loop(steps: int, window: Window, guards: dict[str, Any], run_dir: st
 
     class Job(saferun.Trainer):
         def build_model(self) -> torch.nn.Module:
-            return build_model("mlp")
+            return build_model(workload)
 
         def build_datasets(self) -> tuple[Dataset, Opt[Dataset]]:
-            return build_datasets("mlp")[0], None
+            return build_datasets(workload)[0], None
 
         def training_step(self, batch: Any) -> torch.Tensor:
             x, y = batch
@@ -202,7 +204,7 @@ def saferun_loop(steps: int, window: Window, guards: dict[str, Any], run_dir: st
     return Job(cfg, callbacks=[Tick()]).fit()["train/loss"]
 
 
-def child(variant: str, mode: str, steps: int, start: int) -> dict[str, Any]:
+def child(variant: str, mode: str, steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
     """One run of `variant` in this process."""
     sys.path.insert(0, HERE)
     import torch
@@ -218,31 +220,33 @@ def child(variant: str, mode: str, steps: int, start: int) -> dict[str, Any]:
         window.ops.mode.__enter__()
     with tempfile.TemporaryDirectory() as run_dir:
         if variant == "hand":
-            loss = hand_loop(steps, window)
+            loss = hand_loop(steps, window, workload)
         else:
-            loss = saferun_loop(steps, window, STRICT if variant == "strict" else {}, run_dir)
+            loss = saferun_loop(steps, window, STRICT if variant == "strict" else {}, run_dir,
+                                workload)
     if counter is not None:
         window.ops.mode.__exit__(None, None, None)
         counter.__exit__(None, None, None)
     return {"variant": variant, "mode": mode, "final_loss": loss, **window.result()}
 
 
-def spawn(variant: str, mode: str, steps: int, start: int) -> dict[str, Any]:
+def spawn(variant: str, mode: str, steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--mode", mode,
-           "--steps", str(steps), "--start", str(start)]
+           "--steps", str(steps), "--start", str(start), "--workload", workload]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
     if proc.returncode != 0:
         sys.exit(f"{variant} ({mode}) failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def timed(rounds: int, steps: int, start: int, say: Callable[[str], None]) -> dict[str, Any]:
+def timed(rounds: int, steps: int, start: int, say: Callable[[str], None],
+          workload: str = "mlp") -> dict[str, Any]:
     """`rounds` rounds of every variant, the order rotating; ratios to the round's hand loop."""
     runs: list[dict[str, Any]] = []
     for r in range(rounds):
         order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
-        got = {v: spawn(v, "time", steps, start) for v in order}
+        got = {v: spawn(v, "time", steps, start, workload) for v in order}
         for v in VARIANTS:
             got[v].update(round=r, ratio=got[v]["us_per_step"] / got["hand"]["us_per_step"])
             runs.append(got[v])
@@ -260,11 +264,11 @@ def timed(rounds: int, steps: int, start: int, say: Callable[[str], None]) -> di
     return {"rounds": rounds, "runs": runs, "summary": summary}
 
 
-def counted(steps: int, start: int) -> dict[str, Any]:
+def counted(steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
     out = {}
     for v in VARIANTS:
-        calls = spawn(v, "calls", steps, start)
-        device = spawn(v, "device", steps, start)
+        calls = spawn(v, "calls", steps, start, workload)
+        device = spawn(v, "device", steps, start, workload)
         out[v] = {k: calls[k] for k in ("python_calls", "plain_step_python_calls",
                                          "log_point_python_calls", "c_calls", "gc0_per_1000_steps")}
         out[v].update({k: device[k] for k in ("torch_ops", "plain_step_torch_ops",
@@ -279,6 +283,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--start", type=int, default=200, help="the window starts after this step")
     p.add_argument("--count", action="store_true", help="counts per step instead of times")
+    p.add_argument("--workload", default="mlp", choices=("mlp", "cnn"),
+                   help="the job's model and data (benchmarks/common.py); the same loop")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 150 steps (window 51-150), one round, and the counts")
     p.add_argument("--json", help="write the results here")
@@ -286,17 +292,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--mode", default="time", choices=("time", "calls", "device"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.mode, a.steps, a.start)))
+        print(json.dumps(child(a.child, a.mode, a.steps, a.start, a.workload)))
         return {}
     if a.quick:
         a.rounds, a.steps, a.start = 1, 150, 50
     if a.steps - a.start < LOG_EVERY or a.start < 2:
         p.error(f"the window (steps {a.start + 1}-{a.steps}) must hold a log interval "
                 f"({LOG_EVERY} steps) and start after step 1")
-    results: dict[str, Any] = {"steps": a.steps, "window": [a.start + 1, a.steps],
-                               "threads": 1, "python": sys.version.split()[0]}
+    results: dict[str, Any] = {"workload": a.workload, "steps": a.steps,
+                               "window": [a.start + 1, a.steps], "threads": 1,
+                               "python": sys.version.split()[0]}
     if a.count or a.quick:
-        results["per_step"] = counted(a.steps, a.start)
+        results["per_step"] = counted(a.steps, a.start, a.workload)
         print(f"per step, steps {a.start + 1}-{a.steps}:")
         for v, c in results["per_step"].items():
             print(f"  {v:8s} python calls {c['python_calls']:7.1f} (a plain step "
@@ -306,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   f"  syncs/step {c['syncs_per_step']:.3f}, between log points "
                   f"{c['syncs_between_log_points']}")
     if not a.count:
-        results["timed"] = timed(a.rounds, a.steps, a.start, print)
+        results["timed"] = timed(a.rounds, a.steps, a.start, print, a.workload)
         for v, s in results["timed"]["summary"].items():
             print(f"  {v:8s} {s['median_us_per_step']:8.1f} us/step  median ratio "
                   f"{s['median_ratio']:.3f}x ({s['ratio_range'][0]:.3f}-{s['ratio_range'][1]:.3f})"

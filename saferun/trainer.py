@@ -57,6 +57,7 @@ from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
 from .loop.seeding import derive_seed, seed_everything
 from .loop.threads import apply_plan, plan_threads, usable_cores
+from .loop.steptimer import StepTimer
 from .loop.throughput import Throughput
 from .loop.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
@@ -277,8 +278,9 @@ class Trainer:
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch, data)
         self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
+        self._timer = StepTimer(self.device, t.log_every_n_steps, phases=not several)
         self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm,
-                                       self._strategy.meshes)
+                                       self._strategy.meshes, self._timer)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -323,7 +325,7 @@ class Trainer:
         the last fit() ended, as one longer run would; with nothing left to train it refuses.
         It takes no arguments: the model and data come from the build_* hooks."""
         self._setup_for_fit(misplaced)
-        t, state, cbs = self.cfg.trainer, self.state, self._callbacks
+        t, state, cbs, timer = self.cfg.trainer, self.state, self._callbacks, self._timer
         limit = self._check_limits()
         self._checkpointer.begin_run()
         self._say_threads()
@@ -348,6 +350,8 @@ class Trainer:
                     control = self._end_step(control, validated, bool(micro_batches))
                     if (control and control.stop) or state.step >= limit:
                         break
+                    if state.step == timer.before and not timer.on:  # the next step is timed
+                        timer.start(state.step)  # from here: its wait for data
                 self._end_of_loop(validated)
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
@@ -390,19 +394,30 @@ class Trainer:
 
     def train_step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One optimizer step over `micro_batches`. Reads top to bottom."""
+        timer = self._timer  # on the step of a log point, marks where its time went
+        if timer.on:
+            timer.lap("data_wait")
         if self._manual is not None:  # several optimizers: training_step calls optimize()
             return self._manual.step(micro_batches)
         guard = self._guard
         if guard.snapshot is not None:
             guard.snapshot.take()  # under a skip policy: the buffers as before this step
+            if timer.on:
+                timer.lap("guards")
         loss, logs, samples = self._forward_backward(micro_batches)
+        if timer.on:
+            timer.lap("forward_backward")
         if self._declared is not None:
             self._declared.check(self.state.step + 1)
         if self._unused is not None and not self._unused.after_backward():  # the first steps
             self._unused = None
+        if timer.on:
+            timer.lap("guards")
         grad_norm, skipped, spike, loss_spike = self._update(  # (a skip policy: one host sync)
             self.optimizer, self._params, self._schedule, loss)
         self._scaler.update()  # after the step (a skipped one too: it saw the gradients)
+        if timer.on:
+            timer.lap("optimizer")
         if skipped:
             return guard.skipped(loss, grad_norm, samples)
         self.state.advance(samples)
@@ -594,6 +609,7 @@ class Trainer:
             self._audit_first_steps()
         if self._perf.counting:
             self._count_first_step()
+        self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
 
     def _count_first_step(self) -> None:
         """The throughput report's FLOPs: the next train_step runs under torch's FLOP counter
@@ -794,6 +810,7 @@ class Trainer:
         self._guard.clean_log_point()
         metrics.update(self._schedule.rates())  # the rates the latest step used, every group
         self._perf.at_log_point(metrics)  # perf/tokens_per_sec, perf/flops_per_step, perf/mfu
+        self._timer.at_log_point(metrics, self.state.step)  # perf/*_ms: where a step's time went
         self.state.metrics.update(metrics)
         control = agreement.agreed(self._callbacks.on_log(self.view, metrics))
         self._write_media(media)

@@ -118,3 +118,32 @@ def test_loop_window_benchmark_quick_run_reports_times_and_counts(tmp_path):
     assert counts["hand"]["syncs_per_step"] == pytest.approx(1 / 100)
     # the same model and optimizer: saferun adds no torch operator to a plain step
     assert counts["saferun"]["plain_step_torch_ops"] <= counts["hand"]["plain_step_torch_ops"]
+
+
+def test_a_threads_benchmark_run_uses_its_arms_thread_count(tmp_path, monkeypatch):
+    # one arm's run (a fresh `saferun run` of the README's job, two steps): the thread count it
+    # forces is the one the run's plan says it used
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import threads
+
+    got = threads.one_run("digits", "1", 2, 2, str(tmp_path / "run"))
+    assert got["plan"].startswith("1 intra-op") and "trainer.num_threads" in got["plan"], got
+    assert got["seconds"] > 0 and got["val_loss"] is not None
+
+
+@pytest.mark.slow  # 8 fresh `saferun run` processes, 4 of them beside a busy process
+def test_the_threads_benchmark_runs_every_arm_quiet_and_busy_and_reports_the_ratio(tmp_path):
+    out = tmp_path / "threads.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "threads.py"), "--workloads", "digits",
+           "--rounds", "1", "--steps", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert sorted((x["condition"], x["arm"]) for x in r["runs"]) == sorted(
+        (c, a) for c in ("quiet", "busy") for a in ("auto", "1", "2", "torch"))
+    plans = {x["arm"]: x["plan"] for x in r["runs"] if x["condition"] == "quiet"}
+    assert "auto:" in plans["auto"] and plans["2"].startswith("2 intra-op")
+    assert plans["torch"].startswith(f"{r['torch_default_threads']} intra-op")
+    assert set(r["table"]) == {"digits quiet", "digits busy"}
+    assert all(row["auto_over_best"] > 0 for row in r["table"].values())
+    assert "auto / best forced" in proc.stdout

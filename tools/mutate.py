@@ -1567,6 +1567,30 @@ mutation("perf: tokens/s from the task's tokens per sample", PERF,
 mutation("perf: a GPU's peak only for the GPU itself (A10 is not A10G)", PERF,
          'if re.search(rf"\\b{re.escape(key)}\\b", name):', "if key in name:",
          f"{PERFT}::test_the_peak_is_known_for_common_gpus_only")
+mutation("perf: no peak for a precision the GPU has no tensor cores for", PERF,
+         "            if tflops is None or precision not in precisions:\n",
+         "            if tflops is None:\n",
+         f"{PERFT}::test_the_peak_is_known_for_common_gpus_only")
+STEPT = "tests/loop/test_steptimer.py::"
+mutation("perf: the split of the log point's step joins its metrics", T,
+         "        self._timer.at_log_point(metrics, self.state.step)  #", "        pass  #",
+         f"{STEPT}test_each_log_point_splits_its_step_to_every_logger")
+mutation("perf: the timed step's data wait starts at the end of the step before", T,
+         "                        timer.start(state.step)  # from here", "                        pass  # from here",
+         f"{STEPT}test_each_log_point_splits_its_step_to_every_logger")
+mutation("perf: the data wait is not counted as the forward and backward", T,
+         '            timer.lap("data_wait")\n', '            timer.lap("forward_backward")\n',
+         f"{STEPT}test_a_slow_data_loader_shows_as_data_wait")
+mutation("perf: the optimizer's time is its own phase", T,
+         '            timer.lap("optimizer")\n', '            timer.lap("guards")\n',
+         f"{STEPT}test_a_slow_optimizer_step_shows_as_optimizer_time")
+mutation("perf: the timed step starts after the step before's validation and save",
+         "saferun/loop/steptimer.py",
+         "        if starting and self.before == step:\n", "        if self.before == step:\n",
+         f"{STEPT}test_logging_every_step_times_every_step_without_the_validation_before_it")
+mutation("perf: several optimizers: no phase that would count another's time", "saferun/loop/steptimer.py",
+         '        if not self._phases and phase != "data_wait":\n            return\n', "",
+         f"{STEPT}test_several_optimizers_split_only_the_data_wait")
 
 
 # issue 36: first hour

@@ -64,7 +64,9 @@ class SpikeDetector:
         self.warmup = warmup
         self.min_rel_mad = min_rel_mad
         self.refresh_every = refresh_every
-        self._values: Optional[torch.Tensor] = None  # (window,) float32; NaN marks an empty slot
+        self._ring: Optional[torch.Tensor] = None  # (window + 1,) float32: the window, then a
+        # scratch slot that the values not kept are written to (so that no index repeats)
+        self._values: Optional[torch.Tensor] = None  # the window: _ring[:window]; NaN: empty
         self._count: Optional[torch.Tensor] = None  # int64 0-dim: values accepted so far
         self._limit: Optional[torch.Tensor] = None  # float32 0-dim; +inf until warmed up
         self._pending: list[torch.Tensor] = []  # values compared with _limit, not yet in the window
@@ -76,16 +78,14 @@ class SpikeDetector:
 
     def update(self, value: torch.Tensor) -> torch.Tensor:
         """Return whether `value` is a spike (0-dim bool, on its device); keep it if it is not."""
-        if value.numel() != 1:
-            raise ValueError(f"spike detector: expected a scalar, got shape {tuple(value.shape)}.")
         if self._due == 0:
             self.refresh()
         limit = self._limit
         if limit is None or limit.device != value.device:
             limit = self._state(value.device)[2]
-        v = value.detach() if value.requires_grad else value
-        if v.dim() or v.dtype != torch.float32:
-            v = v.reshape(()).to(torch.float32)
+        # (attribute reads only, no call: the loop's loss and gradient norm are float32 scalars)
+        v = _scalar(value) if value.shape or value.dtype is not torch.float32 or \
+            value.requires_grad else value
         # NaN and +Inf become -Inf, which is never above the limit: non-finite is not a spike.
         v = torch.nan_to_num(v, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
         self._pending.append(v)
@@ -103,17 +103,19 @@ class SpikeDetector:
         device = self._pending[0].device if self._pending else None
         values, count, limit = self._state(device)
         if self._pending:
-            self._fold(values, count, limit)
-        n = count.clamp(max=self.window)
-        k = ((n - 1).clamp(min=0) // 2).reshape(1)  # the lower median's place among the n
+            assert self._ring is not None
+            self._fold(self._ring, count, limit)
+        # the lower median's place among the min(count, window) values kept (0 when none)
+        k = ((count.clamp(1, self.window) - 1) // 2).reshape(1)
         median = _kth(values, k)
         mad = _kth((values - median).abs(), k)  # empty slots stay NaN and sort last
         scale = torch.maximum(mad, self.min_rel_mad * median.abs()).clamp(min=_MIN_SCALE)
-        self._limit = torch.where(count >= self.warmup,
-                                  median + self.threshold * _MAD_TO_STD * scale, _INF)
+        limit = torch.add(median, scale, alpha=self.threshold * _MAD_TO_STD)
+        self._limit = limit.masked_fill_(count < self.warmup, _INF)  # +Inf until warmed up
 
-    def _fold(self, values: torch.Tensor, count: torch.Tensor, limit: torch.Tensor) -> None:
-        """Write the pending values that were not spikes into the window's oldest slots, in order."""
+    def _fold(self, ring: torch.Tensor, count: torch.Tensor, limit: torch.Tensor) -> None:
+        """Write the pending values that were not spikes into the window's oldest slots, in order
+        (`ring`: the window and its scratch slot)."""
         v = torch.stack(self._pending)
         self._pending = []
         accept = (v <= limit) & (v > _NEG_INF)  # not a spike, and finite (-Inf: not finite)
@@ -123,20 +125,20 @@ class SpikeDetector:
         # out); the others to a scratch slot past the end: no index repeats, nothing syncs.
         slot = torch.where(accept & (rank > total - self.window),
                            (rank + (count - 1)) % self.window, self.window)
-        ring = torch.cat([values, v[:1]]).scatter_(0, slot, v)
-        values.copy_(ring[:self.window])
+        ring.scatter_(0, slot, v)
         count.add_(total)
 
     def state_dict(self) -> dict[str, Any]:
         """The window (kept values included), the count of accepted values, the limit in use and
         the updates until the next refresh, as tensors (loads with weights_only)."""
-        values, count, limit = self._state(None)
-        values, count = values.clone(), count.clone()
+        _, count, limit = self._state(None)
+        assert self._ring is not None
+        ring, count = self._ring.clone(), count.clone()
         if self._pending:
             pending = list(self._pending)
-            self._fold(values, count, limit)  # into the copies: this detector goes on unchanged
+            self._fold(ring, count, limit)  # into the copies: this detector goes on unchanged
             self._pending = pending
-        return {"values": values, "count": count, "limit": limit.clone(),
+        return {"values": ring[:self.window].clone(), "count": count, "limit": limit.clone(),
                 "updates": torch.tensor(self._updates), "due": torch.tensor(self._due)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -146,7 +148,9 @@ class SpikeDetector:
             raise ValueError(f"spike detector: the saved state holds a window of "
                              f"{tuple(values.shape)} values, but this detector has "
                              f"window={self.window}. Resume with the same window.")
-        self._values = values.detach().to(torch.float32).clone()
+        self._ring = torch.cat([values.detach().to(torch.float32),
+                                torch.full((1,), float("nan"), device=values.device)])
+        self._values = self._ring[:self.window]
         self._count = count.detach().to(device=self._values.device, dtype=torch.int64).clone()
         self._pending = []
         if "limit" in state:
@@ -160,16 +164,25 @@ class SpikeDetector:
     def _state(self, device: Optional[torch.device]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The window, count and limit, created on first use and moved to `device` if it differs."""
-        if self._values is None:
-            self._values = torch.full((self.window,), float("nan"), device=device)
+        if self._ring is None:
+            self._ring = torch.full((self.window + 1,), float("nan"), device=device)
+            self._values = self._ring[:self.window]
             self._count = torch.zeros((), dtype=torch.int64, device=device)
             self._limit = torch.full((), float("inf"), device=device)
-        assert self._count is not None and self._limit is not None
-        if device is not None and self._values.device != device:
-            self._values = self._values.to(device)
+        assert self._values is not None and self._count is not None and self._limit is not None
+        if device is not None and self._ring.device != device:
+            self._ring = self._ring.to(device)
+            self._values = self._ring[:self.window]
             self._count = self._count.to(device)
             self._limit = self._limit.to(device)
         return self._values, self._count, self._limit
+
+
+def _scalar(value: torch.Tensor) -> torch.Tensor:
+    """`value` as a float32 0-dim tensor out of autograd; refused unless it holds one number."""
+    if value.numel() != 1:
+        raise ValueError(f"spike detector: expected a scalar, got shape {tuple(value.shape)}.")
+    return value.detach().reshape(()).to(torch.float32)
 
 
 def _kth(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

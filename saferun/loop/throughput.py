@@ -26,11 +26,25 @@ import torch
 
 log = logging.getLogger("saferun")
 
-# Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, in TFLOP/s, from the vendors' data
-# sheets; matched in order, as a whole word, in torch.cuda.get_device_name() (A10 is not A10G).
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
-    ("L4", 121.0), ("A10", 125.0), ("V100", 125.0), ("T4", 65.0),
+# Dense (no 2:4 sparsity) tensor-core peak per GPU in TFLOP/s, and the precisions it holds for:
+# vendors' data sheets print the sparse figure first, twice the dense one (H100 SXM bf16: 1979
+# sparse, 989.4 dense). Matched in order, as a whole word, in torch.cuda.get_device_name() (A10
+# is not A10G, V100 not V100S); None: a GPU whose peak saferun does not know for sure (the NVL
+# parts run at lower clocks than the SXM ones), so no MFU rather than a wrong one.
+_BOTH, _FP16 = ("bf16", "fp16"), ("fp16",)  # Volta and Turing have no bf16 tensor cores
+PEAK_TFLOPS: tuple[tuple[str, Optional[float], tuple[str, ...]], ...] = (
+    ("H200 NVL", None, _BOTH),
+    ("H200", 989.4, _BOTH),  # the H100 SXM's chip and clocks, more memory
+    ("H100 NVL", None, _BOTH),
+    ("H100 PCIe", 756.0, _BOTH),  # 1513 sparse
+    ("H100", 989.4, _BOTH),  # SXM5
+    ("A100", 312.0, _BOTH),  # SXM4 and PCIe alike (624 sparse)
+    ("L40S", 362.0, _BOTH),  # 362.05 (733 sparse)
+    ("L4", 121.0, _BOTH),  # 242 sparse
+    ("A10", 125.0, _BOTH),  # 250 sparse
+    ("V100-PCIE", 112.0, _FP16),
+    ("V100", 125.0, _FP16),  # SXM2; no sparsity on Volta
+    ("T4", 65.0, _FP16),  # no sparsity figure on Turing's data sheet
 )
 
 
@@ -45,10 +59,12 @@ def peak_for(name: str, precision: str) -> tuple[Optional[float], str]:
     """`peak_tflops` for the GPU called `name`."""
     if precision not in ("bf16", "fp16"):
         return None, f"unknown peak for {precision} on {name} (the table holds bf16/fp16 peaks)"
-    for key, tflops in PEAK_TFLOPS:
+    for key, tflops, precisions in PEAK_TFLOPS:
         if re.search(rf"\b{re.escape(key)}\b", name):
+            if tflops is None or precision not in precisions:
+                break
             return tflops, f"{name}, peak {tflops:g} TFLOP/s ({precision}, dense)"
-    return None, f"unknown peak for {name}"
+    return None, f"unknown peak for {precision} on {name}"
 
 
 class Throughput:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..guards.failure_site import record
+from .steptimer import StepTimer
 
 # torch's function itself: saferun's own clipping never goes through the wrapper that refuses a
 # clip inside training_step (loop/habits.py), so it costs no call per step
@@ -27,12 +28,14 @@ class OptimizerUpdate:
     """Applies one optimizer's update from the gradients its backward left."""
 
     def __init__(self, scaler: Any, guard: Any, max_grad_norm: Optional[float],
-                 meshes: bool = False) -> None:
+                 meshes: bool = False, timer: Optional[StepTimer] = None) -> None:
         """`scaler`: the GradScaler (disabled outside fp16); `guard`: the BadStepPolicy (its
         spike detectors and skip verdict); `meshes`: the parameters may lie on several device
-        meshes (the strategy's `meshes`)."""
+        meshes (the strategy's `meshes`); `timer`: the loop's StepTimer, told which part of
+        the update is the guards'."""
         self._scaler, self._guard = scaler, guard
         self._max_grad_norm, self._meshes = max_grad_norm, meshes
+        self._timer = timer or StepTimer(torch.device("cpu"), 1)  # (never started: never on)
 
     def __call__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                  schedule: Any, loss: torch.Tensor
@@ -47,8 +50,13 @@ class OptimizerUpdate:
             record(exc, optimize_part="step")
             raise
         norm = clip_or_measure(params, self._max_grad_norm, self._meshes)
+        timer = self._timer
+        if timer.on:
+            timer.lap("optimizer")
         spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)  # device
         skipped = guard.skips and guard.bad_now(loss, norm, spike)
+        if timer.on:
+            timer.lap("guards")
         if not skipped:
             try:
                 scaler.step(optimizer)

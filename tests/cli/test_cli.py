@@ -32,6 +32,9 @@ def test_run_writes_config_summary_and_tensorboard_and_prints_the_run_dir(tmp_pa
     assert summary["step"] == 10 and summary["overrides"] == FAST
     assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
     assert 0.0 <= summary["metrics"]["val/f1"] <= 1.0  # the recipe's torchmetrics macro-F1
+    # where the last log point's step went (loop/steptimer.py), with the other perf/*
+    split = [summary["metrics"][f"perf/{k}_ms"] for k in ("data_wait", "forward_backward", "optimizer", "guards")]
+    assert min(split) >= 0.0 and sum(split) <= summary["metrics"]["perf/step_ms"], split
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["kind"] == "train"] == [2, 4, 6, 8, 10]
     assert lines[-1]["kind"] == "val" and lines[-1]["val/f1"] == summary["metrics"]["val/f1"]

@@ -195,3 +195,19 @@ def test_fp16_a_save_after_a_step_the_grad_scaler_skipped_goes_ahead(tmp_path):
     for path in found:
         state = load_checkpoint(path)
         assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_the_step_split_counts_gpu_time_in_its_phase(tmp_path):
+    """perf/forward_backward_ms holds the kernels' time, not only their launch: the timed step
+    synchronizes the device at its marks (loop/steptimer.py)."""
+
+    class SlowKernel(ToyTrainer):
+        def training_step(self, batch):
+            torch.cuda._sleep(100_000_000)  # a kernel spinning 1e8 GPU cycles: over 40 ms
+            return super().training_step(batch)
+
+    t = SlowKernel(toy_config(tmp_path, device="cuda", max_steps=8, log_every_n_steps=4))
+    final = t.fit()
+    assert final["perf/forward_backward_ms"] >= 40.0, final
+    others = ("perf/data_wait_ms", "perf/optimizer_ms", "perf/guards_ms")
+    assert final["perf/forward_backward_ms"] > sum(final[k] for k in others), final

@@ -76,8 +76,16 @@ def test_the_flops_of_an_accumulated_step_are_those_of_all_its_micro_batches(tmp
 
 
 @pytest.mark.parametrize("name, precision, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),  # dense: not the data sheet's 1979 (sparse)
+    ("NVIDIA H200", "bf16", 989.4),
     ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA H100 NVL", "bf16", None),  # not the SXM's peak: unknown
+    ("NVIDIA H200 NVL", "bf16", None),
+    ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+    ("Tesla V100-PCIE-32GB", "fp16", 112.0),
+    ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 tensor cores
+    ("Tesla T4", "fp16", 65.0),
+    ("Tesla T4", "bf16", None),
     ("NVIDIA A100-SXM4-80GB", "fp16", 312.0),
     ("NVIDIA A10", "bf16", 125.0),
     ("NVIDIA A10G", "bf16", None),  # not the A10: no guess
