@@ -420,18 +420,27 @@ def test_resumed_on_three_processes_with_a_warning(fsdp_run, tmp_path):
 
 @pytest.mark.slow
 def test_async_saves_train_the_same_and_complete_every_checkpoint(fsdp_run, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     run_dir = tmp_path / "run"
-    cfg = job_config(run_dir)
+    cfg = job_config(run_dir, ema=EMA)
     cfg["trainer"]["fsdp"] = {"async_save": True}
     proc = torchrun(cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    a, b = load(run_dir, "model.pt"), load(fsdp_run, "model.pt")
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    for name in ("model.pt", "model_ema.pt"):  # the weights and their average
+        a, b = load(run_dir, name), load(fsdp_run, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
     names = [p.name for p in list_checkpoints(run_dir / "checkpoints")]
     assert names == ["step-00000005", f"step-{STEPS:08d}"]
     for name in names:
         load_checkpoint(run_dir / "checkpoints" / name)
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    # the average in the background-written shards is the one of its step, as a synchronous
+    # save writes it (staged before training went on)
+    for run, out in ((run_dir, tmp_path / "async.pt"), (fsdp_run, tmp_path / "sync.pt")):
+        dcp_to_torch_save(run / "checkpoints" / "step-00000005", out)
+    written, want = (torch.load(tmp_path / f, weights_only=False)["ema"] for f in ("async.pt", "sync.pt"))
+    assert written.keys() == want.keys() and all(torch.equal(written[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
