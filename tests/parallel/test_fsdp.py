@@ -405,7 +405,7 @@ def test_a_training_step_calling_submodules_is_refused(tmp_path):
 @pytest.mark.slow
 def test_resumed_on_three_processes_with_a_warning(fsdp_run, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = job_config(run_dir)
+    cfg = job_config(run_dir, ema=EMA)  # (the config as saved)
     cfg["resume"] = str(fsdp_run / "checkpoints" / "step-00000005")
     proc = torchrun(cfg, nproc=3)
     out = proc.stdout + proc.stderr
@@ -415,6 +415,7 @@ def test_resumed_on_three_processes_with_a_warning(fsdp_run, tmp_path):
     from fsdp_job import Stack
 
     Stack().load_state_dict(load(run_dir, "model.pt"))
+    Stack().load_state_dict(load(run_dir, "model_ema.pt"))  # the average, resharded 2 -> 3
     assert load_checkpoint(run_dir / "checkpoints" / f"step-{STEPS:08d}")["sharded"]["world_size"] == 3
 
 
