@@ -47,6 +47,20 @@ def test_the_charlm_workload_does_the_same_work_in_both_loops(tmp_path):
     assert all(r["host"]["plain_step_syncs"] == 0 for r in runs)
 
 
+@pytest.mark.slow  # two torchrun jobs of 4 processes
+def test_the_mesh_benchmark_runs_both_arms_on_the_same_work(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "mesh.py"), "--rounds", "1",
+           "--steps", "4", "--warmup", "2", "--log-every", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| 1 |" in proc.stdout and "median ratio over 1 round(s)" in proc.stdout
+    # the launcher exits unless the arms logged the same losses; they are written per arm
+    arms = {arm: json.loads((tmp_path / "round0" / f"{arm}.json").read_text())
+            for arm in ("hand", "saferun")}
+    assert arms["hand"]["losses"].keys() == arms["saferun"]["losses"].keys() == {"2", "4"}
+    assert arms["saferun"]["losses"] == pytest.approx(arms["hand"]["losses"], rel=1e-4)
+
+
 def test_step_micro_benchmark_runs_and_reports(tmp_path, monkeypatch, capsys):
     # A few pairs, in this process (a subprocess would spend seconds importing torch again):
     # the in-process comparison runs, both steps did the same arithmetic (the script exits

@@ -743,14 +743,18 @@ mutation("stateful metrics are reset before each validation", EVAL,
          "        reset_all(self._metrics)\n", "",
          "tests/loop/test_stateful_metrics.py::test_config_metrics_equal_sklearn_over_the_whole_set_at_each_validation")
 mutation("the weight average skips skipped steps and copies integer buffers", AVG,
+         "        self._ema_copied, self._raw_copied = [e for e, _ in copied], [r for _, r in copied]\n"
          "        self.hook = optimizer.register_step_post_hook(self._update)\n",
+         "        self._ema_copied, self._raw_copied = [e for e, _ in copied], [r for _, r in copied]\n"
          "        self.averaged.multi_avg_fn = self._avg  # swa_utils' own update, as is\n"
          "        self.hook = optimizer.register_step_post_hook(\n"
          "            lambda *_: self.averaged.update_parameters(model))\n",
          "tests/loop/test_averaging.py::test_the_average_is_the_ema_of_the_weights_after_each_step_that_ran")
-mutation("the weight average is resumed from the checkpoint", CKPTR,
-         '            p.ema.load_state_dict(state.get("ema"))\n        loop = state["loop"]',
-         '            p.ema.load_state_dict(None)\n        loop = state["loop"]',
+mutation("the weight average is resumed from the checkpoint", FORMATS,
+         '        optimizer.load_state_dict(state["optimizer"])\n        if ema is not None:\n'
+         '            ema.load_state_dict(state.get("ema"))\n',
+         '        optimizer.load_state_dict(state["optimizer"])\n        if ema is not None:\n'
+         '            ema.load_state_dict(None)\n',
          f"{RESUME}::test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights")
 mutation("under torchrun the ranks agree on the logged keys", "saferun/loop/metrics.py",
          "            keys = distributed.union(keys, data.group)\n", "            pass\n",
@@ -829,7 +833,7 @@ mutation("a fused optimizer's step the GradScaler dropped leaves the schedule", 
          "            if found is None or not found.item():", "            if True:",
          "tests/loop/test_precision.py::test_steps_the_grad_scaler_skips_do_not_advance_the_schedule")
 mutation("a fused optimizer's step the GradScaler dropped leaves the average", "saferun/loop/averaging.py",
-         "        if found is not None and found.item():\n            return\n", "",
+         "    if found is not None and found.item():\n        return\n", "",
          "tests/loop/test_averaging.py::test_a_step_the_grad_scaler_drops_does_not_move_the_average")
 
 # ---------------------------------------------------------------- branch audits: the user's model, loss, data (issue 24)
@@ -1726,6 +1730,27 @@ mutation("mesh: a tensor-parallel plan that splits nothing is refused", "saferun
 mutation("mesh: a mesh that does not fit the job is refused", "saferun/parallel/mesh.py",
          "        if dp * p.tp != ranks.world_size:", "        if False:",
          f"{MESH}::test_a_mesh_that_does_not_fit_the_job_is_refused_naming_the_key")
+# issue 34: trainer.ema on a mesh and under fsdp (the average sharded like the parameters)
+FSDP_EMA = "tests/parallel/test_fsdp.py::test_the_weight_average_is_kept_in_shards_and_equals_the_average_of_the_weights"
+MESH_RESHARD = f"{MESH}::test_a_checkpoint_of_another_data_split_on_as_many_processes_is_resharded_not_misread"
+mutation("sharded ema: each rank averages its own shards after each step", AVG,
+         "        _average(optimizer, self._avg, self._ema, _local(self._raw), self._ema_copied,",
+         "        _average(optimizer, self._avg, self._ema, self._ema, self._ema_copied,",
+         FSDP_EMA, MESH_PARITY)
+mutation("sharded ema: validated with the averaged shards in the model", AVG,
+         "            kept = [t.clone() for t in raw]\n            torch._foreach_copy_(raw, ema)\n",
+         "            kept = [t.clone() for t in raw]\n", FSDP_EMA, MESH_PARITY)
+mutation("sharded ema: the trained weights are put back after its validation", AVG,
+         "            with torch.no_grad():\n                torch._foreach_copy_(raw, kept)\n",
+         "            pass\n", FSDP_EMA, MESH_PARITY)
+mutation("sharded ema: model_ema.pt is the average gathered whole", AVG,
+         "            gathered = t.full_tensor() if is_dtensor(t) else t",
+         "            gathered = t.to_local() if is_dtensor(t) else t", FSDP_EMA, MESH_PARITY)
+mutation("sharded ema: saved with the checkpoint's shards", "saferun/checkpoint/sharded.py",
+         '            if ema is not None:\n                shards["ema"] = ema\n', "", FSDP_EMA, MESH_RESHARD)
+mutation("sharded ema: resumed (resharded) from the checkpoint's shards", "saferun/checkpoint/sharded.py",
+         '    with_ema = ema is not None and info.get("ema", False)',
+         "    with_ema = False", MESH_RESHARD)
 
 # issue 31: direction, sweeps, course
 DIRECTION = "tests/checkpoint/test_direction.py::"

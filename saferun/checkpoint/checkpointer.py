@@ -118,7 +118,8 @@ class Checkpointer:
             "optimizer": p.optimizer.state_dict(),
             "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None,
             "scaler": p.scaler.state_dict(),
-            "ema": p.ema.state_dict() if p.ema is not None else None,  # the same on every rank
+            # the same on every rank (sharded: each rank's shards, saved with the model's)
+            "ema": p.ema.state_dict() if p.ema is not None else None,
             "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
                      "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
                      "best": list(self.best) if self.best else None,
@@ -138,13 +139,11 @@ class Checkpointer:
         o, p = self._owner, self._parts()
         self.replaced()  # this state replaces one found by setup
         formatted = p.strategy.checkpoint_format
-        formatted.load(state, p.model, p.optimizer)
+        formatted.load(state, p.model, p.optimizer, p.ema)  # and trainer.ema's average
         if p.scheduler is not None and state["scheduler"] is not None:
             p.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             p.scaler.load_state_dict(state["scaler"])
-        if p.ema is not None:  # absent (a run without trainer.ema): starts from the weights
-            p.ema.load_state_dict(state.get("ema"))
         loop = state["loop"]
         for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(o.state, key, loop[key])
@@ -390,9 +389,8 @@ class Checkpointer:
         """The model's weights (and trainer.ema's average) from checkpoint `path` (`state`):
         what evaluation needs of a resume, and what EarlyStopping(restore_best=True) restores."""
         p = self._parts()
-        p.strategy.checkpoint_format.load_model(path, state, p.model)
-        if p.ema is not None:  # validate() reports val_ema/ too: the checkpoint's average
-            p.ema.load_state_dict(state.get("ema"))
+        # validate() reports val_ema/ too: the checkpoint's average
+        p.strategy.checkpoint_format.load_model(path, state, p.model, p.ema)
 
     # ------------------------------------------------------------------ save
 
@@ -446,10 +444,11 @@ class Checkpointer:
         at each new best. Every rank calls it (fsdp gathers the shards); rank 0 writes."""
         o, p = self._owner, self._parts()
         weights = p.strategy.checkpoint_format.export(p.model)  # sharded: gathered from every rank
+        averaged = p.ema.export() if p.ema is not None else None  # (the same)
         if o.ranks.is_main:  # whole and unsharded: loadable without saferun
             files = {f"model{suffix}.pt": weights}
-            if p.ema is not None:  # loads into the same model class as model.pt
-                files[f"model_ema{suffix}.pt"] = p.ema.module.state_dict()
+            if averaged is not None:  # loads into the same model class as model.pt
+                files[f"model_ema{suffix}.pt"] = averaged
             record: dict[str, Any] = {"step": o.state.step, "epoch": o.state.epoch}
             best = self.best_record() if suffix == "_best" else None
             if best is not None:  # its record and summary.json's "best": metric, value, step

@@ -36,11 +36,14 @@ class CheckpointFormat(Protocol):
     def finish(self) -> None:
         """Complete a save still in flight (a no-op for a format that writes at once)."""
 
-    def load(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any) -> None:
-        """The model's and optimizer's state from a loaded checkpoint (`load_checkpoint`)."""
+    def load(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any, ema: Any) -> None:
+        """The model's and optimizer's state from a loaded checkpoint (`load_checkpoint`), and
+        trainer.ema's average (`ema`; None: off), which a checkpoint without one starts from
+        the loaded weights."""
 
-    def load_model(self, path: Path, state: Mapping[str, Any], model: nn.Module) -> None:
-        """The model's weights only, from checkpoint `path` (evaluation, restore_best)."""
+    def load_model(self, path: Path, state: Mapping[str, Any], model: nn.Module, ema: Any) -> None:
+        """The model's weights (and `ema`'s) only, from checkpoint `path` (evaluation,
+        restore_best)."""
 
     def export(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's whole weights, for model.pt (on rank 0)."""
@@ -62,14 +65,18 @@ class WholeState:
     def finish(self) -> None:
         pass
 
-    def load(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any) -> None:
+    def load(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any, ema: Any) -> None:
         load_weights(model, whole_weights(state.get("sharded", {}).get("path"), state),
                      "the checkpoint")
         check_state_kind(state["optimizer"], optimizer)  # one optimizer, or several by name
         optimizer.load_state_dict(state["optimizer"])
+        if ema is not None:
+            ema.load_state_dict(state.get("ema"))
 
-    def load_model(self, path: Path, state: Mapping[str, Any], model: nn.Module) -> None:
+    def load_model(self, path: Path, state: Mapping[str, Any], model: nn.Module, ema: Any) -> None:
         load_weights(model, whole_weights(path, state), path)
+        if ema is not None:
+            ema.load_state_dict(state.get("ema"))
 
     def export(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
@@ -104,16 +111,16 @@ class ShardedState:
         if self._writer is not None:
             self._writer.finish()
 
-    def load(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any) -> None:
+    def load(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any, ema: Any) -> None:
         """Every rank reads its shards (resharded for another world size)."""
         from . import sharded
 
-        sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, model, optimizer)
+        sharded.load(Path(state.get("sharded", {}).get("path", "?")), state, model, optimizer, ema)
 
-    def load_model(self, path: Path, state: Mapping[str, Any], model: nn.Module) -> None:
+    def load_model(self, path: Path, state: Mapping[str, Any], model: nn.Module, ema: Any) -> None:
         from . import sharded
 
-        sharded.load(path, dict(state), model, None)
+        sharded.load(path, dict(state), model, None, ema)
 
     def export(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Gathered from every rank."""

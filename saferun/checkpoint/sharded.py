@@ -3,8 +3,9 @@ torch.distributed.checkpoint (DCP).
 
 A checkpoint directory holds, beside `state.pt` (the loop's state: step, each rank's RNG
 states and data position, scheduler, callbacks; written by rank 0 as in one process):
-`__<rank>_0.distcp`, each rank's shards of the model and optimizer (from `get_state_dict`),
-and `.metadata`, DCP's index of them. The crash-safety protocol is `store`'s, over all ranks:
+`__<rank>_0.distcp`, each rank's shards of the model and optimizer (from `get_state_dict`)
+and of trainer.ema's average (`ShardedWeightAverage`, DTensors like the model's), and
+`.metadata`, DCP's index of them. The crash-safety protocol is `store`'s, over all ranks:
 
 1. rank 0 names the temporary directory and every rank learns it;
 2. every rank writes its shard file there, flushed and fsynced (DCP's `sync_files`); DCP's
@@ -69,18 +70,21 @@ class ShardedWriter:
         self.finish()  # the previous one first: checkpoints complete in order
         final = root / f"step-{step:08d}"
         tmp = Path(distributed.broadcast(str(root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}")))
-        state = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        ema = state.get("ema")  # trainer.ema's average, sharded like the model: with its shards
+        state = {k: v for k, v in state.items() if k not in ("model", "optimizer", "ema")}
         # get_state_dict would fake an optimizer step (lr 0) to create state that is not there
         # yet (a step-0 save, a stateless SGD), and change this run's optimizer: then only the
         # param_groups (lr, ...), which are the same on every rank, go into state.pt
         has_optim = bool(optimizer.state)
         state["sharded"] = {"world_size": dist.get_world_size(), "optimizer": has_optim,
                             "param_groups": None if has_optim else
-                            optimizer.state_dict()["param_groups"]}
+                            optimizer.state_dict()["param_groups"], "ema": ema is not None}
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
             shards = _shards(model, optimizer if has_optim else None)
+            if ema is not None:
+                shards["ema"] = ema
             if dist.get_rank() == 0:
                 write_tensor_file(tmp / "state.pt", state)
             if self.async_save:
@@ -149,9 +153,11 @@ def _shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dic
 
 
 def load(path: Path, state: Mapping[str, Any], model: nn.Module,
-         optimizer: Optional[torch.optim.Optimizer]) -> None:
+         optimizer: Optional[torch.optim.Optimizer], ema: Any = None) -> None:
     """Every rank: load the shards of checkpoint `path` (verified by `store.load_checkpoint`)
-    into `model` (and `optimizer`), resharded if it was written by another number of ranks."""
+    into `model` (and `optimizer`, and `ema`: trainer.ema's average), resharded if it was
+    written by another number of ranks. A checkpoint without an average starts `ema` from
+    the loaded weights."""
     info = state.get("sharded")
     if info is None:
         raise CheckpointError(
@@ -159,7 +165,10 @@ def load(path: Path, state: Mapping[str, Any], model: nn.Module,
             f"this run shards the model (trainer.strategy=fsdp). Resume with the strategy that "
             f"wrote it.")
     with_optim = optimizer is not None and info["optimizer"]
+    with_ema = ema is not None and info.get("ema", False)
     shards = _shards(model, optimizer if with_optim else None)
+    if with_ema:
+        shards["ema"] = ema.state_dict()  # loaded in place, into this run's shards
     try:
         dcp.load(shards, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     except Exception as e:  # DCP reports a refused .metadata as an AssertionError
@@ -167,9 +176,11 @@ def load(path: Path, state: Mapping[str, Any], model: nn.Module,
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=shards["model"],  # type: ignore[arg-type]  # with_optim: it is set
                        optim_state_dict=shards["optim"])
-        return
-    set_state_dict(model, (), model_state_dict=shards["model"], optim_state_dict={})
-    if optimizer is not None and info.get("param_groups"):
+    else:
+        set_state_dict(model, (), model_state_dict=shards["model"], optim_state_dict={})
+    if ema is not None:  # after the model: without an average in the checkpoint, its weights
+        ema.load_state_dict(shards["ema"] if with_ema else None)
+    if not with_optim and optimizer is not None and info.get("param_groups"):
         for group, saved in zip(optimizer.param_groups, info["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

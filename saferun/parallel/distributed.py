@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -21,6 +22,12 @@ from torch import nn
 from torch.utils.data import Sampler
 
 BUCKET_BYTES = 25 * 2**20  # per all-reduce when saferun averages gradients itself (DDP's size)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (fsdp, mesh): one rank's part of a tensor spread over ranks."""
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return tensor is not None and isinstance(t, tensor.DTensor)
 
 
 @dataclass(frozen=True)

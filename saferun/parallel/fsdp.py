@@ -50,10 +50,6 @@ def check(t: Any, ranks: distributed.Ranks, device: torch.device) -> None:
                           "FSDP2 reduce-scatters every trainable parameter's gradient at every "
                           "step. Freeze what a step does not use (trainer.frozen_modules), or "
                           "use trainer.strategy=ddp.")
-    if t.ema.decay is not None:
-        raise ConfigError("trainer.ema with trainer.strategy=fsdp: the weight average is kept "
-                          "as a whole copy of the model, which a sharded run cannot hold or "
-                          "validate yet. Set trainer.ema.decay=null, or use trainer.strategy=ddp.")
     if t.fsdp.cpu_offload and device.type != "cuda":
         raise ConfigError("trainer.fsdp.cpu_offload=true offloads from the GPU to host memory; "
                           "this run trains on the CPU already. Set it to false.")

@@ -10,7 +10,6 @@ the same batches: the data is split over "dp_shard" only (the strategy's `data`)
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +49,8 @@ class Layout:
                 f"dp_shard x tp processes.")
         if dp > 1:
             fsdp.check(t, ranks, device)  # the data dimension is FSDP2's: its refusals hold
-        elif t.compile or t.find_unused_parameters or t.ema.decay is not None:
-            key = ("trainer.compile" if t.compile else "trainer.find_unused_parameters"
-                   if t.find_unused_parameters else "trainer.ema")
+        elif t.compile or t.find_unused_parameters:
+            key = "trainer.compile" if t.compile else "trainer.find_unused_parameters"
             raise ConfigError(f"{key} with trainer.strategy=mesh: not supported on a device mesh "
                               f"(as with trainer.strategy=fsdp). Turn it off.")
         return cls(dp, p.tp)
@@ -79,7 +77,7 @@ def apply_plan(holder: Any, model: nn.Module, mesh: Any, layout: Layout) -> None
                           f"{type(out).__name__ if out is not None else 'None'}, not the model it "
                           f"was given: apply the plan in place and return the model "
                           f"(parallelize_module does both).")
-    if layout.tp > 1 and not any(_is_dtensor(p) for p in model.parameters()):
+    if layout.tp > 1 and not any(distributed.is_dtensor(p) for p in model.parameters()):
         raise ConfigError(f"trainer.parallel.tp={layout.tp}, but {name}.parallelize(model, mesh) "
                           f"split no parameter over mesh[\"tp\"]: the ranks of each tensor-parallel "
                           f"group would all compute the whole model. Override parallelize with "
@@ -104,8 +102,3 @@ def check_data(layout: Layout, train_loader: Any, metrics: Any) -> None:
             f"torchmetrics syncs over every rank, counting each tensor-parallel group's samples "
             f"tp times. Return the values from validation_step instead (saferun reduces them over "
             f"the data dimension), or set trainer.parallel.tp=1.")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
-    return tensor is not None and isinstance(t, tensor.DTensor)

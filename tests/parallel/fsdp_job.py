@@ -12,7 +12,8 @@ PLANT_JSON holds SelfSignalling's keyword arguments (tests/toys.py), plus `submo
 for a training_step that calls the model's submodules instead of the model, and
 `val_samples` (64) for the validation set's size, and `die_in_save: true` for rank 1 to die
 while it writes its first checkpoint's shards, and `overflow_at: N` for rank 1's update at step
-N to leave an Inf in its shard of the first parameter (the loss and gradients stay finite).
+N to leave an Inf in its shard of the first parameter (the loss and gradients stay finite),
+and `trajectory: true` for rank 0 to write the whole weights after each step (ema_trajectory.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from toys import AugmentedDataset, SelfSignalling, make_classification  # noqa: E402
+
+from ema_trajectory import Trajectory  # noqa: E402
 
 
 class Block(nn.Module):
@@ -97,7 +100,10 @@ def main() -> None:
 
         FileSystemWriter.write_data = lambda *a, **kw: os._exit(9)  # type: ignore[method-assign]
     overflow_at = plant.pop("overflow_at", None)
-    trainer = StackTrainer(cfg, **plant)
+    trajectory = Trajectory() if plant.pop("trajectory", False) else None
+    trainer = StackTrainer(cfg, callbacks=[trajectory] if trajectory else [], **plant)
+    if trajectory is not None:
+        trajectory.trainer = trainer
     if overflow_at is not None:
         trainer.setup()  # the optimizer, to hook
 

@@ -6,9 +6,10 @@
 - `signal_at`/`on_rank`: SIGTERM to itself at that step, on that global rank only;
 - after fit, each rank writes `rank<R>.json`: whether its qkv weights are DTensors and the
   shape of its local part (so the test sees the model really split);
-- `dump`: rank 0 writes the whole model and optimizer state (gathered from every rank, keyed
-  by parameter name, so that any layout compares with any) to `start.pt` when a resumed run
-  starts (as restored) and `end.pt` when training ends.
+- `dump`: rank 0 writes the whole model and optimizer state and trainer.ema's average
+  (gathered from every rank, keyed by parameter name, so that any layout compares with any) to
+  `start.pt` when a resumed run starts (as restored) and `end.pt` when training ends;
+- `trajectory`: rank 0 writes the whole weights after each step (ema_trajectory.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any, Mapping
 import torch
 
 import saferun
+from saferun.parallel.distributed import is_dtensor
 from saferun.recipes.charlm import CharLMTrainer
+
+from ema_trajectory import Trajectory
 
 
 class Dump(saferun.Callback):
@@ -43,14 +47,19 @@ class Dump(saferun.Callback):
         tr, options = self.trainer, StateDictOptions(full_state_dict=True, cpu_offload=True)
         model = get_model_state_dict(tr.model, options=options)  # every rank: collectives
         optim = get_optimizer_state_dict(tr.model, tr.optimizer, options=options)
+        ema = {k: (v.full_tensor() if is_dtensor(v) else v).clone()  # type: ignore[attr-defined]
+               for k, v in (tr.state_dict()["ema"] or {}).items()}
         if tr.ranks.is_main:
-            torch.save({"model": model, "optimizer": optim}, Path(tr.state.run_dir, name))
+            torch.save({"model": model, "optimizer": optim, "ema": ema},
+                       Path(tr.state.run_dir, name))
 
 
 class CountingCharLM(CharLMTrainer):
     def __init__(self, cfg: Any = None, callbacks: Any = (), signal_at: int = -1,
-                 on_rank: int = -1, dump: bool = False, **kw: Any) -> None:
-        super().__init__(cfg, [*callbacks, *([Dump(self)] if dump else [])], **kw)
+                 on_rank: int = -1, dump: bool = False, trajectory: bool = False,
+                 **kw: Any) -> None:
+        super().__init__(cfg, [*callbacks, *([Dump(self)] if dump else []),
+                               *([Trajectory(self)] if trajectory else [])], **kw)
         self.signal_at, self.on_rank = signal_at, on_rank
 
     def training_step(self, batch: Any) -> torch.Tensor:

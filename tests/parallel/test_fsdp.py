@@ -1,7 +1,8 @@
 """trainer.strategy=fsdp (FSDP2) with real torchrun, gloo on the CPU: shard files per rank and
-1/N of the bytes per rank, the whole model.pt, one reduce-scatter per unit per optimizer step
-under accumulation, the ranks' buffers, damaged shards and unsafe metadata refused; slow: equal
-to DDP, SIGKILL + resume bitwise, a failing rank, submodule calls refused, resume on another
+1/N of the bytes per rank, the whole model.pt, the weight average kept in shards and exported
+whole, one reduce-scatter per unit per optimizer step under accumulation, the ranks'
+buffers, damaged shards and unsafe metadata refused; slow: equal to DDP (the weight average
+too), SIGKILL + resume bitwise (with the average), a failing rank, submodule calls refused, resume on another
 number of processes, async saves.
 
 The default slice is one 2-process torchrun (the module fixture) and in-process checks on what
@@ -31,6 +32,7 @@ JOB = str(Path(__file__).with_name("fsdp_job.py"))
 TIMEOUT = 300  # a hang fails the test instead of the suite
 STEPS, ACCUMULATE, UNITS = 10, 2, 4  # units: the 3 blocks of fsdp_job.Stack and the root
 FROZEN = "blocks.1.norm"
+EMA = {"decay": 0.9}  # trainer.ema: each step counts
 
 
 def torchrun(cfg, plant=None, nproc=2):
@@ -61,7 +63,7 @@ def job_output(run_dir, rank):
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    proc = torchrun(job_config(run_dir))
+    proc = torchrun(job_config(run_dir, ema=EMA), {"trajectory": True})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 
@@ -99,6 +101,36 @@ def test_model_pt_is_whole_and_loads_into_the_plain_model(fsdp_run):
     for rank in (0, 1):
         buffers = load(fsdp_run, f"buffers_rank{rank}.pt")
         assert buffers.keys() and all(torch.equal(buffers[k], weights[k]) for k in buffers)
+
+
+def test_the_weight_average_is_kept_in_shards_and_equals_the_average_of_the_weights(fsdp_run):
+    """trainer.ema under fsdp: each rank keeps and saves only its shards of the average (DCP
+    holds two chunks of each averaged tensor, state.pt none of it); model_ema.pt, gathered
+    whole, equals the average of the run's weights after each step computed in one process;
+    val_ema/ is the validation of that average (BatchNorm statistics averaged too)."""
+    from fsdp_job import Stack
+    from ema_trajectory import hand_ema
+    from toys import make_classification
+
+    ckpt = fsdp_run / "checkpoints" / f"step-{STEPS:08d}"
+    state = load_checkpoint(ckpt)
+    assert state["sharded"]["ema"] and "ema" not in state
+    stored = SafeReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert len(stored["ema.module.inp.weight"].chunks) == 2  # one shard per rank
+    assert stored["ema.module.inp.weight"].size == torch.Size([30, 8])
+    want, got = hand_ema(fsdp_run, EMA["decay"]), load(fsdp_run, "model_ema.pt")
+    assert got.keys() == want.keys() == load(fsdp_run, "model.pt").keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=k)
+    x, y = make_classification(64, seed=1)  # the validation set
+    metrics = job_output(fsdp_run, 0)["metrics"]
+    for key, weights in (("val/loss", load(fsdp_run, "model.pt")), ("val_ema/loss", want)):
+        model = Stack()
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            loss = torch.nn.functional.cross_entropy(model.eval()(x), y).item()
+        assert metrics[key] == pytest.approx(loss, rel=1e-5), key
+    assert metrics["val_ema/loss"] != metrics["val/loss"]
 
 
 def test_accumulation_reduce_scatters_once_per_optimizer_step(fsdp_run):
@@ -150,7 +182,7 @@ def test_a_strategy_for_several_processes_refuses_one(tmp_path, strategy):
 
 @pytest.mark.parametrize("key, value, named", [
     ("compile", True, "compile=true"), ("find_unused_parameters", True, "find_unused_parameters=true"),
-    ("fsdp", {"cpu_offload": True}, "fsdp.cpu_offload=true"), ("ema", {"decay": 0.99}, "ema with")])
+    ("fsdp", {"cpu_offload": True}, "fsdp.cpu_offload=true")])
 def test_what_fsdp_cannot_do_right_is_refused_naming_the_key(key, value, named):
     from saferun.config import load_config
     from saferun.parallel import distributed, fsdp
@@ -191,14 +223,15 @@ def test_the_default_units_are_the_blocks_of_a_stack_and_named_units_must_exist(
 @pytest.mark.slow
 def test_fsdp_equals_ddp_after_ten_steps(fsdp_run, tmp_path):
     run_dir = tmp_path / "ddp"
-    proc = torchrun(job_config(run_dir, strategy="ddp"))
+    proc = torchrun(job_config(run_dir, strategy="ddp", ema=EMA))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    ddp, fsdp = load(run_dir, "model.pt"), load(fsdp_run, "model.pt")
-    assert ddp.keys() == fsdp.keys()
-    # the same arithmetic but for the order of the gradient reductions (all-reduce against
-    # reduce-scatter): float32 rounding, through 10 AdamW steps
-    for k in ddp:
-        torch.testing.assert_close(fsdp[k], ddp[k], rtol=1e-5, atol=1e-6)
+    for name in ("model.pt", "model_ema.pt"):  # the weights and their average (whole under DDP)
+        ddp, fsdp = load(run_dir, name), load(fsdp_run, name)
+        assert ddp.keys() == fsdp.keys()
+        # the same arithmetic but for the order of the gradient reductions (all-reduce against
+        # reduce-scatter): float32 rounding, through 10 AdamW steps
+        for k in ddp:
+            torch.testing.assert_close(fsdp[k], ddp[k], rtol=1e-5, atol=1e-6)
     m_ddp, m_fsdp = job_output(run_dir, 0)["metrics"], job_output(fsdp_run, 0)["metrics"]
     for key in ("train/loss", "train/grad_norm", "val/loss"):  # the global gradient norm
         assert m_fsdp[key] == pytest.approx(m_ddp[key], rel=1e-5)
@@ -244,16 +277,17 @@ def test_four_processes_shard_in_quarters_and_equal_ddp(tmp_path):
 @pytest.mark.slow
 def test_killed_and_resumed_equals_uninterrupted_bitwise(fsdp_run, tmp_path):
     run_dir = tmp_path / "run"
-    killed = torchrun(job_config(run_dir), {"signal_at": 8, "signum": int(signal.SIGKILL),
-                                             "on_rank": 0})
+    killed = torchrun(job_config(run_dir, ema=EMA), {"signal_at": 8, "signum": int(signal.SIGKILL),
+                                                      "on_rank": 0})
     assert killed.returncode != 0
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000005"]
-    cfg = job_config(run_dir)
+    cfg = job_config(run_dir, ema=EMA)
     cfg["resume"] = "auto"
     resumed = torchrun(cfg)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    a, b = load(run_dir, "model.pt"), load(fsdp_run, "model.pt")
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    for name in ("model.pt", "model_ema.pt"):  # the weights and their average
+        a, b = load(run_dir, name), load(fsdp_run, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
     for rank in (0, 1):
         for name in (f"optim_rank{rank}.pt", f"buffers_rank{rank}.pt"):
             a, b = load(run_dir, name), load(fsdp_run, name)
@@ -371,7 +405,7 @@ def test_a_training_step_calling_submodules_is_refused(tmp_path):
 @pytest.mark.slow
 def test_resumed_on_three_processes_with_a_warning(fsdp_run, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = job_config(run_dir)
+    cfg = job_config(run_dir, ema=EMA)  # (the config as saved)
     cfg["resume"] = str(fsdp_run / "checkpoints" / "step-00000005")
     proc = torchrun(cfg, nproc=3)
     out = proc.stdout + proc.stderr
@@ -381,23 +415,33 @@ def test_resumed_on_three_processes_with_a_warning(fsdp_run, tmp_path):
     from fsdp_job import Stack
 
     Stack().load_state_dict(load(run_dir, "model.pt"))
+    Stack().load_state_dict(load(run_dir, "model_ema.pt"))  # the average, resharded 2 -> 3
     assert load_checkpoint(run_dir / "checkpoints" / f"step-{STEPS:08d}")["sharded"]["world_size"] == 3
 
 
 @pytest.mark.slow
 def test_async_saves_train_the_same_and_complete_every_checkpoint(fsdp_run, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     run_dir = tmp_path / "run"
-    cfg = job_config(run_dir)
+    cfg = job_config(run_dir, ema=EMA)
     cfg["trainer"]["fsdp"] = {"async_save": True}
     proc = torchrun(cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    a, b = load(run_dir, "model.pt"), load(fsdp_run, "model.pt")
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    for name in ("model.pt", "model_ema.pt"):  # the weights and their average
+        a, b = load(run_dir, name), load(fsdp_run, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
     names = [p.name for p in list_checkpoints(run_dir / "checkpoints")]
     assert names == ["step-00000005", f"step-{STEPS:08d}"]
     for name in names:
         load_checkpoint(run_dir / "checkpoints" / name)
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    # the average in the background-written shards is the one of its step, as a synchronous
+    # save writes it (staged before training went on)
+    for run, out in ((run_dir, tmp_path / "async.pt"), (fsdp_run, tmp_path / "sync.pt")):
+        dcp_to_torch_save(run / "checkpoints" / "step-00000005", out)
+    written, want = (torch.load(tmp_path / f, weights_only=False)["ema"] for f in ("async.pt", "sync.pt"))
+    assert written.keys() == want.keys() and all(torch.equal(written[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
