@@ -37,8 +37,8 @@ from .data import (check_datasets, check_evaluation_limit, check_training_loader
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
-from .guards.explain import StepContexts, explain_failure
-from .guards.failure_site import record
+from .diagnose.explain import StepContexts, explain_failure
+from .loop.failure_site import record
 from .guards.loss_audit import LossCallAudit
 from .guards.model_audit import ModelAudit
 from .guards.preflight import preflight
@@ -377,7 +377,7 @@ class Trainer:
         return error
 
     def _explain_failure(self, exc: BaseException) -> Optional[BaseException]:
-        """`exc` explained in the user's terms (guards/explain.py), or None; its replay runs
+        """`exc` explained in the user's terms (diagnose/explain.py), or None; its replay runs
         the step as the loop does (autocast, the evaluation modes, several optimizers)."""
         return explain_failure(exc, self, StepContexts(self._autocast, self._evaluator.evaluating,
                                                        self._manual))

@@ -235,7 +235,7 @@ mutation("several optimizers: the explanation's replay steps no optimizer", MANU
          "        if self._replay is not None:\n            return self._replayed(name, loss)\n", "",
          f"{ERRS}::test_an_error_in_training_step_is_explained_and_the_replay_changes_nothing")
 mutation("several optimizers: the explanation names the optimize() call that raised",
-         "saferun/guards/explain_optimize.py",
+         "saferun/diagnose/explain_optimize.py",
          '    return f", in self.optimize({site.optimizer!r}, loss){part}"',
          '    return ""',
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
@@ -658,7 +658,7 @@ mutation("Control(stop=True) stops", T,
          "                    if (control and control.stop) or state.step >= limit:",
          "                    if state.step >= limit:",
          "tests/test_event_order.py::test_stop_mid_epoch_still_logs_validates_and_ends")
-mutation("TensorBoard gets validation metrics", "saferun/loggers.py",
+mutation("TensorBoard gets validation metrics", "saferun/loggers/__init__.py",
          "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
          "        self._write(view.step, metrics)",
          "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
@@ -685,7 +685,7 @@ mutation("a second Ctrl-C aborts at once", "saferun/preemption.py",
          "        elif False:\n            self._abort()",
          f"{RESUME}::test_second_sigint_aborts_at_once")
 MISTAKES = "tests/guards/test_mistakes.py"
-EXPLAIN = "saferun/guards/explain.py"
+EXPLAIN = "saferun/diagnose/explain.py"
 DATA = "saferun/guards/datachecks.py"
 mutation("errors in user code are explained", T,
          "or self._explain_failure(exc)\n", "or None\n", MISTAKES)
@@ -717,7 +717,7 @@ mutation("a misspelt config key gets the closest valid one", "saferun/suggest.py
 # ---------------------------------------------------------------- saferun.testing (issue 14)
 
 TESTING = "tests/testing/test_helpers.py"
-mutation("worker seeding compares several draws per worker", "saferun/guards/check.py",
+mutation("worker seeding compares several draws per worker", "saferun/check.py",
          "Subset(dataset, [0] * (2 * DRAWS))", "Subset(dataset, [0] * 2)",
          f"{TESTING}::test_determinism_and_worker_seeding")
 mutation("exact resume compares every tensor bitwise", "saferun/testing/resume.py",
@@ -738,7 +738,7 @@ mutation("saferun new writes the project's tests", "saferun/cli/recipes.py",
          "tests/testing/test_new_project.py::test_a_new_project_ships_tests_that_pass_as_generated")
 
 # ---------------------------------------------------------------- metrics, EMA, loggers (issue 13)
-AVG, LOGGERS = "saferun/loop/averaging.py", "saferun/loggers.py"
+AVG, LOGGERS = "saferun/loop/averaging.py", "saferun/loggers/__init__.py"
 mutation("stateful metrics are reset before each validation", EVAL,
          "        reset_all(self._metrics)\n", "",
          "tests/loop/test_stateful_metrics.py::test_config_metrics_equal_sklearn_over_the_whole_set_at_each_validation")
@@ -781,7 +781,7 @@ mutation("several optimizers: a user's in-place op on an activation is not the o
          '    if found is None or found.group(2) not in (None, "AsStrided"):',
          "    if found is None:",
          "tests/loop/test_optimize_errors.py::test_a_users_inplace_op_matching_a_parameters_shape_and_version_is_not_the_slip")
-mutation("torchrun: a peer failure is one that torch raised", "saferun/guards/explain_ranks.py",
+mutation("torchrun: a peer failure is one that torch raised", "saferun/diagnose/explain_ranks.py",
          "            and _raised_in_torch(exc))", "            )",
          "tests/parallel/test_explain_ranks.py::test_a_users_own_error_that_reads_like_a_peer_failure_is_the_users",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
@@ -821,7 +821,7 @@ mutation("a value some micro-batches log is the mean over theirs", "saferun/loop
 mutation("a value some steps log is logged, as their mean", "saferun/loop/metrics.py",
          "for d in self.logs if k in d] for k in keys}", "for d in self.logs] for k in keys}",
          "tests/loop/test_train_logs.py::test_a_value_some_steps_report_is_logged_as_their_mean")
-mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "saferun/loggers.py",
+mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "saferun/loggers/__init__.py",
          "            if os.path.basename(earlier) not in self._others:  # another run's entry stays",
          "            if True:",
          "tests/test_logging.py::test_a_shared_log_dir_keeps_the_other_runs_hparams_entry_and_says_so")
@@ -853,7 +853,7 @@ mutation("audit: the second-backward error names the carrier (audit off)", EXPLA
          f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
 mutation("audit: the second-backward error is left to the explanation that names the carrier",
          "saferun/loop/steps.py",
-         "        if graph_carriers(model):  # guards/explain.py names", "        if False:  #",
+         "        if graph_carriers(model):  # diagnose/explain.py names", "        if False:  #",
          f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
 mutation("audit: plain tensor state that training changes is warned about", MA,
          "        if not changed:\n            return []", "        if True:\n            return []",
@@ -894,7 +894,7 @@ mutation("audit: trainer.shuffle=false marks the order as intended", DATA,
 mutation("audit: eval determinism names the module", DATA,
          "        if not _all_equal(out, out2):", "        if False:",
          f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
-mutation("audit: eval determinism reads the sample twice", "saferun/guards/check.py",
+mutation("audit: eval determinism reads the sample twice", "saferun/check.py",
          "            if not all(_same(data[0], data[0]) for _ in range(3)):", "            if False:",
          f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
 mutation("audit: single-class batches are warned about", DATA,
@@ -1025,11 +1025,11 @@ mutation("self.log's non-mean values since the last log point are checkpointed",
 mutation("images logged since the last log point are checkpointed", "saferun/loop/metrics.py",
          '"media": [vars(m) for m in self.media]}', '}',
          "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
-mutation("TensorBoard writes the checkpoint step's media again after a resume's purge", "saferun/loggers.py",
+mutation("TensorBoard writes the checkpoint step's media again after a resume's purge", "saferun/loggers/__init__.py",
          "            self.on_media(view, list(self._last_media))\n", "",
          "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
 mutation("a fresh TensorBoard writer starts a session, so the server applies a resume's purge",
-         "saferun/loggers.py", "else None if self._others else 0)", "else None)",
+         "saferun/loggers/__init__.py", "else None if self._others else 0)", "else None)",
          "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
 mutation("reduce=min keeps the smallest value", "saferun/loop/logbook.py",
          "        return torch.minimum(old, new)", "        return new",
@@ -1053,13 +1053,13 @@ mutation("an on_evaluate callback is checked by the purity guard", "saferun/loop
          "        before = fingerprint(self._model) if self._purity else None\n        # preserved_rng",
          "        before = None\n        # preserved_rng",
          "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_that_changes_the_model_is_caught_by_the_purity_guard")
-mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/trackers.py",
+mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/loggers/trackers.py",
          "               if step > self._held.get(k, -1)]", "               if True]",
          "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
-mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/trackers.py",
+mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/loggers/trackers.py",
          '        return {"run_id": self.run_id, "sent": self._sent}', '        return {"sent": self._sent}',
          "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
-mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
+mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/loggers/trackers.py",
          "        if step <= self._held:\n", "        if False:\n",
          "tests/logging/test_trackers.py::test_wandb_offline_writes_locally_and_a_resume_continues_the_same_run",
          known="its test is slow (W&B's service, twice): run by hand with -m slow")
@@ -1079,14 +1079,14 @@ mutation("a string where the target takes a number is refused naming the key", "
 mutation("an input baseline that cannot conclude says inconclusive", "saferun/guards/datachecks.py",
          "    if not real < 0.99 * zeroed:  # the output depends on the inputs", "    if False:  #",
          "tests/guards/test_check.py::test_an_input_baseline_that_cannot_conclude_says_so_instead_of_blaming_the_inputs")
-mutation("a one-batch overfit that falls slowly is inconclusive", "saferun/guards/check.py",
+mutation("a one-batch overfit that falls slowly is inconclusive", "saferun/check.py",
          "    if losses[-1] < losses[0] and not losses[-1] < 0.9 * losses[0]:  # falling, slowly", "    if False:",
          "tests/testing/test_new_project.py::test_a_harmless_edit_passes_the_generated_check_test",
          known="its test is a slow generated-project check (pytest -m slow); killed by hand when written")
-mutation("lazy modules are materialised before the eval-purity check", "saferun/guards/check.py",
+mutation("lazy modules are materialised before the eval-purity check", "saferun/check.py",
          "    _first_forward(trainer, cfg.seed)\n", "",
          "tests/guards/test_check.py::test_lazy_modules_are_no_eval_purity_false_alarm")
-mutation("each check's Trainer has its own directory", "saferun/guards/check.py",
+mutation("each check's Trainer has its own directory", "saferun/check.py",
          "_run(check, _in_own_dir(make, tmp), base)", "_run(check, make, base)",
          "tests/guards/test_check.py::test_every_shipped_recipe_passes_every_check")
 mutation("resume=auto in a run directory made for this run is refused", "saferun/cli/rundirs.py",
@@ -1108,7 +1108,7 @@ mutation("a save broken by a dead rank says so, not the disk", "saferun/checkpoi
          "    if peer is not None:  # not the disk", "    if False:  # not the disk",
          "tests/parallel/test_save_peer.py::test_a_rank_killed_during_a_save_is_reported_as_a_dead_rank",
          known="its test is a slow FSDP torchrun launch (pytest -m slow); killed by hand when written")
-mutation("a rank stopped by another's failure raises its explanation", "saferun/guards/explain.py",
+mutation("a rank stopped by another's failure raises its explanation", "saferun/diagnose/explain.py",
          "            if said is None:\n                return None", "            if True:\n                return None",
          "tests/parallel/test_explain_ranks.py::test_a_mistake_on_rank_1_under_ddp_is_explained_there_and_named_by_rank_0")
 # ---------------------------------------------------------------- branch loop-edges
@@ -1191,7 +1191,7 @@ mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',
          '                if slip is None:\n',
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
-mutation("failure site: an inner site's fields are kept", "saferun/guards/failure_site.py",
+mutation("failure site: an inner site's fields are kept", "saferun/loop/failure_site.py",
          "        if getattr(site, name) is None:", "        if True:",
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
 
@@ -1280,7 +1280,7 @@ mutation("test stage: limit_val_batches does not cut the test set", "saferun/tra
 mutation("test stage: test_step in eval mode under inference_mode", "saferun/loop/evaluation.py",
          """        stack.enter_context(modes.evaluating(self._model, self._grad_mode))""", "",
          STAGE + "test_test_step_runs_in_eval_mode_under_inference_mode")
-mutation("test stage: test metrics in metrics.jsonl", "saferun/loggers.py",
+mutation("test stage: test metrics in metrics.jsonl", "saferun/loggers/__init__.py",
          """            f.write(self._line("test", view, metrics))""", """            pass""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
 mutation("test stage: test metrics in summary.json", "saferun/trainer.py",
@@ -1345,10 +1345,10 @@ mutation("several optimizers: the step uses the Trainer's GradScaler", T,
          'self, model, self._logbook, self._habits, scaler=torch.amp.GradScaler("cpu", enabled=False),',
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 
-mutation("saferun check: compile parity still compiles after the other checks", "saferun/guards/check.py",
+mutation("saferun check: compile parity still compiles after the other checks", "saferun/check.py",
          "        torch.compiler.reset()\n", "        pass\n",
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
-mutation("saferun check: compile parity runs the fit's own compile check", "saferun/guards/check.py",
+mutation("saferun check: compile parity runs the fit's own compile check", "saferun/check.py",
          "    make(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=1))).fit()\n",
          "    make(cfg).setup()\n",
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
@@ -1365,7 +1365,7 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 # issue 31: trackers
-TRK, LIFE = "saferun/trackers.py", "tests/logging/test_tracker_lifecycle.py"
+TRK, LIFE = "saferun/loggers/trackers.py", "tests/logging/test_tracker_lifecycle.py"
 mutation("trackers: MLflow continues the run its run directory names, not the checkpoint's", TRK,
          "        mine = _run_id(view.run_dir, MLFLOW_RUN)\n", "        mine = self.run_id\n",
          f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
@@ -1426,7 +1426,7 @@ mutation("lifecycle: the callbacks hear of a change of course", CKPTR,
 
 # The lifecycle grid (tests/lifecycle/): a component that keeps what a rollback undid is caught
 # by its cell of the bad-step event.
-mutation("lifecycle grid: metrics.jsonl keeps the lines a rollback undid", "saferun/loggers.py",
+mutation("lifecycle grid: metrics.jsonl keeps the lines a rollback undid", "saferun/loggers/__init__.py",
          "            os.truncate(self.path, self._length)", "            pass",
          "tests/lifecycle/test_grid.py::test_cell[metrics.jsonl|nonfinite_rollback]")
 
@@ -1585,7 +1585,7 @@ mutation("first hour: an unknown flag names the override meant", "saferun/cli/co
 mutation("first hour: saferun check --help prints its usage", "saferun/cli/check.py",
          '    if "-h" in args or "--help" in args:', "    if False:",
          f"{FIRST}::test_check_help_prints_its_usage")
-mutation("first hour: an MLflow tracking URI is checked when the logger is built", "saferun/trackers.py",
+mutation("first hour: an MLflow tracking URI is checked when the logger is built", "saferun/loggers/trackers.py",
          "        if tracking_uri:  # when built", "        if False:  # when built",
          f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
 mutation("first hour: a part's own refusal that names its key is passed on whole", COMPONENTS,
@@ -1628,7 +1628,7 @@ mutation("first hour: a whole pickled model is told to save the state_dict", "sa
 mutation("first hour: a sample default collate cannot batch says how to convert it", "saferun/loop/steps.py",
          "    if collate:  # in this process", "    if False:  # in this process",
          f"{UNIT_FIRST}::test_a_sample_default_collate_cannot_batch_says_how_to_convert_it")
-mutation("first hour: float labels for cross_entropy are named as the labels", "saferun/guards/explain.py",
+mutation("first hour: float labels for cross_entropy are named as the labels", "saferun/diagnose/explain.py",
          '    if "expected target dtype" in message or', "    if False and",
          f"{UNIT_FIRST}::test_float_labels_for_cross_entropy_are_named_as_the_labels")
 
@@ -1814,7 +1814,7 @@ mutation("course: the command line drops a refused run's intent", "saferun/cli/r
 
 # issue 33: real architectures
 REAL, DC, SYNCS = "tests/guards/test_real_models.py", "saferun/guards/datachecks.py", "saferun/guards/syncs.py"
-CHK = "saferun/guards/check.py"
+CHK = "saferun/check.py"
 mutation("batch independence: a point counts only if it follows the batch's samples", DC,
          "    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))",
          "    return False",

@@ -283,7 +283,7 @@ def step_of(path: Path) -> int:
 
 def _write_failure(path: Path, error: BaseException) -> str:
     """Which file could not be written and why, in words, instead of torch's internal message."""
-    from ..guards.explain_ranks import peer_failure
+    from ..diagnose.explain_ranks import peer_failure
 
     peer = peer_failure(error)
     if peer is not None:  # not the disk: another rank died (killed during the save, say)

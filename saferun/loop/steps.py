@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, SaferunError
-from ..guards.failure_site import record
+from .failure_site import record
 from ..guards.model_audit import graph_carriers, hidden_layers_advice
 from ..guards.purity import find_inference_tensors
 from .metrics import scalar_dict
@@ -104,7 +104,7 @@ def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[Safer
             f"(or recompute it in training), or set trainer.eval_grad_mode=no_grad."
         )
     if type(exc) is RuntimeError and "backward through the graph a second time" in str(exc):
-        if graph_carriers(model):  # guards/explain.py names the attribute, the module, the line
+        if graph_carriers(model):  # diagnose/explain.py names the attribute, the module, the line
             return None
         return SaferunError(
             f"step {step}: autograd refused saferun's backward: part of this loss's graph was "

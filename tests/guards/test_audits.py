@@ -423,7 +423,7 @@ def test_the_zoo_under_torch_compile_raises_nothing(tmp_path, caplog):
 
 def test_saferun_check_passes_the_new_checks_on_a_clean_model(tmp_path):
     from saferun.config import load_config
-    from saferun.guards.check import run_checks
+    from saferun.check import run_checks
 
     results = run_checks(lambda c: ToyTrainer(c), load_config(toy_config(tmp_path)),
                          only=["eval determinism", "batch order"])

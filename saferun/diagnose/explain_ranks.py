@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batchinfo import describe_batch
+from ..guards.batchinfo import describe_batch
 
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

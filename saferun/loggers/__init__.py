@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from .callbacks import Callback, TrainerView
-from .errors import ConfigError
-from .loop.logbook import Media
+from ..callbacks import Callback, TrainerView
+from ..errors import ConfigError
+from ..loop.logbook import Media
 
 log = logging.getLogger("saferun")
 
@@ -359,7 +359,7 @@ class LogLines(Callback):
 
 # The loggers a config may name without `_target_` ({"mlflow": {...}} in Python).
 NAMED = {"tensorboard": "saferun.loggers.TensorBoardLogger", "jsonl": "saferun.loggers.MetricsJsonl",
-         "mlflow": "saferun.trackers.MLflowLogger", "wandb": "saferun.trackers.WandbLogger"}
+         "mlflow": "saferun.loggers.trackers.MLflowLogger", "wandb": "saferun.loggers.trackers.WandbLogger"}
 
 
 def with_targets(given: Mapping[str, Any]) -> dict[str, Any]:

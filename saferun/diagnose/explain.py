@@ -2,7 +2,7 @@
 explained in the user's terms: the step, the batch's fields, the module and the fix.
 
 Nothing here runs until a step has already failed. The phase and the failing batch are what
-the loop's call sites recorded on the exception as it passed them (guards/failure_site.py: a
+the loop's call sites recorded on the exception as it passed them (loop/failure_site.py: a
 `try` around each step, free until something raises), and the module is found by replaying
 that batch's forward once with forward hooks installed only then. The replay runs in the
 step's modes under `torch.no_grad()` (forward only: no gradient and no optimizer touched)
@@ -26,13 +26,13 @@ from torch import nn
 
 from ..errors import SaferunError
 from ..loop.seeding import preserved_rng
-from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
+from ..guards.batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import in_step as _in_step, replaying as _replaying
-from .failure_site import site_of
+from ..loop.failure_site import site_of
 from .explain_ranks import (collective_failed, collective_failure, locate_in_traceback,
                             several_ranks)
-from .model_audit import carried_graph_advice, graph_carriers
-from .replay import _forward_trace
+from ..guards.model_audit import carried_graph_advice, graph_carriers
+from ..guards.replay import _forward_trace
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -137,7 +137,7 @@ _HOOKS = {"training": "training_step", "validation": "validation_step", "test": 
 
 def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:
     """('training', 'validation' or 'predict', the batch on the device), as the loop's call
-    site recorded them on `exc` (guards/failure_site.py); None if no step raised it."""
+    site recorded them on `exc` (loop/failure_site.py); None if no step raised it."""
     from ..loop.transfer import move_to_device
 
     site = site_of(exc)
