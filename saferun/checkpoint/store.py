@@ -35,7 +35,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..errors import SaferunError
+from ..errors import CheckpointError
 from .intent import fsync_dir
 
 log = logging.getLogger("saferun")
@@ -47,10 +47,6 @@ FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d{8,})(\.replaced-[0-9a-f]+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHARD_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-
-
-class CheckpointError(SaferunError):
-    """A checkpoint is missing, incomplete, corrupted or unsafe to load."""
 
 
 def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:

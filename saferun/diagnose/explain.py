@@ -24,7 +24,9 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 import torch
 from torch import nn
 
-from ..errors import SaferunError
+from ..errors import (ExplainedAssertionError, ExplainedAttributeError, ExplainedIndexError,
+                      ExplainedKeyError, ExplainedRuntimeError, ExplainedTypeError,
+                      ExplainedValueError, UserCodeError)
 from ..loop.seeding import preserved_rng
 from ..guards.batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import in_step as _in_step, replaying as _replaying
@@ -36,46 +38,6 @@ from ..guards.replay import _forward_trace
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-class UserCodeError(SaferunError):
-    """An exception raised in the user's code, re-raised with an explanation. The original
-    is its `__cause__` (and `original`), and the explained error is also an instance of the
-    original's type, so `except RuntimeError` (KeyError, ...) still catches it. Only the
-    common builtin types are explained; any other exception propagates unchanged."""
-
-    original: BaseException
-
-    def __str__(self) -> str:  # KeyError's own __str__ would show the message's repr
-        return str(self.args[0]) if self.args else ""
-
-
-class ExplainedRuntimeError(UserCodeError, RuntimeError):
-    pass
-
-
-class ExplainedValueError(UserCodeError, ValueError):
-    pass
-
-
-class ExplainedTypeError(UserCodeError, TypeError):
-    pass
-
-
-class ExplainedIndexError(UserCodeError, IndexError):
-    pass
-
-
-class ExplainedKeyError(UserCodeError, KeyError):
-    pass
-
-
-class ExplainedAttributeError(UserCodeError, AttributeError):
-    pass
-
-
-class ExplainedAssertionError(UserCodeError, AssertionError):
-    pass
 
 
 _TYPED: dict[type, type[UserCodeError]] = {

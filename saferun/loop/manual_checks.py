@@ -21,8 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import SaferunError
-from ..diagnose.explain import ExplainedRuntimeError
+from ..errors import ExplainedRuntimeError, SaferunError
 from .steps import _not_a_loss, short
 
 _INPLACE = "modified by an inplace operation"
