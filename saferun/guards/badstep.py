@@ -29,7 +29,7 @@ from ..callbacks import StepOutput
 from ..checkpoint.store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                                 load_latest, step_of)
 from ..errors import NonFiniteError
-from ..loop.steps import short
+from ..text import short
 from ..parallel import distributed
 from .buffers import BufferSnapshot
 from .batchinfo import nonfinite_inputs

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, SequentialSampler
 
-from ..loop.steps import short
+from ..text import short
 
 log = logging.getLogger("saferun")
 

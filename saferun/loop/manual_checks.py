@@ -22,7 +22,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..errors import ExplainedRuntimeError, SaferunError
-from .steps import _not_a_loss, short
+from ..text import short
+from .steps import _not_a_loss
 
 _INPLACE = "modified by an inplace operation"
 _FREED = "backward through the graph a second time"
