@@ -21,9 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from saferun import config
-from saferun.loop.settings import EmaConfig
-from saferun.parallel.settings import FSDPConfig, ParallelConfig
-from saferun.sweep.settings import SweepConfig
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
 
@@ -45,9 +42,9 @@ EXTRA_ALLOWED = {
     "optim": "a node with `_target_` (required); `optim.lr` >= 0",
     "resume": "auto, fresh, a checkpoint's or run directory's path, null",
 }
-SECTIONS = [("trainer", config.TrainerConfig), ("trainer.ema", EmaConfig),
-            ("trainer.fsdp", FSDPConfig), ("trainer.parallel", ParallelConfig),
-            ("guards", config.GuardsConfig), ("sweep", SweepConfig),
+SECTIONS = [("trainer", config.TrainerConfig), ("trainer.ema", config.EmaConfig),
+            ("trainer.fsdp", config.FSDPConfig), ("trainer.parallel", config.ParallelConfig),
+            ("guards", config.GuardsConfig), ("sweep", config.SweepConfig),
             ("", config.Config)]
 
 
