@@ -128,6 +128,21 @@ class StepOutput:
     norm is the same on every rank, so this says on which rank a spike started."""
 
 
+@dataclass
+class Media:
+    """An image, histogram or text to write at the next log point or validation end."""
+
+    kind: str  # "image" | "histogram" | "text"
+    name: str  # with its prefix: train/..., val/...
+    value: Any  # a detached tensor (CPU once read) or a str
+    step: int = 0  # set when written: the step of that log point or validation
+
+    def at(self, step: int) -> "Media":
+        """This media to write at `step`, its tensor on the CPU (the one host read)."""
+        value = self.value.cpu() if isinstance(self.value, torch.Tensor) else self.value
+        return Media(self.kind, self.name, value, step)
+
+
 class TrainerView:
     """Read-only view of the loop's state, handed to callbacks."""
 
@@ -223,7 +238,7 @@ class Callback(Protocol):
         return None
 
     def on_media(self, view: TrainerView, media: Sequence[Any]) -> None:
-        """Images, histograms and texts (`saferun.loop.logbook.Media`: kind, name, value on the
+        """Images, histograms and texts (`saferun.callbacks.Media`: kind, name, value on the
         CPU, step) logged since the last log point or in this validation; rank 0 only."""
         return None
 

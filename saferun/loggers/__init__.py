@@ -16,9 +16,8 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from ..callbacks import Callback, TrainerView
+from ..callbacks import Callback, Media, TrainerView
 from ..errors import ConfigError
-from ..loop.logbook import Media
 
 log = logging.getLogger("saferun")
 

@@ -9,9 +9,9 @@ from typing import Any, Optional
 import torch
 
 from ..parallel import distributed
-from ..callbacks import StepOutput
+from ..callbacks import Media, StepOutput
 from ..errors import SaferunError
-from .logbook import Folded, Media
+from .logbook import Folded
 
 
 class RunningTrainMetrics:
