@@ -82,7 +82,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 import torch
 
 from .errors import SaferunError
-from .parallel import distributed
 
 if TYPE_CHECKING:
     from .loop.state import LoopState
@@ -380,17 +379,6 @@ def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:
     if a is None:
         return b
     return a | b
-
-
-def agree(control: Optional[Control], device: torch.device) -> Optional[Control]:
-    """Under torchrun: every rank's requests ORed together, the same on every rank (one
-    collective of three flags and one host read). In a single process: `control`."""
-    if not distributed.dist.is_initialized() or distributed.dist.get_world_size() == 1:
-        return control
-    c = control or Control()
-    flags = torch.tensor([c.stop, c.evaluate, c.save], dtype=torch.float32).to(device)
-    stop, evaluate, save = (v > 0 for v in distributed.all_reduce(flags, "max").tolist())
-    return Control(stop=stop, evaluate=evaluate, save=save) if stop or evaluate or save else None
 
 
 def _key(index: int, cb: Callback) -> str:
