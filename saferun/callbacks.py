@@ -84,7 +84,7 @@ import torch
 from .errors import SaferunError
 
 if TYPE_CHECKING:
-    from .loop.state import LoopState
+    from .state import LoopState
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from .loop.threads import apply_plan, plan_threads, usable_cores
 from .loop.throughput import Throughput
 from .loop.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
-from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
+from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.update import OptimizerUpdate, total_norm
 from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
                          trainable_parameters)

@@ -16,7 +16,7 @@ from ..guards.preflight import check_batch_on_cpu
 from ..parallel import distributed
 from ..preemption import shielded_iter
 from .seeding import get_rng_state, set_rng_state
-from .state import LoopState
+from ..state import LoopState
 from .transfer import move_to_device
 
 
