@@ -22,7 +22,7 @@ from .data import split_datasets
 from .errors import SaferunError
 from . import modes
 from .loop.batches import BatchStream, first_batch
-from .loop.seeding import preserved_rng
+from .data.seeding import preserved_rng
 from .loop.steps import loss_and_logs
 from .guards import datachecks
 from .loop.optimizers import NO_SINGLE_LOSS, NamedOptimizers, each_optimizer_moves

@@ -55,10 +55,10 @@ from .loop.manual import ManualSteps, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
 from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
-from .loop.seeding import derive_seed, seed_everything
+from .data.seeding import derive_seed, seed_everything
 from .loop.threads import apply_plan, plan_threads, usable_cores
 from .loop.throughput import Throughput
-from .loop.transfer import batch_size_of, move_to_device, samples_in
+from .data.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
 from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.update import OptimizerUpdate, total_norm

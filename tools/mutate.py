@@ -286,20 +286,20 @@ mutation("workers seed NumPy from (seed, epoch, worker, rank)", "saferun/seeding
 mutation("workers seed random from (seed, epoch, worker, rank)", "saferun/seeding.py",
          "        random.seed(seed)\n        np.random.seed(seed % 2**32)\n",
          "        np.random.seed(seed % 2**32)\n", DIFF)
-mutation("the worker seeder learns the epoch", "saferun/data.py",
+mutation("the worker seeder learns the epoch", "saferun/data/__init__.py",
          "        loader.worker_init_fn.epoch = epoch", "        pass",
          "tests/unit/test_seeding.py::test_workers_and_epochs_draw_differently_and_reproducibly")
-mutation("shuffle order from (seed, epoch)", "saferun/data.py",
+mutation("shuffle order from (seed, epoch)", "saferun/data/__init__.py",
          "loader.generator.manual_seed(derive_seed(seed, epoch, rank))",
          "loader.generator.manual_seed(derive_seed(seed, rank))", DIFF)
 mutation("setup seeds Python's random", "saferun/seeding.py",
          "    random.seed(seed)\n    np.random.seed(seed % 2**32)\n    torch.manual_seed(seed)\n\n",
          "    np.random.seed(seed % 2**32)\n    torch.manual_seed(seed)\n\n", DIFF)
-mutation("DistributedSampler's epoch is set", "saferun/data.py",
+mutation("DistributedSampler's epoch is set", "saferun/data/__init__.py",
          "    if callable(set_epoch):  # DistributedSampler\n        set_epoch(epoch)",
          "    if callable(set_epoch):  # DistributedSampler\n        pass",
          "tests/unit/test_data.py::test_training_shards_are_disjoint_and_reshuffled_every_epoch")
-mutation("validation shards without padding", "saferun/data.py",
+mutation("validation shards without padding", "saferun/data/__init__.py",
          "        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)",
          "        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)",
          "tests/unit/test_data.py::test_validation_shards_hold_every_sample_exactly_once")
@@ -345,7 +345,7 @@ mutation("a NaN on any rank is bad on every rank", "saferun/metrics.py",
 mutation("a stop signal on one rank stops every rank", "saferun/parallel/agreement.py",
          "        if votes:\n", "        if False:\n",
          "tests/distributed/test_torchrun.py::test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step")
-mutation("a user loader under torchrun must split the data", "saferun/data.py",
+mutation("a user loader under torchrun must split the data", "saferun/data/__init__.py",
          "    if world_size == 1 or world_size in (getattr(sampler",
          "    if True or world_size in (getattr(sampler",
          "tests/parallel/test_ddp_paths.py::test_a_user_loader_that_does_not_split_the_data_is_refused")
@@ -576,7 +576,7 @@ mutation("declared modes: each module's mode read", "saferun/modes.py",
          "        return list(self.expected)",
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
-mutation("a flat tuple batch stays a tuple on the device", "saferun/loop/transfer.py",
+mutation("a flat tuple batch stays a tuple on the device", "saferun/data/transfer.py",
          "            return moved if type(batch) is list else tuple(moved)", "            return moved",
          "tests/unit/test_data.py::test_a_flat_tuple_or_list_of_tensors_is_moved_and_keeps_its_type")
 mutation("preflight errors stop the run", PREFLIGHT,
@@ -590,7 +590,7 @@ mutation("preflight finds generator objects", PREFLIGHT,
          "        found: list[tuple[Finding, Any]] = []\n        scan_rng(obj, attr, found, set(), 0)\n",
          "        found: list[tuple[Finding, Any]] = []\n",
          f"{GUARDS}::test_a_generator_object_on_the_dataset_is_reported_once")
-mutation("the start method reaches the DataLoader", "saferun/data.py",
+mutation("the start method reaches the DataLoader", "saferun/data/__init__.py",
          "multiprocessing_context=multiprocessing_context if num_workers > 0 else None)",
          "multiprocessing_context=None)",
          f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")
@@ -785,25 +785,25 @@ mutation("torchrun: a peer failure is one that torch raised", "saferun/diagnose/
          "            and _raised_in_torch(exc))", "            )",
          "tests/parallel/test_explain_ranks.py::test_a_users_own_error_that_reads_like_a_peer_failure_is_the_users",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
-mutation("a batch counted as 0 samples is refused", "saferun/loop/transfer.py",
+mutation("a batch counted as 0 samples is refused", "saferun/data/transfer.py",
          "    if count is None or not count > 0:", "    if count is None:",
          "tests/loop/test_batch_sizes.py::test_a_batch_the_default_cannot_count_is_refused")
-mutation("a UserDict batch is counted", "saferun/loop/transfer.py",
+mutation("a UserDict batch is counted", "saferun/data/transfer.py",
          "    elif isinstance(batch, Mapping):", "    elif isinstance(batch, dict):",
          "tests/loop/test_batch_sizes.py::test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does")
-mutation("a batch size of another whole-number type is counted as an int", "saferun/loop/transfer.py",
+mutation("a batch size of another whole-number type is counted as an int", "saferun/data/transfer.py",
          "    return whole if whole == n else None", "    return n if whole == n else None",
          "tests/loop/test_batch_sizes.py::test_a_whole_number_of_another_type_counts_as_that_int")
-mutation("a batch size that is not a whole number is refused", "saferun/loop/transfer.py",
+mutation("a batch size that is not a whole number is refused", "saferun/data/transfer.py",
          "    return whole if whole == n else None", "    return whole",
          "tests/loop/test_batch_sizes.py::test_a_count_that_is_not_a_whole_number_is_refused")
 mutation("the one-micro-batch step counts the batch size as an int", "saferun/trainer.py",
          "            samples = samples_in(micro_batches[0]", "            samples_in(micro_batches[0]",
          "tests/loop/test_batch_sizes.py::test_a_whole_number_of_another_type_counts_as_that_int")
-mutation("a 0-dim tensor is not a batch's count", "saferun/loop/transfer.py",
+mutation("a 0-dim tensor is not a batch's count", "saferun/data/transfer.py",
          "        return batch.shape[0] if batch.dim() > 0 else -1", "        return batch.shape[0] if batch.dim() > 0 else 1",
          "tests/loop/test_batch_sizes.py::test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does")
-mutation("an empty batch is refused as empty", "saferun/loop/transfer.py",
+mutation("an empty batch is refused as empty", "saferun/data/transfer.py",
          "                if count == 0 and empty else", "                if False else",
          "tests/loop/test_batch_sizes.py::test_an_empty_batch_is_refused_as_empty")
 mutation("validate()/predict() with resume unset over checkpoints say what they evaluate",
@@ -1166,11 +1166,11 @@ mutation("force_resume refuses a ReduceLROnPlateau among several optimizers", "s
          "        return {name: _configured(opt, (scheduler or {}).get(name), f\" (optimizer {name!r})\")",
          "        return {name: _configured(opt, None, f\" (optimizer {name!r})\")",
          "tests/loop/test_optimizers.py::test_force_resume_with_a_plateau_among_several_is_refused_naming_it")
-mutation("limit_val_batches means the same samples on any number of processes", "saferun/data.py",
+mutation("limit_val_batches means the same samples on any number of processes", "saferun/data/__init__.py",
          "        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)",
          "        sampler = ShardSampler(n, rank, world_size)",
          "tests/parallel/test_ddp_paths.py::test_limit_val_batches_means_the_same_samples_on_two_processes_as_on_one")
-mutation("limit_val_batches over a loader saferun cannot cut is refused under torchrun", "saferun/data.py",
+mutation("limit_val_batches over a loader saferun cannot cut is refused under torchrun", "saferun/data/__init__.py",
          "    if isinstance(sampler, ShardSampler) and sampler.indices.stop <= samples:",
          "    if True:",
          "tests/parallel/test_ddp_paths.py::test_limit_val_batches_over_a_loader_saferun_cannot_cut_is_refused")
@@ -1287,10 +1287,10 @@ mutation("test stage: test metrics in summary.json", "saferun/trainer.py",
          """            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,""",
          """            (lambda *_: None)(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
-mutation("test stage: build_datasets' third set is the test set", "saferun/data.py",
+mutation("test stage: build_datasets' third set is the test set", "saferun/data/__init__.py",
          """sets[2] if len(sets) == 3 else None""", """None""",
          STAGE + "test_build_datasets_may_return_a_test_set")
-mutation("test stage: the test set is split over the ranks", "saferun/data.py",
+mutation("test stage: the test set is split over the ranks", "saferun/data/__init__.py",
          """    return make_loader(dataset, batch_size=size, shuffle=False, drop_last=False,
                        evaluation=True, limit=limit, **common)""",
          """    return make_loader(dataset, batch_size=size, shuffle=False, drop_last=False,

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import (ExplainedAssertionError, ExplainedAttributeError, ExplainedIndexError,
                       ExplainedKeyError, ExplainedRuntimeError, ExplainedTypeError,
                       ExplainedValueError, UserCodeError)
-from ..loop.seeding import preserved_rng
+from ..data.seeding import preserved_rng
 from ..guards.batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import in_step as _in_step, replaying as _replaying
 from ..loop.failure_site import site_of
@@ -100,7 +100,7 @@ _HOOKS = {"training": "training_step", "validation": "validation_step", "test": 
 def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:
     """('training', 'validation' or 'predict', the batch on the device), as the loop's call
     site recorded them on `exc` (loop/failure_site.py); None if no step raised it."""
-    from ..loop.transfer import move_to_device
+    from ..data.transfer import move_to_device
 
     site = site_of(exc)
     if site is None or site.phase is None:

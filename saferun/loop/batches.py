@@ -15,9 +15,9 @@ from ..errors import SaferunError
 from ..guards.preflight import check_batch_on_cpu
 from ..parallel import distributed
 from ..preemption import shielded_iter
-from .seeding import get_rng_state, set_rng_state
+from ..data.seeding import get_rng_state, set_rng_state
 from ..state import LoopState
-from .transfer import move_to_device
+from ..data.transfer import move_to_device
 
 
 class BatchStream:

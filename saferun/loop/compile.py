@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import modes
 from ..errors import SaferunError
-from .seeding import get_rng_state, preserved_rng, set_rng_state
+from ..data.seeding import get_rng_state, preserved_rng, set_rng_state
 from .steps import loss_and_logs
 
 

@@ -18,8 +18,8 @@ from ..guards.purity import check_purity, fingerprint
 from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
 from .stateful import compute_all, reset_all
-from .seeding import preserved_rng
-from .transfer import move_to_device, samples_in, to_host
+from ..data.seeding import preserved_rng
+from ..data.transfer import move_to_device, samples_in, to_host
 
 
 class Evaluator:

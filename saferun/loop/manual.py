@@ -42,7 +42,7 @@ from ..schedules import Schedule
 from .steps import check_optimizer_params
 from .update import OptimizerUpdate
 from ..guards.unused import UnusedParameters, window
-from .transfer import move_to_device, samples_in
+from ..data.transfer import move_to_device, samples_in
 
 
 class ManualOwner(Protocol):

@@ -18,7 +18,7 @@ from .failure_site import record
 from ..guards.model_audit import graph_carriers, hidden_layers_advice
 from ..guards.purity import find_inference_tensors
 from .metrics import scalar_dict
-from .transfer import samples_in
+from ..data.transfer import samples_in
 
 log = logging.getLogger("saferun")
 StepParts = tuple[torch.Tensor, dict[str, torch.Tensor], int]  # (loss, logs, samples)

@@ -8,7 +8,7 @@ import torch
 import saferun
 from saferun.errors import ConfigError
 from saferun.guards.syncs import HostSyncCounter
-from saferun.loop.seeding import seed_everything
+from saferun.data.seeding import seed_everything
 from toys import SelfSignalling, ToyTrainer, toy_config
 
 
