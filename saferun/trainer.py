@@ -64,7 +64,7 @@ from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as befor
 from .loop.update import OptimizerUpdate, total_norm
 from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
                          trainable_parameters)
-from .parallel import distributed
+from . import distributed
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
 

@@ -1317,7 +1317,7 @@ mutation("failure site: an error in test_step is explained as test_step's", "saf
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 
 mutation("distributed: the group saferun started is left before interpreter teardown",
-         "saferun/parallel/distributed.py", "        atexit.register(_leave_group)\n", "",
+         "saferun/distributed.py", "        atexit.register(_leave_group)\n", "",
          "tests/logging/test_evaluate_callbacks.py::test_every_reduction_is_agreed_over_two_real_ranks")
 
 

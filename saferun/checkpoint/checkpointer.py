@@ -27,7 +27,7 @@ from ..direction import inference_note, metric_mode
 from ..errors import ConfigError, NonFiniteError, SaferunError
 from ..data.seeding import get_rng_state
 from ..data.transfer import move_to_device
-from ..parallel import distributed
+from .. import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
 from . import course, intent, rundir

@@ -15,7 +15,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               IterableDataset, RandomSampler, Sampler, SequentialSampler,
                               get_worker_info)
 
-from ..parallel.distributed import ShardSampler
+from ..distributed import ShardSampler
 from ..errors import SaferunError
 from ..guards.generators import rng_kind, rng_objects
 from .seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state

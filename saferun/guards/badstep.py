@@ -30,7 +30,7 @@ from ..checkpoint.store import (CheckpointError, checkpoint_root, list_checkpoin
                                 load_latest, step_of)
 from ..errors import NonFiniteError
 from ..text import short
-from ..parallel import distributed
+from .. import distributed
 from .buffers import BufferSnapshot
 from .batchinfo import nonfinite_inputs
 from .replay import first_nonfinite, replay

@@ -15,7 +15,7 @@ import torch
 
 from ..callbacks import Media
 from ..errors import SaferunError
-from ..parallel import distributed
+from .. import distributed
 
 REDUCTIONS = ("mean", "last", "min", "max", "sum")
 _IDENTITY = {"min": float("inf"), "max": float("-inf"), "sum": 0.0, "last": 0.0}

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..parallel import distributed
+from .. import distributed
 from ..callbacks import Media, StepOutput
 from ..errors import SaferunError
 from .logbook import Folded

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from ..callbacks import Control, _merge
-from . import distributed
-from .distributed import all_reduce
+from .. import distributed
+from ..distributed import all_reduce
 
 if TYPE_CHECKING:
     from ..preemption import StopSignals

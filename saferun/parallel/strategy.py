@@ -41,7 +41,8 @@ from torch import nn
 
 from ..checkpoint.formats import CheckpointFormat, ShardedState, WholeState
 from ..errors import ConfigError
-from . import ddp, distributed, fsdp, mesh
+from .. import distributed
+from . import ddp, fsdp, mesh
 from .agreement import LocalAgreement, MeshAgreement, RankAgreement
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch
