@@ -1949,6 +1949,15 @@ mutation("trackers: W&B's transaction log: the step of a history row under neste
          '                         if (i.key or "/".join(i.nested_key)) == "_step"]',
          '                         if i.key == "_step"]', f"{GRID}[wandb|sigkill]")
 
+mutation("layout: no two packages import each other both ways", "saferun/loop/optimizers.py",
+         "from ..errors import CheckpointError, ConfigError, SaferunError",
+         "from ..checkpoint.store import CheckpointError\nfrom ..errors import ConfigError, SaferunError",
+         "tests/test_layout.py::test_no_two_packages_import_each_other")
+mutation("layout: a config is checked without importing torch", "saferun/config.py",
+         "from .errors import ConfigError\n",
+         "from .errors import ConfigError\nfrom .loop import averaging  # noqa: F401\n",
+         "tests/test_layout.py::test_a_config_is_checked_without_importing_torch")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:
