@@ -35,6 +35,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .. import distributed
 from ..errors import CheckpointError
 from .intent import fsync_dir
 
@@ -279,9 +280,7 @@ def step_of(path: Path) -> int:
 
 def _write_failure(path: Path, error: BaseException) -> str:
     """Which file could not be written and why, in words, instead of torch's internal message."""
-    from ..diagnose.explain_ranks import peer_failure
-
-    peer = peer_failure(error)
+    peer = distributed.peer_failure(error)
     if peer is not None:  # not the disk: another rank died (killed during the save, say)
         return (f"could not write {path}: a collective with the other ranks failed during the "
                 f"save ({peer}). Another rank most likely died: its own error, or torchrun's "

@@ -28,11 +28,11 @@ from ..errors import (ExplainedAssertionError, ExplainedAttributeError, Explaine
                       ExplainedKeyError, ExplainedRuntimeError, ExplainedTypeError,
                       ExplainedValueError, UserCodeError)
 from ..data.seeding import preserved_rng
+from ..distributed import several_ranks
 from ..guards.batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import in_step as _in_step, replaying as _replaying
 from ..loop.failure_site import site_of
-from .explain_ranks import (collective_failed, collective_failure, locate_in_traceback,
-                            several_ranks)
+from .explain_ranks import collective_failed, collective_failure, locate_in_traceback
 from ..guards.model_audit import carried_graph_advice, graph_carriers
 from ..guards.replay import _forward_trace
 
