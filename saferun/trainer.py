@@ -797,6 +797,32 @@ class Trainer:
             self._callbacks.on_media(self.view, [m.at(self.state.step) for m in media])
 
     @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The GradScaler the update steps through: active under trainer.precision=fp16, a
+        pass-through otherwise (after setup)."""
+        self._require_setup("scaler")
+        return self._scaler
+
+    @property
+    def ema(self) -> Optional[averaging.WeightAverage]:
+        """trainer.ema's average of the weights (its `.module` holds them; `state_dict()`), after
+        setup; None when trainer.ema is off."""
+        self._require_setup("ema")
+        return self._ema
+
+    @property
+    def callbacks(self) -> tuple[Callback, ...]:
+        """The callbacks fit() calls, in order: those passed to the Trainer, then the config's
+        callbacks and loggers (after setup)."""
+        self._require_setup("callbacks")
+        return tuple(self._callbacks.callbacks)
+
+    def _require_setup(self, name: str) -> None:
+        if not self._is_setup:
+            raise SaferunError(f"Trainer.{name} is built by setup(): call trainer.setup() first "
+                               f"(fit(), validate(), test() and predict() call it).")
+
+    @property
     def best(self) -> Optional[Best]:
         """trainer.save_best's best validation so far (metric, value, step, path of
         model_best.pt, its checkpoint), kept across a resume; None without save_best or

@@ -179,24 +179,52 @@ def _trainer_private_names() -> set[str]:
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
-def test_no_part_reaches_further_into_the_trainers_private_state():
-    names, found = _trainer_private_names(), {}
-    root = Path(saferun.__file__).parent
+def _private_reads(root: Path, names: set[str], skip: Path | None = None) -> dict[str, list[str]]:
+    """Reads or writes of the attributes `names` under `root`, other than self's and cls's
+    (`getattr(trainer, "_manual", None)` reaches in as surely as `trainer._manual`)."""
+    found: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
-        if path.name == "trainer.py" and path.parent == root:
+        if path == skip:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Attribute) and node.attr in names and not (
                     isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))) or (
-                    # getattr(trainer, "_manual", None) reaches in as surely as trainer._manual
                     isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
                     and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
-                key = str(path.relative_to(root.parent))
-                found.setdefault(key, []).append(f"{node.lineno}: {ast.unparse(node)}")
+                found.setdefault(str(path.relative_to(ROOT)), []).append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_part_reaches_further_into_the_trainers_private_state():
+    found = _private_reads(PACKAGE, _trainer_private_names(), skip=PACKAGE / "trainer.py")
     # Each part gets what it needs passed in; none reaches into the Trainer's own state.
     assert not found, (f"reads or writes of Trainer private attributes outside trainer.py "
                        f"(pass what the part needs instead): {found}")
+
+
+def test_no_test_reads_the_trainers_private_state():
+    """Tests use the Trainer as users do (its public properties: scaler, ema, callbacks, best,
+    state_dict()), so that they keep proving behaviour when its insides change."""
+    allowed = {  # (file, attribute): why no public part will do
+        ("tests/loop/test_compile.py", "_check_compile"):
+            "the compile parity check run alone on a set-up Trainer, to see that it puts back the "
+            "gradients, modes and RNG it found (fit() changes those around it)",
+        ("tests/cuda/test_cuda.py", "_non_blocking"):
+            "whether batches are copied to the GPU asynchronously (pinned memory): nothing public "
+            "shows it",
+    }
+    found, used = {}, set()
+    for file, reads in _private_reads(ROOT / "tests", _trainer_private_names()).items():
+        for read in reads:
+            name = read.rpartition(".")[2]
+            if (file, name) in allowed:
+                used.add((file, name))
+            else:
+                found.setdefault(file, []).append(read)
+    assert not found, (f"tests that read or write Trainer private attributes (use a public "
+                       f"property, or give the Trainer one): {found}")
+    assert used == set(allowed), f"allowed but no longer read (remove them): {set(allowed) - used}"
 
 
 def test_every_module_is_named_in_the_architecture_page():
