@@ -1958,6 +1958,14 @@ mutation("layout: a config is checked without importing torch", "saferun/config.
          "from .errors import ConfigError\nfrom .loop import averaging  # noqa: F401\n",
          "tests/test_layout.py::test_a_config_is_checked_without_importing_torch")
 
+mutation("layout: no test reads a Trainer private attribute", "tests/loop/test_step.py",
+         "t.scaler.get_scale()", "t._scaler.get_scale()",
+         "tests/test_layout.py::test_no_test_reads_the_trainers_private_state")
+mutation("Trainer.scaler before setup says to call setup()", T,
+         "        if not self._is_setup:\n            raise SaferunError(f\"Trainer.{name} is built by setup()",
+         "        if False:\n            raise SaferunError(f\"Trainer.{name} is built by setup()",
+         "tests/loop/test_precision.py::test_the_step_after_a_skipped_step_works_under_a_grad_scaler")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:
