@@ -1,4 +1,5 @@
-"""Built-in observers: TensorBoard event files, metrics.jsonl, a progress bar and log lines.
+"""The loggers: TensorBoard event files, metrics.jsonl, a progress bar and log lines here, the
+experiment trackers (MLflow, W&B) in `trackers`.
 
 All are callbacks that act at log points only, where metrics are
 already host floats, so none of them adds a host sync.
