@@ -57,3 +57,15 @@ class ExplainedAttributeError(UserCodeError, AttributeError):
 
 class ExplainedAssertionError(UserCodeError, AssertionError):
     pass
+
+
+class CompileMismatchError(SaferunError):
+    """The compiled model's output differs from eager beyond the configured tolerance."""
+
+
+class LossCallError(SaferunError, ValueError):
+    """A loss function was called with arguments that would train silently wrong."""
+
+
+class ModelStateError(SaferunError):
+    """The model holds state where training or checkpoints cannot see it."""

@@ -163,6 +163,18 @@ def test_no_two_packages_import_each_other():
     assert not both, f"packages that import each other both ways (move the piece both use below them): {both}"
 
 
+def test_every_error_class_is_in_errors_py():
+    """One module holds the errors saferun raises (feature modules import it), so a reader finds
+    them, and no package imports another for an exception class. Not errors, and left where they
+    act: a private exception that never leaves its module (a loop's early exit), and the stop
+    signals' StopRequested and Preempted (preemption.py)."""
+    elsewhere = [f"{path.relative_to(PACKAGE)}: {node.name}" for path in MODULES if path.name != "errors.py"
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                 and not node.name.startswith("_")
+                 and any(ast.unparse(b).endswith("Error") for b in node.bases)]
+    assert not elsewhere, f"error classes outside saferun/errors.py: {elsewhere}"
+
+
 # Per-file line caps were retired: they pushed code into modules named for their size rather
 # than their job. The function-length rules above (the loop reads in one screen) stay.
 

@@ -1966,6 +1966,11 @@ mutation("Trainer.scaler before setup says to call setup()", T,
          "        if False:\n            raise SaferunError(f\"Trainer.{name} is built by setup()",
          "tests/loop/test_precision.py::test_the_step_after_a_skipped_step_works_under_a_grad_scaler")
 
+mutation("layout: every error class is in errors.py", "saferun/guards/model_audit.py",
+         "from ..errors import ModelStateError\n",
+         "from ..errors import SaferunError\n\n\nclass ModelStateError(SaferunError):\n    pass\n",
+         "tests/test_layout.py::test_every_error_class_is_in_errors_py")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:

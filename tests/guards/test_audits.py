@@ -15,9 +15,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 
 from mistakes import (CORPUS, GraphCarried, LayerMadeInForward, ModulesInAList, OneBasedLabels,
                       catch, config_for)
-from saferun.guards.loss_audit import LossCallAudit, LossCallError
-from saferun.errors import SaferunError
-from saferun.guards.model_audit import ModelStateError
+from saferun.errors import LossCallError, ModelStateError, SaferunError
+from saferun.guards.loss_audit import LossCallAudit
 from toys import Net, ToyTrainer, make_classification, toy_config
 
 
