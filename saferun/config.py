@@ -23,6 +23,8 @@ STRATEGIES = ("auto", "ddp", "fsdp", "mesh")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 DEFAULT_MAX_STEPS = 1000  # trainer.max_steps when neither it nor trainer.max_epochs is set
+# saferun modules a config's _target_ may name from before they moved: old prefix -> new
+MOVED = {"saferun.trackers.": "saferun.loggers.trackers."}
 
 
 @dataclass
@@ -470,7 +472,9 @@ def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -
     try:
         obj = get_object(target)
     except Exception as e:  # Hydra wraps ImportError/AttributeError in its own types
-        raise ConfigError(f"{key}._target_: cannot import '{target}' ({e}).") from None
+        moved = next((f" {old.rstrip('.')} moved: name it {new}{target[len(old):]}."
+                      for old, new in MOVED.items() if target.startswith(old)), "")
+        raise ConfigError(f"{key}._target_: cannot import '{target}' ({e}).{moved}") from None
     kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
     try:
         sig = inspect.signature(obj)

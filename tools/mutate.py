@@ -1971,6 +1971,11 @@ mutation("layout: every error class is in errors.py", "saferun/guards/model_audi
          "from ..errors import SaferunError\n\n\nclass ModelStateError(SaferunError):\n    pass\n",
          "tests/test_layout.py::test_every_error_class_is_in_errors_py")
 
+mutation("a _target_ under a moved saferun module names where it is now", "saferun/config.py",
+         "for old, new in MOVED.items() if target.startswith(old)), \"\")",
+         "for old, new in MOVED.items() if False), \"\")",
+         "tests/unit/test_config.py::test_a_target_under_a_moved_saferun_module_names_where_it_is_now")
+
 # ---------------------------------------------------------------- the runner
 
 def stale_snippets(repo: Path, m: Mutation) -> list[str]:
