@@ -104,7 +104,7 @@ def build_datasets(workload: str) -> tuple[TensorDataset, TensorDataset]:
 def epoch_seed(seed: int, epoch: int) -> int:
     """Seed of the shuffling generator for `epoch`.
 
-    The same derivation as saferun's loaders (saferun.loop.seeding.derive_seed(seed, epoch, rank=0)),
+    The same derivation as saferun's loaders (saferun.data.seeding.derive_seed(seed, epoch, rank=0)),
     written out here so that the hand-written loop does not import saferun.
     """
     state = np.random.SeedSequence([seed, epoch, 0]).generate_state(1, np.uint64)

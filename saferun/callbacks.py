@@ -82,10 +82,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 import torch
 
 from .errors import SaferunError
-from .parallel import distributed
 
 if TYPE_CHECKING:
-    from .loop.state import LoopState
+    from .state import LoopState
 
 
 @dataclass(frozen=True)
@@ -126,6 +125,21 @@ class StepOutput:
     loss_spike: Optional[torch.Tensor] = None
     """With guards.spikes on: True if this process's own loss spiked. Under torchrun the gradient
     norm is the same on every rank, so this says on which rank a spike started."""
+
+
+@dataclass
+class Media:
+    """An image, histogram or text to write at the next log point or validation end."""
+
+    kind: str  # "image" | "histogram" | "text"
+    name: str  # with its prefix: train/..., val/...
+    value: Any  # a detached tensor (CPU once read) or a str
+    step: int = 0  # set when written: the step of that log point or validation
+
+    def at(self, step: int) -> "Media":
+        """This media to write at `step`, its tensor on the CPU (the one host read)."""
+        value = self.value.cpu() if isinstance(self.value, torch.Tensor) else self.value
+        return Media(self.kind, self.name, value, step)
 
 
 class TrainerView:
@@ -223,7 +237,7 @@ class Callback(Protocol):
         return None
 
     def on_media(self, view: TrainerView, media: Sequence[Any]) -> None:
-        """Images, histograms and texts (`saferun.loop.logbook.Media`: kind, name, value on the
+        """Images, histograms and texts (`saferun.callbacks.Media`: kind, name, value on the
         CPU, step) logged since the last log point or in this validation; rank 0 only."""
         return None
 
@@ -365,17 +379,6 @@ def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:
     if a is None:
         return b
     return a | b
-
-
-def agree(control: Optional[Control], device: torch.device) -> Optional[Control]:
-    """Under torchrun: every rank's requests ORed together, the same on every rank (one
-    collective of three flags and one host read). In a single process: `control`."""
-    if not distributed.dist.is_initialized() or distributed.dist.get_world_size() == 1:
-        return control
-    c = control or Control()
-    flags = torch.tensor([c.stop, c.evaluate, c.save], dtype=torch.float32).to(device)
-    stop, evaluate, save = (v > 0 for v in distributed.all_reduce(flags, "max").tolist())
-    return Control(stop=stop, evaluate=evaluate, save=save) if stop or evaluate or save else None
 
 
 def _key(index: int, cb: Callback) -> str:

@@ -17,15 +17,92 @@ from typing import Any, Mapping, Optional
 from .errors import ConfigError
 from .direction import metric_mode
 from .guards.policies import POLICIES
-from .loop.settings import EmaConfig
-from .parallel.settings import FSDPConfig, ParallelConfig
-from .sweep.settings import SweepConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("auto", "ddp", "fsdp", "mesh")
 EVAL_GRAD_MODES = ("inference_mode", "no_grad")
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 DEFAULT_MAX_STEPS = 1000  # trainer.max_steps when neither it nor trainer.max_epochs is set
+# saferun modules a config's _target_ may name from before they moved: old prefix -> new
+MOVED = {"saferun.trackers.": "saferun.loggers.trackers."}
+
+
+@dataclass
+class EmaConfig:
+    """trainer.ema: an exponential moving average of the weights (off by default), validated beside
+    the raw weights (val_ema/...), checkpointed, and exported as <run_dir>/model_ema.pt."""
+
+    decay: Optional[float] = None
+    """ema = decay * ema + (1 - decay) * weights after each optimizer step (e.g. 0.999; null: off)."""
+    use_buffers: bool = True
+    """Average floating buffers (BatchNorm statistics) too; false: copy them. Integers are copied."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.decay, (int, float)) and not 0.0 < self.decay < 1.0:
+            raise ConfigError(f"trainer.ema.decay must be in (0, 1), e.g. 0.999, or null; got {self.decay}.")
+
+
+@dataclass
+class FSDPConfig:
+    """trainer.strategy=fsdp: how FSDP2 (`fully_shard`) shards the model (docs/distributed.md)."""
+
+    shard: list[str] = field(default_factory=list)
+    """Submodules sharded as units of their own, by class name (Block) or path (blocks.0);
+    the root is always one. Empty: each child of a ModuleList/Sequential whose children are
+    all of one class (the blocks of a Transformer)."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gathered again for backward):
+    less memory, one more all-gather per unit per micro-batch."""
+    param_dtype: Optional[str] = None
+    """bf16: parameters gathered and computed in bf16, gradients reduced in fp32
+    (MixedPrecisionPolicy); the sharded parameters and optimizer state stay fp32. null: fp32."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory (CUDA only:
+    the optimizer steps on the CPU)."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save):
+    training goes on after a copy of the state; the checkpoint is completed (manifest,
+    rename) at the next log point after every rank's write finished, or the next save."""
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in (None, "bf16", "fp32"):
+            raise ConfigError(f"trainer.fsdp.param_dtype must be bf16, fp32 or null; got "
+                              f"{self.param_dtype!r}.")
+
+
+@dataclass
+class ParallelConfig:
+    """trainer.strategy=mesh: the device mesh's shape, data dimension first (docs/distributed.md)."""
+
+    dp_shard: Optional[int] = None
+    """Ranks the data is split over, the model sharded over with FSDP2 (1: not sharded). null:
+    the processes left over by tp (world size / tp)."""
+    tp: int = 1
+    """Ranks of one tensor-parallel group: the task's parallelize(model, mesh) splits each
+    layer over mesh["tp"]; they see the same batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("dp_shard", "tp"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"trainer.parallel.{key} must be a positive integer"
+                                  f"{' or null' if key == 'dp_shard' else ''}; got {value!r}.")
+
+
+@dataclass
+class SweepConfig:
+    """The objective of a sweep: the summary ranks the jobs by it, an Optuna sweep optimizes it."""
+
+    metric: Optional[str] = None
+    """A validation metric (e.g. val/acc); None: trainer.save_best's metric, else val/loss."""
+    mode: Optional[str] = None
+    """min or max. None: trainer.save_best_mode for save_best's metric, else the direction the
+    metric's name says (as trainer.save_best_mode); a name that says none is refused."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "min", "max"):
+            raise ConfigError(f"sweep.mode must be min or max, got {self.mode!r}.")
 
 
 @dataclass
@@ -395,7 +472,9 @@ def check_target_signature(key: str, node: Mapping[str, Any], **provided: Any) -
     try:
         obj = get_object(target)
     except Exception as e:  # Hydra wraps ImportError/AttributeError in its own types
-        raise ConfigError(f"{key}._target_: cannot import '{target}' ({e}).") from None
+        moved = next((f" {old.rstrip('.')} moved: name it {new}{target[len(old):]}."
+                      for old, new in MOVED.items() if target.startswith(old)), "")
+        raise ConfigError(f"{key}._target_: cannot import '{target}' ({e}).{moved}") from None
     kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
     try:
         sig = inspect.signature(obj)

@@ -37,8 +37,8 @@ from .data import (check_datasets, check_evaluation_limit, check_training_loader
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
 from .guards.datachecks import setup_warnings
-from .guards.explain import StepContexts, explain_failure
-from .guards.failure_site import record
+from .diagnose.explain import StepContexts, explain_failure
+from .loop.failure_site import record
 from .guards.loss_audit import LossCallAudit
 from .guards.model_audit import ModelAudit
 from .guards.preflight import preflight
@@ -55,17 +55,17 @@ from .loop.manual import ManualSteps, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
 from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
-from .loop.seeding import derive_seed, seed_everything
+from .data.seeding import derive_seed, seed_everything
 from .loop.threads import apply_plan, plan_threads, usable_cores
 from .loop.steptimer import StepTimer
 from .loop.throughput import Throughput
-from .loop.transfer import batch_size_of, move_to_device, samples_in
+from .data.transfer import batch_size_of, move_to_device, samples_in
 from .loop import averaging, stateful
-from .loop.state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
+from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.update import OptimizerUpdate, total_norm
 from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
                          trainable_parameters)
-from .parallel import distributed
+from . import distributed
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
 
@@ -387,7 +387,7 @@ class Trainer:
         return error
 
     def _explain_failure(self, exc: BaseException) -> Optional[BaseException]:
-        """`exc` explained in the user's terms (guards/explain.py), or None; its replay runs
+        """`exc` explained in the user's terms (diagnose/explain.py), or None; its replay runs
         the step as the loop does (autocast, the evaluation modes, several optimizers)."""
         return explain_failure(exc, self, StepContexts(self._autocast, self._evaluator.evaluating,
                                                        self._manual))
@@ -821,6 +821,32 @@ class Trainer:
         to the loggers (rank 0), at this step."""
         if media:
             self._callbacks.on_media(self.view, [m.at(self.state.step) for m in media])
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The GradScaler the update steps through: active under trainer.precision=fp16, a
+        pass-through otherwise (after setup)."""
+        self._require_setup("scaler")
+        return self._scaler
+
+    @property
+    def ema(self) -> Optional[averaging.Average]:
+        """trainer.ema's average of the weights (its `.module` holds them, but not when sharded
+        under fsdp or a mesh; `state_dict()`), after setup; None when trainer.ema is off."""
+        self._require_setup("ema")
+        return self._ema
+
+    @property
+    def callbacks(self) -> tuple[Callback, ...]:
+        """The callbacks fit() calls, in order: those passed to the Trainer, then the config's
+        callbacks and loggers (after setup)."""
+        self._require_setup("callbacks")
+        return tuple(self._callbacks.callbacks)
+
+    def _require_setup(self, name: str) -> None:
+        if not self._is_setup:
+            raise SaferunError(f"Trainer.{name} is built by setup(): call trainer.setup() first "
+                               f"(fit(), validate(), test() and predict() call it).")
 
     @property
     def best(self) -> Optional[Best]:

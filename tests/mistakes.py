@@ -424,7 +424,7 @@ def catch(m: Mistake, tmp: Optional[Path] = None) -> Optional[str]:
             m.trainer(cfg).setup()
         else:
             from saferun.config import load_config
-            from saferun.guards import check
+            from saferun import check
 
             base = check._short_session(load_config(cfg), str(tmp / "check"))
             wanted = m.how.split(":", 1)[1]

@@ -14,7 +14,7 @@ from hydra.utils import get_class
 import saferun
 from saferun import testing
 from saferun.cli import compose_config
-from saferun.testing.project import GOLDEN_OVERRIDES, TEST_OVERRIDES, corpus_text, golden_file
+from saferun.cli.project import GOLDEN_OVERRIDES, TEST_OVERRIDES, corpus_text, golden_file
 
 
 def saferun_run(*overrides: str, run_dir: Path, timeout: int) -> subprocess.CompletedProcess:

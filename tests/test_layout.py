@@ -105,10 +105,10 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_import_graph_sees_the_known_edges():
     graph = import_graph()
-    assert "saferun.loop.state" in graph["saferun.callbacks"]  # under TYPE_CHECKING
-    assert "saferun.parallel.distributed" in graph["saferun.callbacks"]  # from .parallel import distributed
-    assert "saferun.guards.check" in graph["saferun.cli"] or any(
-        "saferun.guards.check" in graph[m] for m in graph if m.startswith("saferun.cli"))
+    assert "saferun.state" in graph["saferun.callbacks"]  # under TYPE_CHECKING
+    assert "saferun.distributed" in graph["saferun.loop.metrics"]  # from .. import distributed
+    assert "saferun.check" in graph["saferun.cli"] or any(
+        "saferun.check" in graph[m] for m in graph if m.startswith("saferun.cli"))
 
 
 def test_no_import_cycle_among_saferun_modules():
@@ -128,6 +128,53 @@ def test_no_import_cycle_among_saferun_modules():
         visit(module, [])
 
 
+def package_of(module: str) -> str:
+    """A node of the package graph: a subpackage is one node (saferun.loop.steps -> loop), and so
+    is each top-level module (saferun.trainer -> trainer): each has a job of its own. The root
+    package's __init__ is no node: it only names the exports, imported on first use."""
+    return module.split(".")[1]
+
+
+def package_graph() -> dict[tuple[str, str], list[str]]:
+    """(importing node, imported node) -> the module imports behind that edge. Every import
+    counts: under TYPE_CHECKING and inside functions too (import_graph)."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in import_graph().items():
+        for target in sorted(targets):
+            if "saferun" in (module, target) or package_of(module) == package_of(target):
+                continue
+            edges.setdefault((package_of(module), package_of(target)), []).append(f"{module} -> {target}")
+    return edges
+
+
+def test_the_package_graph_sees_the_known_edges():
+    edges = package_graph()
+    assert "saferun.check -> saferun.trainer" in edges["check", "trainer"]
+    assert ("trainer", "guards") in edges and ("loop", "errors") in edges
+    assert ("callbacks", "state") in edges  # under TYPE_CHECKING
+    assert ("sweep", "config") in edges  # inside a function
+
+
+def test_no_two_packages_import_each_other():
+    """A reader finds each job in one folder and reads the packages one way: no two nodes of the
+    package graph (package_of) import each other, through any of their modules."""
+    edges = package_graph()
+    both = {f"{a} <-> {b}": edges[a, b] + edges[b, a] for a, b in sorted(edges) if a < b and (b, a) in edges}
+    assert not both, f"packages that import each other both ways (move the piece both use below them): {both}"
+
+
+def test_every_error_class_is_in_errors_py():
+    """One module holds the errors saferun raises (feature modules import it), so a reader finds
+    them, and no package imports another for an exception class. Not errors, and left where they
+    act: a private exception that never leaves its module (a loop's early exit), and the stop
+    signals' StopRequested and Preempted (preemption.py)."""
+    elsewhere = [f"{path.relative_to(PACKAGE)}: {node.name}" for path in MODULES if path.name != "errors.py"
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                 and not node.name.startswith("_")
+                 and any(ast.unparse(b).endswith("Error") for b in node.bases)]
+    assert not elsewhere, f"error classes outside saferun/errors.py: {elsewhere}"
+
+
 # Per-file line caps were retired: they pushed code into modules named for their size rather
 # than their job. The function-length rules above (the loop reads in one screen) stay.
 
@@ -144,24 +191,52 @@ def _trainer_private_names() -> set[str]:
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
-def test_no_part_reaches_further_into_the_trainers_private_state():
-    names, found = _trainer_private_names(), {}
-    root = Path(saferun.__file__).parent
+def _private_reads(root: Path, names: set[str], skip: Path | None = None) -> dict[str, list[str]]:
+    """Reads or writes of the attributes `names` under `root`, other than self's and cls's
+    (`getattr(trainer, "_manual", None)` reaches in as surely as `trainer._manual`)."""
+    found: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
-        if path.name == "trainer.py" and path.parent == root:
+        if path == skip:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Attribute) and node.attr in names and not (
                     isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))) or (
-                    # getattr(trainer, "_manual", None) reaches in as surely as trainer._manual
                     isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
                     and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
-                key = str(path.relative_to(root.parent))
-                found.setdefault(key, []).append(f"{node.lineno}: {ast.unparse(node)}")
+                found.setdefault(str(path.relative_to(ROOT)), []).append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_part_reaches_further_into_the_trainers_private_state():
+    found = _private_reads(PACKAGE, _trainer_private_names(), skip=PACKAGE / "trainer.py")
     # Each part gets what it needs passed in; none reaches into the Trainer's own state.
     assert not found, (f"reads or writes of Trainer private attributes outside trainer.py "
                        f"(pass what the part needs instead): {found}")
+
+
+def test_no_test_reads_the_trainers_private_state():
+    """Tests use the Trainer as users do (its public properties: scaler, ema, callbacks, best,
+    state_dict()), so that they keep proving behaviour when its insides change."""
+    allowed = {  # (file, attribute): why no public part will do
+        ("tests/loop/test_compile.py", "_check_compile"):
+            "the compile parity check run alone on a set-up Trainer, to see that it puts back the "
+            "gradients, modes and RNG it found (fit() changes those around it)",
+        ("tests/cuda/test_cuda.py", "_non_blocking"):
+            "whether batches are copied to the GPU asynchronously (pinned memory): nothing public "
+            "shows it",
+    }
+    found, used = {}, set()
+    for file, reads in _private_reads(ROOT / "tests", _trainer_private_names()).items():
+        for read in reads:
+            name = read.rpartition(".")[2]
+            if (file, name) in allowed:
+                used.add((file, name))
+            else:
+                found.setdefault(file, []).append(read)
+    assert not found, (f"tests that read or write Trainer private attributes (use a public "
+                       f"property, or give the Trainer one): {found}")
+    assert used == set(allowed), f"allowed but no longer read (remove them): {set(allowed) - used}"
 
 
 def test_every_module_is_named_in_the_architecture_page():
@@ -180,3 +255,17 @@ def test_every_module_is_named_in_the_architecture_page():
         if not any(re.search(rf"(?<![\w/]){re.escape(path.name)}", b) for b in where):
             missing.append(str(rel))
     assert not missing, f"modules the architecture page does not name: {missing}"
+
+
+def test_a_config_is_checked_without_importing_torch():
+    """The config nodes (trainer.ema, trainer.fsdp, trainer.parallel, sweep) live in config.py,
+    not beside the code that reads them (which imports torch): a config error answers at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from saferun.config import load_config; from saferun.errors import ConfigError\n"
+            "try:\n    load_config({'trainer': {'ema': {'decay': 2.0}}})\n"
+            "except ConfigError as e:\n    print('refused:', e)\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "refused: trainer.ema.decay must be in (0, 1)" in out and "torch imported: False" in out, out

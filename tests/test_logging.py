@@ -37,8 +37,8 @@ def test_tensorboard_has_every_metric_at_log_steps_and_the_config(tmp_path):
 def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     quiet = ToyTrainer(toy_config(tmp_path, progress_bar=None))
     quiet.setup()  # under pytest stderr is not a terminal
-    assert any(isinstance(c, LogLines) for c in quiet._callbacks.callbacks)
-    assert not any(isinstance(c, ProgressBar) for c in quiet._callbacks.callbacks)
+    assert any(isinstance(c, LogLines) for c in quiet.callbacks)
+    assert not any(isinstance(c, ProgressBar) for c in quiet.callbacks)
 
     shown = ToyTrainer(toy_config(tmp_path, progress_bar=True, max_steps=8, log_every_n_steps=4))
     shown.fit()
@@ -101,7 +101,7 @@ def test_an_empty_logger_mapping_means_no_loggers_from_python_and_the_command_li
     cfg = toy_config(tmp_path, max_steps=4)  # toy_config: "logger": {}
     trainer = ToyTrainer(cfg)
     trainer.fit()
-    built = {type(c) for c in trainer._callbacks.callbacks}
+    built = {type(c) for c in trainer.callbacks}
     assert not built & {TensorBoardLogger, MetricsJsonl}
     assert not {p.name for p in (tmp_path / "run").iterdir()} & {"tensorboard", "metrics.jsonl"}
     # a mapping is the whole set: to add a logger, list the defaults too

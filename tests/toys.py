@@ -227,9 +227,9 @@ def main() -> None:
     """`python tests/toys.py CONFIG_JSON [PLANT_JSON]` (or under torchrun): train, save weights.
 
     PLANT_JSON holds SelfSignalling's keyword arguments. Each rank writes its final weights
-    to <run_dir>/final_weights_rank<R>.pt, its final metrics to final_metrics_rank<R>.json, its
-    weight average (trainer.ema, if on) to final_ema_rank<R>.pt, and the state of its spike
-    detectors (if on) to <run_dir>/spikes_rank<R>.pt.
+    to <run_dir>/final_weights_rank<R>.pt, its final metrics to final_metrics_rank<R>.json and its
+    weight average (trainer.ema, if on) to final_ema_rank<R>.pt (each rank's spike detectors are
+    in the run's last checkpoint, per_rank[R]["spikes"]).
     """
     import json
     import sys
@@ -240,15 +240,12 @@ def main() -> None:
     trainer.fit()
     torch.save(weights(trainer), os.path.join(cfg["trainer"]["run_dir"],
                                               f"final_weights_rank{trainer.ranks.rank}.pt"))
-    if trainer._ema is not None:
-        torch.save(trainer._ema.state_dict(), os.path.join(cfg["trainer"]["run_dir"],
+    if trainer.ema is not None:
+        torch.save(trainer.ema.state_dict(), os.path.join(cfg["trainer"]["run_dir"],
                                                            f"final_ema_rank{trainer.ranks.rank}.pt"))
     with open(os.path.join(cfg["trainer"]["run_dir"], f"final_metrics_rank{trainer.ranks.rank}.json"),
               "w") as f:
         json.dump(trainer.state.metrics, f)
-    if trainer._guard.spikes:
-        torch.save({k: d.state_dict() for k, d in trainer._guard.spikes.items()},
-                   os.path.join(cfg["trainer"]["run_dir"], f"spikes_rank{trainer.ranks.rank}.pt"))
 
 
 if __name__ == "__main__":

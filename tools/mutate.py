@@ -235,7 +235,7 @@ mutation("several optimizers: the explanation's replay steps no optimizer", MANU
          "        if self._replay is not None:\n            return self._replayed(name, loss)\n", "",
          f"{ERRS}::test_an_error_in_training_step_is_explained_and_the_replay_changes_nothing")
 mutation("several optimizers: the explanation names the optimize() call that raised",
-         "saferun/guards/explain_optimize.py",
+         "saferun/diagnose/explain_optimize.py",
          '    return f", in self.optimize({site.optimizer!r}, loss){part}"',
          '    return ""',
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
@@ -286,20 +286,20 @@ mutation("workers seed NumPy from (seed, epoch, worker, rank)", "saferun/seeding
 mutation("workers seed random from (seed, epoch, worker, rank)", "saferun/seeding.py",
          "        random.seed(seed)\n        np.random.seed(seed % 2**32)\n",
          "        np.random.seed(seed % 2**32)\n", DIFF)
-mutation("the worker seeder learns the epoch", "saferun/data.py",
+mutation("the worker seeder learns the epoch", "saferun/data/__init__.py",
          "        loader.worker_init_fn.epoch = epoch", "        pass",
          "tests/unit/test_seeding.py::test_workers_and_epochs_draw_differently_and_reproducibly")
-mutation("shuffle order from (seed, epoch)", "saferun/data.py",
+mutation("shuffle order from (seed, epoch)", "saferun/data/__init__.py",
          "loader.generator.manual_seed(derive_seed(seed, epoch, rank))",
          "loader.generator.manual_seed(derive_seed(seed, rank))", DIFF)
 mutation("setup seeds Python's random", "saferun/seeding.py",
          "    random.seed(seed)\n    np.random.seed(seed % 2**32)\n    torch.manual_seed(seed)\n\n",
          "    np.random.seed(seed % 2**32)\n    torch.manual_seed(seed)\n\n", DIFF)
-mutation("DistributedSampler's epoch is set", "saferun/data.py",
+mutation("DistributedSampler's epoch is set", "saferun/data/__init__.py",
          "    if callable(set_epoch):  # DistributedSampler\n        set_epoch(epoch)",
          "    if callable(set_epoch):  # DistributedSampler\n        pass",
          "tests/unit/test_data.py::test_training_shards_are_disjoint_and_reshuffled_every_epoch")
-mutation("validation shards without padding", "saferun/data.py",
+mutation("validation shards without padding", "saferun/data/__init__.py",
          "        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)",
          "        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)",
          "tests/unit/test_data.py::test_validation_shards_hold_every_sample_exactly_once")
@@ -345,7 +345,7 @@ mutation("a NaN on any rank is bad on every rank", "saferun/metrics.py",
 mutation("a stop signal on one rank stops every rank", "saferun/parallel/agreement.py",
          "        if votes:\n", "        if False:\n",
          "tests/distributed/test_torchrun.py::test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step")
-mutation("a user loader under torchrun must split the data", "saferun/data.py",
+mutation("a user loader under torchrun must split the data", "saferun/data/__init__.py",
          "    if world_size == 1 or world_size in (getattr(sampler",
          "    if True or world_size in (getattr(sampler",
          "tests/parallel/test_ddp_paths.py::test_a_user_loader_that_does_not_split_the_data_is_refused")
@@ -576,7 +576,7 @@ mutation("declared modes: each module's mode read", "saferun/modes.py",
          "        return list(self.expected)",
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
-mutation("a flat tuple batch stays a tuple on the device", "saferun/loop/transfer.py",
+mutation("a flat tuple batch stays a tuple on the device", "saferun/data/transfer.py",
          "            return moved if type(batch) is list else tuple(moved)", "            return moved",
          "tests/unit/test_data.py::test_a_flat_tuple_or_list_of_tensors_is_moved_and_keeps_its_type")
 mutation("preflight errors stop the run", PREFLIGHT,
@@ -590,7 +590,7 @@ mutation("preflight finds generator objects", PREFLIGHT,
          "        found: list[tuple[Finding, Any]] = []\n        scan_rng(obj, attr, found, set(), 0)\n",
          "        found: list[tuple[Finding, Any]] = []\n",
          f"{GUARDS}::test_a_generator_object_on_the_dataset_is_reported_once")
-mutation("the start method reaches the DataLoader", "saferun/data.py",
+mutation("the start method reaches the DataLoader", "saferun/data/__init__.py",
          "multiprocessing_context=multiprocessing_context if num_workers > 0 else None)",
          "multiprocessing_context=None)",
          f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")
@@ -658,7 +658,7 @@ mutation("Control(stop=True) stops", T,
          "                    if (control and control.stop) or state.step >= limit:",
          "                    if state.step >= limit:",
          "tests/test_event_order.py::test_stop_mid_epoch_still_logs_validates_and_ends")
-mutation("TensorBoard gets validation metrics", "saferun/loggers.py",
+mutation("TensorBoard gets validation metrics", "saferun/loggers/__init__.py",
          "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
          "        self._write(view.step, metrics)",
          "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"
@@ -685,7 +685,7 @@ mutation("a second Ctrl-C aborts at once", "saferun/preemption.py",
          "        elif False:\n            self._abort()",
          f"{RESUME}::test_second_sigint_aborts_at_once")
 MISTAKES = "tests/guards/test_mistakes.py"
-EXPLAIN = "saferun/guards/explain.py"
+EXPLAIN = "saferun/diagnose/explain.py"
 DATA = "saferun/guards/datachecks.py"
 mutation("errors in user code are explained", T,
          "or self._explain_failure(exc)\n", "or None\n", MISTAKES)
@@ -717,7 +717,7 @@ mutation("a misspelt config key gets the closest valid one", "saferun/suggest.py
 # ---------------------------------------------------------------- saferun.testing (issue 14)
 
 TESTING = "tests/testing/test_helpers.py"
-mutation("worker seeding compares several draws per worker", "saferun/guards/check.py",
+mutation("worker seeding compares several draws per worker", "saferun/check.py",
          "Subset(dataset, [0] * (2 * DRAWS))", "Subset(dataset, [0] * 2)",
          f"{TESTING}::test_determinism_and_worker_seeding")
 mutation("exact resume compares every tensor bitwise", "saferun/testing/resume.py",
@@ -738,7 +738,7 @@ mutation("saferun new writes the project's tests", "saferun/cli/recipes.py",
          "tests/testing/test_new_project.py::test_a_new_project_ships_tests_that_pass_as_generated")
 
 # ---------------------------------------------------------------- metrics, EMA, loggers (issue 13)
-AVG, LOGGERS = "saferun/loop/averaging.py", "saferun/loggers.py"
+AVG, LOGGERS = "saferun/loop/averaging.py", "saferun/loggers/__init__.py"
 mutation("stateful metrics are reset before each validation", EVAL,
          "        reset_all(self._metrics)\n", "",
          "tests/loop/test_stateful_metrics.py::test_config_metrics_equal_sklearn_over_the_whole_set_at_each_validation")
@@ -785,29 +785,29 @@ mutation("several optimizers: a user's in-place op on an activation is not the o
          '    if found is None or found.group(2) not in (None, "AsStrided"):',
          "    if found is None:",
          "tests/loop/test_optimize_errors.py::test_a_users_inplace_op_matching_a_parameters_shape_and_version_is_not_the_slip")
-mutation("torchrun: a peer failure is one that torch raised", "saferun/guards/explain_ranks.py",
+mutation("torchrun: a peer failure is one that torch raised", "saferun/diagnose/explain_ranks.py",
          "            and _raised_in_torch(exc))", "            )",
          "tests/parallel/test_explain_ranks.py::test_a_users_own_error_that_reads_like_a_peer_failure_is_the_users",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
-mutation("a batch counted as 0 samples is refused", "saferun/loop/transfer.py",
+mutation("a batch counted as 0 samples is refused", "saferun/data/transfer.py",
          "    if count is None or not count > 0:", "    if count is None:",
          "tests/loop/test_batch_sizes.py::test_a_batch_the_default_cannot_count_is_refused")
-mutation("a UserDict batch is counted", "saferun/loop/transfer.py",
+mutation("a UserDict batch is counted", "saferun/data/transfer.py",
          "    elif isinstance(batch, Mapping):", "    elif isinstance(batch, dict):",
          "tests/loop/test_batch_sizes.py::test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does")
-mutation("a batch size of another whole-number type is counted as an int", "saferun/loop/transfer.py",
+mutation("a batch size of another whole-number type is counted as an int", "saferun/data/transfer.py",
          "    return whole if whole == n else None", "    return n if whole == n else None",
          "tests/loop/test_batch_sizes.py::test_a_whole_number_of_another_type_counts_as_that_int")
-mutation("a batch size that is not a whole number is refused", "saferun/loop/transfer.py",
+mutation("a batch size that is not a whole number is refused", "saferun/data/transfer.py",
          "    return whole if whole == n else None", "    return whole",
          "tests/loop/test_batch_sizes.py::test_a_count_that_is_not_a_whole_number_is_refused")
 mutation("the one-micro-batch step counts the batch size as an int", "saferun/trainer.py",
          "            samples = samples_in(micro_batches[0]", "            samples_in(micro_batches[0]",
          "tests/loop/test_batch_sizes.py::test_a_whole_number_of_another_type_counts_as_that_int")
-mutation("a 0-dim tensor is not a batch's count", "saferun/loop/transfer.py",
+mutation("a 0-dim tensor is not a batch's count", "saferun/data/transfer.py",
          "        return batch.shape[0] if batch.dim() > 0 else -1", "        return batch.shape[0] if batch.dim() > 0 else 1",
          "tests/loop/test_batch_sizes.py::test_a_userdict_batch_or_one_with_a_0_dim_tensor_first_counts_as_a_dict_does")
-mutation("an empty batch is refused as empty", "saferun/loop/transfer.py",
+mutation("an empty batch is refused as empty", "saferun/data/transfer.py",
          "                if count == 0 and empty else", "                if False else",
          "tests/loop/test_batch_sizes.py::test_an_empty_batch_is_refused_as_empty")
 mutation("validate()/predict() with resume unset over checkpoints say what they evaluate",
@@ -825,7 +825,7 @@ mutation("a value some micro-batches log is the mean over theirs", "saferun/loop
 mutation("a value some steps log is logged, as their mean", "saferun/loop/metrics.py",
          "for d in self.logs if k in d] for k in keys}", "for d in self.logs] for k in keys}",
          "tests/loop/test_train_logs.py::test_a_value_some_steps_report_is_logged_as_their_mean")
-mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "saferun/loggers.py",
+mutation("a shared TensorBoard log_dir keeps the other run's HParams entry", "saferun/loggers/__init__.py",
          "            if os.path.basename(earlier) not in self._others:  # another run's entry stays",
          "            if True:",
          "tests/test_logging.py::test_a_shared_log_dir_keeps_the_other_runs_hparams_entry_and_says_so")
@@ -857,7 +857,7 @@ mutation("audit: the second-backward error names the carrier (audit off)", EXPLA
          f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
 mutation("audit: the second-backward error is left to the explanation that names the carrier",
          "saferun/loop/steps.py",
-         "        if graph_carriers(model):  # guards/explain.py names", "        if False:  #",
+         "        if graph_carriers(model):  # diagnose/explain.py names", "        if False:  #",
          f"{AUDITS}::test_with_the_audit_off_torchs_second_backward_error_is_explained_by_name")
 mutation("audit: plain tensor state that training changes is warned about", MA,
          "        if not changed:\n            return []", "        if True:\n            return []",
@@ -898,7 +898,7 @@ mutation("audit: trainer.shuffle=false marks the order as intended", DATA,
 mutation("audit: eval determinism names the module", DATA,
          "        if not _all_equal(out, out2):", "        if False:",
          f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
-mutation("audit: eval determinism reads the sample twice", "saferun/guards/check.py",
+mutation("audit: eval determinism reads the sample twice", "saferun/check.py",
          "            if not all(_same(data[0], data[0]) for _ in range(3)):", "            if False:",
          f"{MISTAKES}::test_planted_mistake_is_caught_with_its_culprit")
 mutation("audit: single-class batches are warned about", DATA,
@@ -1029,11 +1029,11 @@ mutation("self.log's non-mean values since the last log point are checkpointed",
 mutation("images logged since the last log point are checkpointed", "saferun/loop/metrics.py",
          '"media": [vars(m) for m in self.media]}', '}',
          "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
-mutation("TensorBoard writes the checkpoint step's media again after a resume's purge", "saferun/loggers.py",
+mutation("TensorBoard writes the checkpoint step's media again after a resume's purge", "saferun/loggers/__init__.py",
          "            self.on_media(view, list(self._last_media))\n", "",
          "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
 mutation("a fresh TensorBoard writer starts a session, so the server applies a resume's purge",
-         "saferun/loggers.py", "else None if self._others else 0)", "else None)",
+         "saferun/loggers/__init__.py", "else None if self._others else 0)", "else None)",
          "tests/logging/test_log_resume.py::test_resumed_mid_window_logs_every_value_and_media_once_as_uninterrupted")
 mutation("reduce=min keeps the smallest value", "saferun/loop/logbook.py",
          "        return torch.minimum(old, new)", "        return new",
@@ -1057,13 +1057,13 @@ mutation("an on_evaluate callback is checked by the purity guard", "saferun/loop
          "        before = fingerprint(self._model) if self._purity else None\n        # preserved_rng",
          "        before = None\n        # preserved_rng",
          "tests/logging/test_evaluate_callbacks.py::test_on_evaluate_that_changes_the_model_is_caught_by_the_purity_guard")
-mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/trackers.py",
+mutation("MLflow: the steps a resumed run's store holds are not sent again", "saferun/loggers/trackers.py",
          "               if step > self._held.get(k, -1)]", "               if True]",
          "tests/logging/test_trackers.py::test_mlflow_store_holds_params_metrics_media_and_artifacts_and_a_resume_continues_the_run")
-mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/trackers.py",
+mutation("MLflow: a new course's run is linked to the checkpoint's run", "saferun/loggers/trackers.py",
          '        return {"run_id": self.run_id, "sent": self._sent}', '        return {"sent": self._sent}',
          "tests/logging/test_tracker_lifecycle.py::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
-mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/trackers.py",
+mutation("W&B: the steps an interrupted run sent are not sent again", "saferun/loggers/trackers.py",
          "        if step <= self._held:\n", "        if False:\n",
          "tests/logging/test_trackers.py::test_wandb_offline_writes_locally_and_a_resume_continues_the_same_run",
          known="its test is slow (W&B's service, twice): run by hand with -m slow")
@@ -1083,14 +1083,14 @@ mutation("a string where the target takes a number is refused naming the key", "
 mutation("an input baseline that cannot conclude says inconclusive", "saferun/guards/datachecks.py",
          "    if not real < 0.99 * zeroed:  # the output depends on the inputs", "    if False:  #",
          "tests/guards/test_check.py::test_an_input_baseline_that_cannot_conclude_says_so_instead_of_blaming_the_inputs")
-mutation("a one-batch overfit that falls slowly is inconclusive", "saferun/guards/check.py",
+mutation("a one-batch overfit that falls slowly is inconclusive", "saferun/check.py",
          "    if losses[-1] < losses[0] and not losses[-1] < 0.9 * losses[0]:  # falling, slowly", "    if False:",
          "tests/testing/test_new_project.py::test_a_harmless_edit_passes_the_generated_check_test",
          known="its test is a slow generated-project check (pytest -m slow); killed by hand when written")
-mutation("lazy modules are materialised before the eval-purity check", "saferun/guards/check.py",
+mutation("lazy modules are materialised before the eval-purity check", "saferun/check.py",
          "    _first_forward(trainer, cfg.seed)\n", "",
          "tests/guards/test_check.py::test_lazy_modules_are_no_eval_purity_false_alarm")
-mutation("each check's Trainer has its own directory", "saferun/guards/check.py",
+mutation("each check's Trainer has its own directory", "saferun/check.py",
          "_run(check, _in_own_dir(make, tmp), base)", "_run(check, make, base)",
          "tests/guards/test_check.py::test_every_shipped_recipe_passes_every_check")
 mutation("resume=auto in a run directory made for this run is refused", "saferun/cli/rundirs.py",
@@ -1112,7 +1112,7 @@ mutation("a save broken by a dead rank says so, not the disk", "saferun/checkpoi
          "    if peer is not None:  # not the disk", "    if False:  # not the disk",
          "tests/parallel/test_save_peer.py::test_a_rank_killed_during_a_save_is_reported_as_a_dead_rank",
          known="its test is a slow FSDP torchrun launch (pytest -m slow); killed by hand when written")
-mutation("a rank stopped by another's failure raises its explanation", "saferun/guards/explain.py",
+mutation("a rank stopped by another's failure raises its explanation", "saferun/diagnose/explain.py",
          "            if said is None:\n                return None", "            if True:\n                return None",
          "tests/parallel/test_explain_ranks.py::test_a_mistake_on_rank_1_under_ddp_is_explained_there_and_named_by_rank_0")
 # ---------------------------------------------------------------- branch loop-edges
@@ -1170,11 +1170,11 @@ mutation("force_resume refuses a ReduceLROnPlateau among several optimizers", "s
          "        return {name: _configured(opt, (scheduler or {}).get(name), f\" (optimizer {name!r})\")",
          "        return {name: _configured(opt, None, f\" (optimizer {name!r})\")",
          "tests/loop/test_optimizers.py::test_force_resume_with_a_plateau_among_several_is_refused_naming_it")
-mutation("limit_val_batches means the same samples on any number of processes", "saferun/data.py",
+mutation("limit_val_batches means the same samples on any number of processes", "saferun/data/__init__.py",
          "        sampler = ShardSampler(n if limit is None else min(n, limit), rank, world_size)",
          "        sampler = ShardSampler(n, rank, world_size)",
          "tests/parallel/test_ddp_paths.py::test_limit_val_batches_means_the_same_samples_on_two_processes_as_on_one")
-mutation("limit_val_batches over a loader saferun cannot cut is refused under torchrun", "saferun/data.py",
+mutation("limit_val_batches over a loader saferun cannot cut is refused under torchrun", "saferun/data/__init__.py",
          "    if isinstance(sampler, ShardSampler) and sampler.indices.stop <= samples:",
          "    if True:",
          "tests/parallel/test_ddp_paths.py::test_limit_val_batches_over_a_loader_saferun_cannot_cut_is_refused")
@@ -1195,7 +1195,7 @@ mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',
          '                if slip is None:\n',
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
-mutation("failure site: an inner site's fields are kept", "saferun/guards/failure_site.py",
+mutation("failure site: an inner site's fields are kept", "saferun/loop/failure_site.py",
          "        if getattr(site, name) is None:", "        if True:",
          f"{ERRS}::test_an_error_in_an_optimize_calls_backward_names_the_optimizer_and_the_line")
 
@@ -1284,17 +1284,17 @@ mutation("test stage: limit_val_batches does not cut the test set", "saferun/tra
 mutation("test stage: test_step in eval mode under inference_mode", "saferun/loop/evaluation.py",
          """        stack.enter_context(modes.evaluating(self._model, self._grad_mode))""", "",
          STAGE + "test_test_step_runs_in_eval_mode_under_inference_mode")
-mutation("test stage: test metrics in metrics.jsonl", "saferun/loggers.py",
+mutation("test stage: test metrics in metrics.jsonl", "saferun/loggers/__init__.py",
          """            f.write(self._line("test", view, metrics))""", """            pass""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
 mutation("test stage: test metrics in summary.json", "saferun/trainer.py",
          """            update_summary(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,""",
          """            (lambda *_: None)(self.state.run_dir, {"test": metrics, "test_at_step": self.state.step,""",
          STAGE + "test_what_test_step_only_logs_is_reported_everywhere")
-mutation("test stage: build_datasets' third set is the test set", "saferun/data.py",
+mutation("test stage: build_datasets' third set is the test set", "saferun/data/__init__.py",
          """sets[2] if len(sets) == 3 else None""", """None""",
          STAGE + "test_build_datasets_may_return_a_test_set")
-mutation("test stage: the test set is split over the ranks", "saferun/data.py",
+mutation("test stage: the test set is split over the ranks", "saferun/data/__init__.py",
          """    return make_loader(dataset, batch_size=size, shuffle=False, drop_last=False,
                        evaluation=True, limit=limit, **common)""",
          """    return make_loader(dataset, batch_size=size, shuffle=False, drop_last=False,
@@ -1321,7 +1321,7 @@ mutation("failure site: an error in test_step is explained as test_step's", "saf
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 
 mutation("distributed: the group saferun started is left before interpreter teardown",
-         "saferun/parallel/distributed.py", "        atexit.register(_leave_group)\n", "",
+         "saferun/distributed.py", "        atexit.register(_leave_group)\n", "",
          "tests/logging/test_evaluate_callbacks.py::test_every_reduction_is_agreed_over_two_real_ranks")
 
 
@@ -1349,10 +1349,10 @@ mutation("several optimizers: the step uses the Trainer's GradScaler", T,
          'self, model, self._logbook, self._habits, scaler=torch.amp.GradScaler("cpu", enabled=False),',
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 
-mutation("saferun check: compile parity still compiles after the other checks", "saferun/guards/check.py",
+mutation("saferun check: compile parity still compiles after the other checks", "saferun/check.py",
          "        torch.compiler.reset()\n", "        pass\n",
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
-mutation("saferun check: compile parity runs the fit's own compile check", "saferun/guards/check.py",
+mutation("saferun check: compile parity runs the fit's own compile check", "saferun/check.py",
          "    make(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=1))).fit()\n",
          "    make(cfg).setup()\n",
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
@@ -1369,7 +1369,7 @@ mutation("a checkpoint of the unreleased format 1 is refused saying so", "saferu
          'manifest.get("format") == 1 and', 'manifest.get("format") == -1 and',
          "tests/checkpoint/test_checkpoint.py::test_a_checkpoint_of_the_unreleased_format_1_is_refused_saying_so_and_nothing_is_lost")
 # issue 31: trackers
-TRK, LIFE = "saferun/trackers.py", "tests/logging/test_tracker_lifecycle.py"
+TRK, LIFE = "saferun/loggers/trackers.py", "tests/logging/test_tracker_lifecycle.py"
 mutation("trackers: MLflow continues the run its run directory names, not the checkpoint's", TRK,
          "        mine = _run_id(view.run_dir, MLFLOW_RUN)\n", "        mine = self.run_id\n",
          f"{LIFE}::test_mlflow_a_change_of_course_gets_a_new_linked_run_and_the_old_run_keeps_its_course")
@@ -1430,7 +1430,7 @@ mutation("lifecycle: the callbacks hear of a change of course", CKPTR,
 
 # The lifecycle grid (tests/lifecycle/): a component that keeps what a rollback undid is caught
 # by its cell of the bad-step event.
-mutation("lifecycle grid: metrics.jsonl keeps the lines a rollback undid", "saferun/loggers.py",
+mutation("lifecycle grid: metrics.jsonl keeps the lines a rollback undid", "saferun/loggers/__init__.py",
          "            os.truncate(self.path, self._length)", "            pass",
          "tests/lifecycle/test_grid.py::test_cell[metrics.jsonl|nonfinite_rollback]")
 
@@ -1613,7 +1613,7 @@ mutation("first hour: an unknown flag names the override meant", "saferun/cli/co
 mutation("first hour: saferun check --help prints its usage", "saferun/cli/check.py",
          '    if "-h" in args or "--help" in args:', "    if False:",
          f"{FIRST}::test_check_help_prints_its_usage")
-mutation("first hour: an MLflow tracking URI is checked when the logger is built", "saferun/trackers.py",
+mutation("first hour: an MLflow tracking URI is checked when the logger is built", "saferun/loggers/trackers.py",
          "        if tracking_uri:  # when built", "        if False:  # when built",
          f"{FIRST}::test_an_mlflow_server_that_is_not_there_is_refused_before_training")
 mutation("first hour: a part's own refusal that names its key is passed on whole", COMPONENTS,
@@ -1656,7 +1656,7 @@ mutation("first hour: a whole pickled model is told to save the state_dict", "sa
 mutation("first hour: a sample default collate cannot batch says how to convert it", "saferun/loop/steps.py",
          "    if collate:  # in this process", "    if False:  # in this process",
          f"{UNIT_FIRST}::test_a_sample_default_collate_cannot_batch_says_how_to_convert_it")
-mutation("first hour: float labels for cross_entropy are named as the labels", "saferun/guards/explain.py",
+mutation("first hour: float labels for cross_entropy are named as the labels", "saferun/diagnose/explain.py",
          '    if "expected target dtype" in message or', "    if False and",
          f"{UNIT_FIRST}::test_float_labels_for_cross_entropy_are_named_as_the_labels")
 
@@ -1864,7 +1864,7 @@ mutation("course: the command line drops a refused run's intent", "saferun/cli/r
 
 # issue 33: real architectures
 REAL, DC, SYNCS = "tests/guards/test_real_models.py", "saferun/guards/datachecks.py", "saferun/guards/syncs.py"
-CHK = "saferun/guards/check.py"
+CHK = "saferun/check.py"
 mutation("batch independence: a point counts only if it follows the batch's samples", DC,
          "    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))",
          "    return False",
@@ -1998,6 +1998,33 @@ mutation("trackers: W&B's resume reads the latest step W&B wrote from its own tr
 mutation("trackers: W&B's transaction log: the step of a history row under nested_key", TRK,
          '                         if (i.key or "/".join(i.nested_key)) == "_step"]',
          '                         if i.key == "_step"]', f"{GRID}[wandb|sigkill]")
+
+mutation("layout: no two packages import each other both ways", "saferun/loop/optimizers.py",
+         "from ..errors import CheckpointError, ConfigError, SaferunError",
+         "from ..checkpoint.store import CheckpointError\nfrom ..errors import ConfigError, SaferunError",
+         "tests/test_layout.py::test_no_two_packages_import_each_other")
+mutation("layout: a config is checked without importing torch", "saferun/config.py",
+         "from .errors import ConfigError\n",
+         "from .errors import ConfigError\nfrom .loop import averaging  # noqa: F401\n",
+         "tests/test_layout.py::test_a_config_is_checked_without_importing_torch")
+
+mutation("layout: no test reads a Trainer private attribute", "tests/loop/test_step.py",
+         "t.scaler.get_scale()", "t._scaler.get_scale()",
+         "tests/test_layout.py::test_no_test_reads_the_trainers_private_state")
+mutation("Trainer.scaler before setup says to call setup()", T,
+         "        if not self._is_setup:\n            raise SaferunError(f\"Trainer.{name} is built by setup()",
+         "        if False:\n            raise SaferunError(f\"Trainer.{name} is built by setup()",
+         "tests/loop/test_precision.py::test_the_step_after_a_skipped_step_works_under_a_grad_scaler")
+
+mutation("layout: every error class is in errors.py", "saferun/guards/model_audit.py",
+         "from ..errors import ModelStateError\n",
+         "from ..errors import SaferunError\n\n\nclass ModelStateError(SaferunError):\n    pass\n",
+         "tests/test_layout.py::test_every_error_class_is_in_errors_py")
+
+mutation("a _target_ under a moved saferun module names where it is now", "saferun/config.py",
+         "for old, new in MOVED.items() if target.startswith(old)), \"\")",
+         "for old, new in MOVED.items() if False), \"\")",
+         "tests/unit/test_config.py::test_a_target_under_a_moved_saferun_module_names_where_it_is_now")
 
 # ---------------------------------------------------------------- the runner
 

@@ -25,9 +25,9 @@ import torch
 
 from ..direction import inference_note, metric_mode
 from ..errors import ConfigError, NonFiniteError, SaferunError
-from ..loop.seeding import get_rng_state
-from ..loop.transfer import move_to_device
-from ..parallel import distributed
+from ..data.seeding import get_rng_state
+from ..data.transfer import move_to_device
+from .. import distributed
 from ..schedules import configured_hyperparameters, use_configured_hyperparameters
 from ..version import __version__
 from . import course, intent, rundir

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import SaferunError
-from ..parallel import distributed
+from .. import distributed
 from .intent import drop_intent, kill_point as _kill_point
 from .store import CheckpointError, list_checkpoints, step_of
 from .superseded import close_log_files, earlier_files, fsync_dir, keep_this_runs_lines

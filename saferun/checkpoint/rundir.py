@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from ..parallel import distributed
+from .. import distributed
 from ..errors import SaferunError
 
 LOCK_FILE = ".saferun.lock"

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
-from ..parallel import distributed
+from .. import distributed
 from .store import CheckpointError, _sha256, publish
 from .store import _write_failure as write_failure, _write_tensor_file as write_tensor_file
 

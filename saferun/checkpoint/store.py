@@ -35,7 +35,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..errors import SaferunError
+from .. import distributed
+from ..errors import CheckpointError
 from .intent import fsync_dir
 
 log = logging.getLogger("saferun")
@@ -47,10 +48,6 @@ FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d{8,})(\.replaced-[0-9a-f]+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHARD_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-
-
-class CheckpointError(SaferunError):
-    """A checkpoint is missing, incomplete, corrupted or unsafe to load."""
 
 
 def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
@@ -283,9 +280,7 @@ def step_of(path: Path) -> int:
 
 def _write_failure(path: Path, error: BaseException) -> str:
     """Which file could not be written and why, in words, instead of torch's internal message."""
-    from ..guards.explain_ranks import peer_failure
-
-    peer = peer_failure(error)
+    peer = distributed.peer_failure(error)
     if peer is not None:  # not the disk: another rank died (killed during the save, say)
         return (f"could not write {path}: a collective with the other ranks failed during the "
                 f"save ({peer}). Another rank most likely died: its own error, or torchrun's "

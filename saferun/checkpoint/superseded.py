@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import SaferunError
-from ..parallel import distributed
+from .. import distributed
 from . import rundir
 from .intent import fsync_dir
 from .store import list_checkpoints, step_of

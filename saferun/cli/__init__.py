@@ -1,5 +1,6 @@
 """The `saferun` command: `run` (Hydra), `new` (copy a recipe), `list` and `check`, one module
-per command (`run`, `recipes`, `check`) plus `compose` (the config as `run` composes it).
+per command (`run`, `recipes`, `check`) plus `compose` (the config as `run` composes it) and
+`project` (the test file `new` writes).
 
 The cli package and `saferun.config` are the only modules that see Hydra's DictConfig: the cli
 composes the config, turns it into a plain `saferun.Config` and hands that to the recipe's Trainer.

@@ -1,4 +1,4 @@
-"""`saferun check`: a short diagnostic session with every guard on (see `saferun.guards.check`)."""
+"""`saferun check`: a short diagnostic session with every guard on (see `saferun.check`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ USAGE = """usage: saferun check [-cd DIR] [OVERRIDES]
 
 def check(args: list[str]) -> None:
     """`saferun check [overrides]`: compose the config as `run` would, run the diagnostics."""
-    from ..guards.check import exit_status, format_report, make_factory, run_checks
+    from ..check import exit_status, format_report, make_factory, run_checks
     from ..errors import SaferunError
 
     # The report is the output: saferun's INFO lines from the short runs would bury it.

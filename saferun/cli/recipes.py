@@ -72,7 +72,7 @@ def copy_recipe(recipe: str, dest: Path, name: Optional[str] = None) -> list[Pat
     path.parent.mkdir(exist_ok=True)
     path.write_text(recipe_yaml)
     written.append(path)
-    from ..testing.project import write_project_tests
+    from .project import write_project_tests
 
     return written + write_project_tests(dest, name, recipe)
 

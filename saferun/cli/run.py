@@ -33,7 +33,7 @@ def run(args: list[str]) -> None:
 def _run(args: list[str]) -> None:
     import hydra
 
-    from ..parallel.distributed import ranks_from_env
+    from ..distributed import ranks_from_env
 
     global _ARGS
     args, problem = flags_first(args, "run")
@@ -128,7 +128,7 @@ def _check_override_keys(args: list[str]) -> None:
     """A misspelt key: name the closest valid one before Hydra suggests '+key' (which the
     schema then refuses anyway)."""
     from ..config import Config
-    from ..parallel.distributed import ranks_from_env
+    from ..distributed import ranks_from_env
     from ..suggest import unknown_override
     from .compose import kept_recipe_note
 
@@ -175,7 +175,7 @@ def _join_torchrun_job(args: list[str]) -> tuple[list[str], Any]:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from ..config import TrainerConfig
-    from ..parallel.distributed import broadcast
+    from ..distributed import broadcast
 
     if "-m" in args or "--multirun" in args:
         print("saferun: error: a sweep (-m) cannot run under torchrun; launch one torchrun job "
@@ -222,7 +222,7 @@ def _train(cfg: Any) -> Optional[float]:
     from ..config import load_config
     from ..errors import SaferunError
 
-    from ..parallel.distributed import broadcast, ranks_from_env
+    from ..distributed import broadcast, ranks_from_env
     from ..sweep.objective import objective_of
 
     note_log_files()  # before anything is logged: where this run's lines in saferun.log start

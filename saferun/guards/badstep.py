@@ -29,8 +29,8 @@ from ..callbacks import StepOutput
 from ..checkpoint.store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
                                 load_latest, step_of)
 from ..errors import NonFiniteError
-from ..loop.steps import short
-from ..parallel import distributed
+from ..text import short
+from .. import distributed
 from .buffers import BufferSnapshot
 from .batchinfo import nonfinite_inputs
 from .replay import first_nonfinite, replay

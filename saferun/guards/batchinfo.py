@@ -28,7 +28,7 @@ def nonfinite_fields(batch: Any, indices: Optional[list[int]] = None) -> list[st
     """'batch[0] in samples [3, 17] (2 in all)' for each float field holding NaN or Inf
     (samples: positions along the first dimension, or dataset indices if given). One host
     read for all fields, one more per field that has them."""
-    from ..loop.steps import short
+    from ..text import short
 
     floats = [(n, t) for n, t in tensors(batch) if t.is_floating_point() and t.numel()]
     if not floats:

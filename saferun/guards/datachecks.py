@@ -3,7 +3,7 @@
 At setup, once (no cost per step): a BatchNorm that the last batch of an epoch would give
 a single sample, and a submodule frozen by hand (requires_grad=False) but not declared in
 `trainer.frozen_modules`, whose BatchNorm statistics would drift. In `saferun check` (see
-`guards/check.py`), bounded in time or steps: train/validation overlap, the loss at
+`check.py`), bounded in time or steps: train/validation overlap, the loss at
 initialisation, batch independence and an input-independent baseline.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, SequentialSampler
 
-from ..loop.steps import short
+from ..text import short
 
 log = logging.getLogger("saferun")
 

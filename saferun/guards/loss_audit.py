@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import SaferunError
+from ..errors import LossCallError
 from .syncs import one_time_reads, pass_through
 
 log = logging.getLogger("saferun")
@@ -41,10 +41,6 @@ pass_through(__file__)  # a host read in the step is the user's, not this mode's
 _REGRESSION = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
                F.huber_loss: "huber_loss"}
 _CLASS_INDEX = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
-
-
-class LossCallError(SaferunError, ValueError):
-    """A loss function was called with arguments that would train silently wrong."""
 
 
 def user_line() -> str:

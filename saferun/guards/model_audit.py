@@ -30,16 +30,12 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from ..errors import SaferunError
+from ..errors import ModelStateError
 
 log = logging.getLogger("saferun")
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, hooks, ...
 _CONTAINERS = (list, tuple, dict, set)
-
-
-class ModelStateError(SaferunError):
-    """The model holds state where training or checkpoints cannot see it."""
 
 
 def _plain_values(module: nn.Module) -> Iterator[tuple[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 from torch import nn
 
-from ..loop.steps import short
+from ..text import short
 
 log = logging.getLogger("saferun")
 

@@ -1,5 +1,6 @@
-"""The training loop's machinery: loop state, batch stream, step helpers, metrics, precision,
-compilation checks and seeding. `saferun.trainer.Trainer` reads top to bottom over these."""
+"""The training loop's machinery: batch stream, step helpers, the update, evaluation, metrics,
+precision, compilation checks, several optimizers. `saferun.trainer.Trainer` reads top to bottom
+over these."""
 
 from typing import Any
 

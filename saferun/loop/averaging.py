@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..errors import SaferunError
-from ..parallel.distributed import is_dtensor
+from ..distributed import is_dtensor
 
 
 class WeightAverage:

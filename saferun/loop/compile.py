@@ -9,13 +9,9 @@ import torch
 from torch import nn
 
 from .. import modes
-from ..errors import SaferunError
-from .seeding import get_rng_state, preserved_rng, set_rng_state
+from ..errors import CompileMismatchError
+from ..data.seeding import get_rng_state, preserved_rng, set_rng_state
 from .steps import loss_and_logs
-
-
-class CompileMismatchError(SaferunError):
-    """The compiled model's output differs from eager beyond the configured tolerance."""
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

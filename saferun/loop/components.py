@@ -9,7 +9,7 @@ from ..callbacks import Callback
 from ..errors import ConfigError, SaferunError
 from ..guards.sync_audit import SyncAudit
 from ..loggers import LogLines, ProgressBar, want_progress_bar
-from .steps import root_cause
+from ..text import root_cause
 
 
 def instantiate_node(key: str, node: Mapping[str, Any], **kwargs: Any) -> Any:

@@ -12,14 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import modes
-from ..guards.failure_site import record
+from .failure_site import record
 from ..guards.purity import changed as purity_changed
 from ..guards.purity import check_purity, fingerprint
 from ..preemption import StopRequested, shielded_iter
 from .metrics import WeightedMeans, scalar_dict
 from .stateful import compute_all, reset_all
-from .seeding import preserved_rng
-from .transfer import move_to_device, samples_in, to_host
+from ..data.seeding import preserved_rng
+from ..data.transfer import move_to_device, samples_in, to_host
 
 
 class Evaluator:
@@ -31,7 +31,7 @@ class Evaluator:
                  explain: Optional[Callable[[BaseException], Optional[BaseException]]] = None,
                  declared_modes: bool = True, after: Callable[[nn.Module], None] = lambda m: None,
                  group: Any = None) -> None:
-        """`explain`: the Trainer's explanation of an error its step raised (guards/explain.py),
+        """`explain`: the Trainer's explanation of an error its step raised (diagnose/explain.py),
         or None. `after`: the strategy's step after each pass (FSDP: reshard the parameters);
         `group`: the data-parallel ranks, over which the means are reduced (None: every rank)."""
         self._model, self._device, self._non_blocking = model, device, non_blocking

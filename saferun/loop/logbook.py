@@ -9,13 +9,13 @@ one device tensor per name as it comes (`Folded`): no host read until the log po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from ..callbacks import Media
 from ..errors import SaferunError
-from ..parallel import distributed
+from .. import distributed
 
 REDUCTIONS = ("mean", "last", "min", "max", "sum")
 _IDENTITY = {"min": float("inf"), "max": float("-inf"), "sum": 0.0, "last": 0.0}
@@ -27,21 +27,6 @@ _LIGHTNING_ARGS = {
     "prog_bar": "the progress bar shows train/loss",
     "batch_size": "validation values are weighted by the batch size the batch_size hook gives",
 }
-
-
-@dataclass
-class Media:
-    """An image, histogram or text to write at the next log point or validation end."""
-
-    kind: str  # "image" | "histogram" | "text"
-    name: str  # with its prefix: train/..., val/...
-    value: Any  # a detached tensor (CPU once read) or a str
-    step: int = 0  # set when written: the step of that log point or validation
-
-    def at(self, step: int) -> "Media":
-        """This media to write at `step`, its tensor on the CPU (the one host read)."""
-        value = self.value.cpu() if isinstance(self.value, torch.Tensor) else self.value
-        return Media(self.kind, self.name, value, step)
 
 
 def _fold(kind: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

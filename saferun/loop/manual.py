@@ -33,7 +33,7 @@ from torch.autograd.graph import increment_version
 from .logbook import Logbook
 from ..callbacks import StepOutput
 from ..errors import SaferunError
-from ..guards.failure_site import record
+from .failure_site import record
 from .habits import StepHabits
 from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
@@ -42,7 +42,7 @@ from ..schedules import Schedule
 from .steps import check_optimizer_params
 from .update import OptimizerUpdate
 from ..guards.unused import UnusedParameters, window
-from .transfer import move_to_device, samples_in
+from ..data.transfer import move_to_device, samples_in
 
 
 class ManualOwner(Protocol):
@@ -193,7 +193,7 @@ class ManualSteps:
 
     @contextlib.contextmanager
     def replaying(self, backward: bool) -> Iterator[None]:
-        """guards/explain.py replays a failed step's training_step: optimize() then steps no
+        """diagnose/explain.py replays a failed step's training_step: optimize() then steps no
         optimizer, scheduler or scaler; with `backward` (the in-place trace) it only runs the
         backward, whose gradients the replay restores."""
         self._replay = backward

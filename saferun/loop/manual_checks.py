@@ -21,9 +21,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import SaferunError
-from ..guards.explain import ExplainedRuntimeError
-from .steps import _not_a_loss, short
+from ..errors import ExplainedRuntimeError, SaferunError
+from ..text import short
+from .steps import _not_a_loss
 
 _INPLACE = "modified by an inplace operation"
 _FREED = "backward through the graph a second time"
@@ -79,7 +79,7 @@ def graph_slip(exc: RuntimeError, name: str, step: int, earlier: Mapping[str, Na
     else:
         stepped = _stepped_params(message, earlier)
         if not stepped:
-            return None  # an in-place operation in the user's code: guards/explain.py names it
+            return None  # an in-place operation in the user's code: diagnose/explain.py names it
         owners = {owner: params for owner, params in earlier.items()
                   if any(n in stepped for n, _ in params)}
         what = (f"its loss was computed before {_calls(owners)} ran, and its backward needs "

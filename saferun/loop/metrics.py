@@ -8,10 +8,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..parallel import distributed
-from ..callbacks import StepOutput
+from .. import distributed
+from ..callbacks import Media, StepOutput
 from ..errors import SaferunError
-from .logbook import Folded, Media
+from .logbook import Folded
 
 
 class RunningTrainMetrics:

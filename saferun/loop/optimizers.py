@@ -16,8 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..checkpoint.store import CheckpointError
-from ..errors import ConfigError, SaferunError
+from ..errors import CheckpointError, ConfigError, SaferunError
 from ..schedules import NamedSchedules
 from .steps import check_optimizer_params
 

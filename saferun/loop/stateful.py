@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import SaferunError
-from ..parallel import distributed
+from .. import distributed
 
 
 def prepared_metrics(metrics: Any, device: torch.device, configured: Any = None

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, SaferunError
-from ..guards.failure_site import record
+from ..text import short
+from .failure_site import record
 from ..guards.model_audit import graph_carriers, hidden_layers_advice
 from ..guards.purity import find_inference_tensors
 from .metrics import scalar_dict
-from .transfer import samples_in
+from ..data.transfer import samples_in
 
 log = logging.getLogger("saferun")
 StepParts = tuple[torch.Tensor, dict[str, torch.Tensor], int]  # (loss, logs, samples)
@@ -104,7 +105,7 @@ def explained(exc: BaseException, step: int, model: nn.Module) -> Optional[Safer
             f"(or recompute it in training), or set trainer.eval_grad_mode=no_grad."
         )
     if type(exc) is RuntimeError and "backward through the graph a second time" in str(exc):
-        if graph_carriers(model):  # guards/explain.py names the attribute, the module, the line
+        if graph_carriers(model):  # diagnose/explain.py names the attribute, the module, the line
             return None
         return SaferunError(
             f"step {step}: autograd refused saferun's backward: part of this loss's graph was "
@@ -167,11 +168,6 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module,
             short(held, 3))
 
 
-def short(items: Sequence[Any], limit: int = 16) -> str:
-    shown = ", ".join(map(str, items[:limit]))
-    return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
-
-
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """auto: CUDA if available, else CPU. Under torchrun, cuda means this rank's own GPU."""
     if name == "auto":
@@ -187,9 +183,3 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     return device
-
-
-def root_cause(e: BaseException) -> str:
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return f"{type(e).__name__}: {e}"

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from ..guards.failure_site import record
+from .failure_site import record
 from .steptimer import StepTimer
 
 # torch's function itself: saferun's own clipping never goes through the wrapper that refuses a

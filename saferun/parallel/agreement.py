@@ -20,11 +20,23 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
-from ..callbacks import Control, _merge, agree
-from .distributed import all_reduce
+from ..callbacks import Control, _merge
+from .. import distributed
+from ..distributed import all_reduce
 
 if TYPE_CHECKING:
     from ..preemption import StopSignals
+
+
+def agree(control: Optional[Control], device: torch.device) -> Optional[Control]:
+    """Under torchrun: every rank's requests ORed together, the same on every rank (one
+    collective of three flags and one host read). In a single process: `control`."""
+    if not distributed.dist.is_initialized() or distributed.dist.get_world_size() == 1:
+        return control
+    c = control or Control()
+    flags = torch.tensor([c.stop, c.evaluate, c.save], dtype=torch.float32).to(device)
+    stop, evaluate, save = (v > 0 for v in all_reduce(flags, "max").tolist())
+    return Control(stop=stop, evaluate=evaluate, save=save) if stop or evaluate or save else None
 
 
 class Background(Protocol):

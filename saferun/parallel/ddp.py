@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import SaferunError
-from .distributed import BUCKET_BYTES, _buckets, all_reduce, broadcast_buffers
+from ..distributed import BUCKET_BYTES, _buckets, all_reduce, broadcast_buffers
 
 log = logging.getLogger("saferun")
 __all__ = ["BUCKET_BYTES", "GradientSync", "ModelDDP", "average_gradients"]

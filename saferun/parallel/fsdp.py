@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, SaferunError
-from . import distributed
+from .. import distributed
 
 _MIXED = "got mixed torch.Tensor and DTensor"  # torch's error for a gathered-less parameter
 

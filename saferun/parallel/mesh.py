@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from ..errors import ConfigError
-from . import distributed, fsdp
+from .. import distributed
+from . import fsdp
 
 DP, TP = "dp_shard", "tp"  # the mesh's dimension names
 

@@ -28,7 +28,7 @@ reads the same in one process and under torchrun.
 task's plan, tensor parallel, then FSDP2 over the data dimension). Each refuses, naming the key,
 what it cannot do right. A new strategy is a class here (and its line in `strategy_for`), its
 trainer.strategy literal in `config.py` and, if it has options, its settings node in
-`settings.py` (held by `config.TrainerConfig`).
+`config.py` (held by `config.TrainerConfig`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from torch import nn
 
 from ..checkpoint.formats import CheckpointFormat, ShardedState, WholeState
 from ..errors import ConfigError
-from . import ddp, distributed, fsdp, mesh
+from .. import distributed
+from . import ddp, fsdp, mesh
 from .agreement import LocalAgreement, MeshAgreement, RankAgreement
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable; cheaper than a generator per micro-batch

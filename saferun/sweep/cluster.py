@@ -90,7 +90,7 @@ def _join(job: Any) -> None:
     import torch
 
     from ..config import TrainerConfig
-    from ..parallel.distributed import ranks_from_env, start
+    from ..distributed import ranks_from_env, start
 
     os.environ.update(torch_env(job))
     # Bounded from the start; the Trainer then applies the config's trainer.collective_timeout.

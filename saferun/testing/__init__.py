@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # for type checkers: the lazy exports below (F401: used throu
     from .jobs import Job, recipe, trainer  # noqa: F401
     from .resume import STOPS, assert_resumes_exactly, state_differences  # noqa: F401
 
-# Imported on first use: `saferun new` writes test files (saferun.testing.project) without
+# Imported on first use: `saferun new` writes test files (saferun.cli.project) without
 # importing torch.
 _EXPORTS = {
     "assert_checks_pass": "checks", "assert_deterministic": "checks",

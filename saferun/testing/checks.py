@@ -1,10 +1,10 @@
-"""The `saferun check` report, host syncs and determinism as tests (saferun.guards.check does the work)."""
+"""The `saferun check` report, host syncs and determinism as tests (saferun.check does the work)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..guards.check import STEPS, format_report, run_checks, step_syncs
+from ..check import STEPS, format_report, run_checks, step_syncs
 from ..guards.sync_audit import audit, format_audit
 from .jobs import Job, fail, one_thread, work_dir
 

@@ -41,7 +41,7 @@ class Job:
         return self.cls(cfg, callbacks=list(callbacks), **self.kwargs)
 
     def factory(self) -> Any:
-        """`cfg -> Trainer`, as `saferun.guards.check.run_checks` takes it."""
+        """`cfg -> Trainer`, as `saferun.check.run_checks` takes it."""
         return lambda cfg: self.build(cfg)
 
     def short(self, run_dir: str | os.PathLike[str], resume: Optional[str] = None,

@@ -198,7 +198,7 @@ def test_restore_best_puts_the_best_weights_back_and_keeps_the_files(tmp_path):
     assert t.state.step == 16 and final["val/score"] == 6.0  # fit returns the final metrics
     step8 = load_checkpoint(run / "checkpoints" / "step-00000008")
     assert_same(t.model.state_dict(), step8["model"])
-    assert_same(t._ema.state_dict(), step8["ema"])
+    assert_same(t.ema.state_dict(), step8["ema"])
     assert_same(load(run / "model.pt"), checkpoint_model(run, 16))  # the files stay
     assert_same(load(run / "model_best.pt"), step8["model"])
     t.cfg.trainer.max_steps = 20

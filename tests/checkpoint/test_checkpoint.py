@@ -384,11 +384,11 @@ def test_grad_scaler_state_is_saved_and_restored(tmp_path):
 
     first = run(5)  # growth_interval=2: the scale doubled twice by step 5
     saved = load_latest(tmp_path / "run" / "checkpoints")[1]["scaler"]
-    assert saved == first._scaler.state_dict() and saved["scale"] == 2.0**12
+    assert saved == first.scaler.state_dict() and saved["scale"] == 2.0**12
     straight = run(9, run_dir="straight")
     resumed = run(9, resume=str(tmp_path / "run" / "checkpoints" / "step-00000005"))
-    assert resumed._scaler.state_dict() == straight._scaler.state_dict()
-    assert resumed._scaler.get_scale() == 2.0**14
+    assert resumed.scaler.state_dict() == straight.scaler.state_dict()
+    assert resumed.scaler.get_scale() == 2.0**14
     resumed_weights, straight_weights = weights(resumed), weights(straight)
     assert all(torch.equal(resumed_weights[k], v) for k, v in straight_weights.items())
 
@@ -444,7 +444,7 @@ def test_save_best_never_keeps_a_nan_as_the_best(tmp_path, mode):
 
     cfg = toy_config(tmp_path, save_best="val/loss", save_best_mode=mode)
     trainer = ToyTrainer(cfg)
-    c = Checkpointer(trainer, trainer._stateful_parts)
+    c = Checkpointer(trainer, lambda: pytest.fail("_improves reads no parts"))
     assert not c._improves({"val/loss": float("nan")}, "val/loss")  # a NaN is never the best
     c.best = (float("nan"), "step-00000005", 5)  # a NaN best (saved by an older saferun)
     assert c._improves({"val/loss": 0.5}, "val/loss")  # is beaten by any number

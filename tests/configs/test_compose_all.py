@@ -75,12 +75,13 @@ def assert_built_as_configured(trainer, config):
             assert isinstance(scheduler, target if isinstance(target, type) else LRScheduler)
     if config.model is not None:
         assert isinstance(trainer.model, get_class(config.model["_target_"]))
-    built = [type(c) for c in trainer._callbacks.callbacks]
+    built = [type(c) for c in trainer.callbacks]
     for key in ("callbacks", "logger"):
         for node in (getattr(config, key) or {}).values():
             if node is not None:
                 assert get_class(node["_target_"]) in built, node["_target_"]
-    assert (trainer._guard.spikes is not None) == (config.guards.spikes != "off")
+    spikes = trainer.state_dict()["per_rank"][0]["spikes"]  # the spike detectors' state
+    assert bool(spikes) == (config.guards.spikes != "off")
     assert (SyncAudit in built) == config.guards.sync_audit
 
 

@@ -59,12 +59,12 @@ def test_fp16_trains_with_a_grad_scaler(tmp_path):
     t = ToyTrainer(toy_config(tmp_path, device="cuda", precision="fp16", max_steps=60,
                               log_every_n_steps=20))
     t.setup()
-    assert t._scaler.is_enabled()
+    assert t.scaler.is_enabled()
     first = t.validate()["val/loss"]
     metrics = t.fit()
     assert metrics["val/loss"] < first
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
-    assert t._scaler.get_scale() > 0
+    assert t.scaler.get_scale() > 0
 
 
 def test_fp16_grad_scaler_costs_one_sync_per_step(tmp_path):

@@ -15,9 +15,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 
 from mistakes import (CORPUS, GraphCarried, LayerMadeInForward, ModulesInAList, OneBasedLabels,
                       catch, config_for)
-from saferun.guards.loss_audit import LossCallAudit, LossCallError
-from saferun.errors import SaferunError
-from saferun.guards.model_audit import ModelStateError
+from saferun.errors import LossCallError, ModelStateError, SaferunError
+from saferun.guards.loss_audit import LossCallAudit
 from toys import Net, ToyTrainer, make_classification, toy_config
 
 
@@ -423,7 +422,7 @@ def test_the_zoo_under_torch_compile_raises_nothing(tmp_path, caplog):
 
 def test_saferun_check_passes_the_new_checks_on_a_clean_model(tmp_path):
     from saferun.config import load_config
-    from saferun.guards.check import run_checks
+    from saferun.check import run_checks
 
     results = run_checks(lambda c: ToyTrainer(c), load_config(toy_config(tmp_path)),
                          only=["eval determinism", "batch order"])

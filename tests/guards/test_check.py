@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from saferun.guards.check import format_report, run_checks
+from saferun.check import format_report, run_checks
 from saferun.config import load_config
 from test_guards import BNAlwaysTrains, GeneratorOnDataset, LambdaTransformTrainer
 from toys import ToyTrainer, toy_config

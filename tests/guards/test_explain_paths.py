@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from saferun.guards.explain import UserCodeError
+from saferun.diagnose.explain import UserCodeError
 from toys import ToyTrainer, make_classification, toy_config
 
 
@@ -81,7 +81,7 @@ def test_the_module_is_read_from_the_traceback_with_what_it_received():
     may wait in a collective): the deepest module running, and its arguments, *args too."""
     from torch import nn
 
-    from saferun.guards.explain_ranks import locate_in_traceback
+    from saferun.diagnose.explain_ranks import locate_in_traceback
 
     class Joined(nn.Module):
         def forward(self, *parts):

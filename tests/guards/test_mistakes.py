@@ -10,7 +10,7 @@ from torch import nn
 
 import saferun
 from mistakes import CORPUS, ShapeMismatch, catch, caught, config_for
-from saferun.guards.explain import UserCodeError
+from saferun.diagnose.explain import UserCodeError
 from toys import ToyTrainer, toy_config
 
 

@@ -39,7 +39,8 @@ def test_raise_names_the_step_and_the_samples_with_no_per_step_sync(tmp_path):
         t.fit()
     message = str(e.value)
     # sample 42 is in some batch of epoch 0; the error names that step and its indices
-    bad_step = next(s for s, where in enumerate(t._running.batches, start=t.state.step - t._running.steps + 1)
+    window = t.state_dict()["per_rank"][0]["running"]["batches"]  # per step since the log point
+    bad_step = next(s for s, where in enumerate(window, start=t.state.step - len(window) + 1)
                     if where and any(42 in b for b in where[1]))
     assert f"at step {bad_step}:" in message and "42" in message and "epoch 0" in message
     assert "guards.anomaly_replay=true" in message and "guards.nonfinite=skip" in message

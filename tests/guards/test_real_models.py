@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from saferun.config import load_config
-from saferun.guards.check import run_checks
+from saferun.check import run_checks
 from saferun.guards.syncs import HostSyncCounter
 from toys import ToyTrainer, toy_config
 

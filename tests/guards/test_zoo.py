@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from saferun.config import load_config  # noqa: E402
-from saferun.guards.check import run_checks  # noqa: E402
+from saferun.check import run_checks  # noqa: E402
 from toys import toy_config  # noqa: E402
 from zoo_models import ARCHS, TRAINERS  # noqa: E402
 

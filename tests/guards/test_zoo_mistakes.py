@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from saferun.config import load_config
 from saferun.errors import SaferunError
-from saferun.guards.check import run_checks
+from saferun.check import run_checks
 from toys import toy_config
 
 pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 
 from saferun.checkpoint import list_checkpoints, load_checkpoint
-from saferun.trackers import wandb_records
+from saferun.loggers.trackers import wandb_records
 
 Series = dict[str, list[tuple[int, float]]]
 SKIPPED = ("perf/", "time", "_")  # timings and the trackers' own bookkeeping

@@ -34,8 +34,8 @@ PARTS = {
 CALLBACKS = {
     "saferun.loggers.MetricsJsonl": "metrics.jsonl",
     "saferun.loggers.TensorBoardLogger": "tensorboard scalars",
-    "saferun.trackers.MLflowLogger": "mlflow",
-    "saferun.trackers.WandbLogger": "wandb",
+    "saferun.loggers.trackers.MLflowLogger": "mlflow",
+    "saferun.loggers.trackers.WandbLogger": "wandb",
     "saferun.stopping.EarlyStopping": "early stopping",
     "saferun.callbacks.CallbackList": "no state of its own: each callback's, by name",
 }

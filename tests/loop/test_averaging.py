@@ -8,15 +8,15 @@ import torch
 import saferun
 from saferun.errors import ConfigError
 from saferun.guards.syncs import HostSyncCounter
-from saferun.loop.seeding import seed_everything
+from saferun.data.seeding import seed_everything
 from toys import SelfSignalling, ToyTrainer, toy_config
 
 
 class WeightsAfterEachStep(saferun.Callback):
     """The model's parameters and buffers after every step that was not skipped."""
 
-    def __init__(self, trainer):
-        self.trainer, self.states = trainer, []
+    def __init__(self):
+        self.trainer, self.states = None, []  # the trainer: set once it is built with this callback
 
     def on_train_step_end(self, view, output):
         if not output.skipped:
@@ -33,11 +33,11 @@ def ema_config(tmp_path, decay=0.8, **kw):
 def test_the_average_is_the_ema_of_the_weights_after_each_step_that_ran(tmp_path):
     cfg = ema_config(tmp_path)
     cfg["guards"] = {"nonfinite": "skip"}
-    trainer = SelfSignalling(cfg, nan_at=5)  # step 5 is skipped: the average must not move
+    recorder = WeightsAfterEachStep()
+    trainer = SelfSignalling(cfg, nan_at=5, callbacks=[recorder])  # step 5 is skipped: the average must not move
+    recorder.trainer = trainer
     seed_everything(0)  # as setup does before build_model: the initial weights
     initial = {k: v.clone() for k, v in trainer.build_model().state_dict().items()}
-    recorder = WeightsAfterEachStep(trainer)
-    trainer._user_callbacks.append(recorder)
     trainer.fit()
     assert len(recorder.states) == 11  # 12 steps, one skipped
     expected = dict(initial)
@@ -47,11 +47,11 @@ def test_the_average_is_the_ema_of_the_weights_after_each_step_that_ran(tmp_path
                 expected[k] = 0.8 * expected[k] + 0.2 * v
             else:  # num_batches_tracked: copied
                 expected[k] = v
-    averaged = trainer._ema.module.state_dict()
+    averaged = trainer.ema.module.state_dict()
     assert list(averaged) == list(expected)
     for k in expected:
         torch.testing.assert_close(averaged[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
-    assert int(trainer._ema.averaged.n_averaged) == 11
+    assert int(trainer.ema.averaged.n_averaged) == 11
 
 
 def test_val_ema_is_the_averaged_weights_validation_and_model_ema_pt_holds_them(tmp_path):
@@ -60,7 +60,7 @@ def test_val_ema_is_the_averaged_weights_validation_and_model_ema_pt_holds_them(
     assert {"val/loss", "val/acc", "val_ema/loss", "val_ema/acc"} <= set(metrics)
     assert metrics["val_ema/loss"] != metrics["val/loss"]
     exported = torch.load(tmp_path / "run" / "model_ema.pt", weights_only=True)
-    assert all(torch.equal(exported[k], v) for k, v in trainer._ema.module.state_dict().items())
+    assert all(torch.equal(exported[k], v) for k, v in trainer.ema.module.state_dict().items())
     # the same validation, by a trainer without an average whose model holds model_ema.pt
     plain = ToyTrainer(toy_config(tmp_path / "plain"))
     plain.setup()
@@ -85,7 +85,7 @@ def test_save_best_can_watch_the_average(tmp_path):
     trainer = ToyTrainer(ema_config(tmp_path, save_best="val_ema/acc", save_best_mode="max"),
                          callbacks=[Seen()])
     trainer.fit()
-    assert len(Seen.values) == 2 and trainer._checkpointer.best[0] == max(Seen.values)
+    assert len(Seen.values) == 2 and trainer.best.value == max(Seen.values)
 
 
 def test_no_host_sync_per_step(tmp_path):
@@ -111,12 +111,12 @@ def test_a_step_the_grad_scaler_drops_does_not_move_the_average(tmp_path, fused)
     cfg = ema_config(tmp_path, max_grad_norm=None)
     cfg["trainer"]["max_steps"], cfg["optim"]["fused"] = 6, fused
     cfg["guards"] = {"nonfinite": "off"}  # as in fp16: the scaler's inf check is the guard
-    trainer = OverflowsAt(cfg)  # step 3: inf gradients, the update dropped
-    recorder = WeightsAfterEachStep(trainer)
-    trainer._user_callbacks.append(recorder)
+    recorder = WeightsAfterEachStep()
+    trainer = OverflowsAt(cfg, callbacks=[recorder])  # step 3: inf gradients, the update dropped
+    recorder.trainer = trainer
     with_cpu_scaler(trainer).fit()
-    assert trainer._scaler.get_scale() == 2.0**9  # the scaler saw the overflow
+    assert trainer.scaler.get_scale() == 2.0**9  # the scaler saw the overflow
     # the weights after steps 2 and 3 are the same: the average takes them once
     assert all(torch.equal(recorder.states[1][k], recorder.states[2][k])
                for k in recorder.states[1] if k.endswith("weight"))
-    assert int(trainer._ema.averaged.n_averaged) == 5
+    assert int(trainer.ema.averaged.n_averaged) == 5

@@ -139,7 +139,7 @@ def test_an_empty_batch_is_refused_as_empty(tmp_path):
 
 
 def test_the_default_count_of_a_batch_of_0_dim_tensors_is_one():
-    from saferun.loop.transfer import batch_size_of
+    from saferun.data.transfer import batch_size_of
     assert batch_size_of((torch.tensor(3.0), torch.tensor(1))) == 1
     assert batch_size_of({"w": torch.tensor(2.0), "x": [torch.zeros(0, 2), torch.zeros(5, 2)]}) == 5
     assert batch_size_of({"ids": [1, 2]}) == 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from saferun.loop.compile import CompileMismatchError
+from saferun.errors import CompileMismatchError
 from toys import Net, ToyTrainer, toy_config, weights
 
 

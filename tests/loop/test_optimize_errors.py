@@ -29,7 +29,7 @@ def whole_state(t):
     """Parameters, buffers, gradients, every optimizer, scheduler and the scaler, and RNG."""
     return flat({"model": t.model.state_dict(), "grads": [p.grad for p in t.model.parameters()],
                  "optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict(),
-                 "scaler": t._scaler.state_dict(), "torch_rng": torch.get_rng_state(),
+                 "scaler": t.scaler.state_dict(), "torch_rng": torch.get_rng_state(),
                  "random": random.getstate(), "numpy": np.random.get_state()})
 
 

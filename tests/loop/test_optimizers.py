@@ -123,7 +123,7 @@ def test_each_update_equals_a_hand_written_loop_bitwise(tmp_path, trainer):
     assert all(p.grad is None for p in t.model.parameters())  # zero_grad(set_to_none=True)
     if trainer is Scaled:  # the step used the Trainer's scaler: one update() per step, none skipped
         # (its fixed power-of-two scale leaves the weights bitwise the same as unscaled ones)
-        assert t._scaler.state_dict()["_growth_tracker"] == STEPS
+        assert t.scaler.state_dict()["_growth_tracker"] == STEPS
 
 
 def test_logs_name_each_optimizer_and_steps_read_nothing_from_the_device(tmp_path):

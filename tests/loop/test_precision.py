@@ -14,7 +14,8 @@ from helpers import InfGrad, cpu_grad_scaler
 
 
 def with_cpu_scaler(trainer, init_scale=2.0**10):
-    assert not trainer._is_setup  # the scaler is chosen at setup
+    with pytest.raises(saferun.SaferunError, match=r"Trainer.scaler is built by setup\(\)"):
+        _ = trainer.scaler  # the scaler is chosen at setup, not yet
     with cpu_grad_scaler(init_scale=init_scale):
         trainer.setup()
     return trainer
@@ -45,7 +46,7 @@ def test_the_step_after_a_skipped_step_works_under_a_grad_scaler(tmp_path):
     # scaling by a power of two and unscaling is exact: the same steps, bitwise
     ws, wp = weights(scaled), weights(plain)
     assert all(torch.equal(ws[k], wp[k]) for k in wp)
-    assert scaled._scaler.get_scale() == 2.0**10  # finite gradients: no back-off
+    assert scaled.scaler.get_scale() == 2.0**10  # finite gradients: no back-off
 
 
 class OverflowsAt(ToyTrainer):
@@ -73,7 +74,7 @@ def test_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path, fused
     rates = LoggedRates()
     t = with_cpu_scaler(OverflowsAt(cfg, callbacks=[rates]))
     t.fit()
-    assert t._scaler.get_scale() == 2.0**9  # step 3 overflowed: the scaler skipped and backed off
+    assert t.scaler.get_scale() == 2.0**9  # step 3 overflowed: the scaler skipped and backed off
     assert t.scheduler.last_epoch == 5  # 6 steps, 5 optimizer steps
     assert t.optimizer.param_groups[0]["lr"] == 0.05 * 0.5**5
     # the rate each step used: step 3 did not step, so steps 3 and 4 used the same rate

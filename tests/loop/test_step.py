@@ -125,7 +125,7 @@ def test_gradients_are_unscaled_before_they_are_clipped_or_measured(tmp_path, ma
     true_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.model.parameters()])
     before = weights(t)
     out = t.train_step([batch])
-    assert t._scaler.get_scale() == 2.0**10  # the loss really was scaled by 1024
+    assert t.scaler.get_scale() == 2.0**10  # the loss really was scaled by 1024
     torch.testing.assert_close(out.grad_norm, true_norm)  # the unscaled norm, not 1024x
     delta = torch.cat([(before[k] - v).flatten() for k, v in weights(t).items()])
     expected = 0.05 * (0.01 if max_norm else true_norm.item())  # SGD: lr * (clipped) gradient

@@ -90,8 +90,9 @@ class Case(saferun.Trainer):
                  stream: Optional[str] = None, controls: Sequence[dict] = (),
                  block_at: int = -1, loader: Optional[str] = None, impure_on: int = -1,
                  **kw: Any) -> None:
-        super().__init__(cfg, callbacks=[Decide(**c) for c in controls] or [Decide(-1, "", -1)],
-                         **kw)
+        decide = [Decide(**c) for c in controls] or [Decide(-1, "", -1)]
+        super().__init__(cfg, callbacks=decide, **kw)
+        self.decide = decide[0]  # every Decide sees the same events
         self.path, self.aux, self.stream, self.block_at = path, aux, stream, block_at
         self.loader, self.impure_on = loader, impure_on  # impure_on: that rank's eval mutates
         self.ids: list[int] = []
@@ -189,7 +190,7 @@ def run(case: Mapping[str, Any]) -> None:
         if trainer.block_at < 0:
             raise
         error = str(e)
-    decide = trainer._user_callbacks[0]  # every Decide sees the same events
+    decide = trainer.decide
     result = {"state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
               "step": trainer.state.step, "error": error, "ids": trainer.ids,
               "validated": decide.validated, "val_metrics": decide.val_metrics,

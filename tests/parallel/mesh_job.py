@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 import saferun
-from saferun.parallel.distributed import is_dtensor
+from saferun.distributed import is_dtensor
 from saferun.recipes.charlm import CharLMTrainer
 
 from ema_trajectory import Trajectory

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from saferun.checkpoint import list_checkpoints
-from saferun.loop.seeding import seed_everything
+from saferun.data.seeding import seed_everything
 from toys import make_classification
 from helpers import free_port
 from test_torchrun import TIMEOUT

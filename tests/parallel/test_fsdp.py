@@ -185,7 +185,8 @@ def test_a_strategy_for_several_processes_refuses_one(tmp_path, strategy):
     ("fsdp", {"cpu_offload": True}, "fsdp.cpu_offload=true")])
 def test_what_fsdp_cannot_do_right_is_refused_naming_the_key(key, value, named):
     from saferun.config import load_config
-    from saferun.parallel import distributed, fsdp
+    from saferun import distributed
+    from saferun.parallel import fsdp
 
     t = load_config({"trainer": {"strategy": "fsdp", key: value}}).trainer
     with pytest.raises(ConfigError, match=f"trainer.{named}"):

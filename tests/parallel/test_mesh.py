@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from saferun import ConfigError
-from saferun.parallel import distributed
+from saferun import distributed
 from saferun.parallel.mesh import Layout, apply_plan, check_data
 
 from ema_trajectory import hand_ema

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 import saferun
 from saferun.preemption import Preempted
-from saferun.loop.seeding import derive_seed  # the documented contract, imported rather than copied
+from saferun.data.seeding import derive_seed  # the documented contract, imported rather than copied
 
 N_TRAIN, N_VAL, BATCH, DIM, CLASSES = 84, 40, 16, 8, 3  # 6 batches an epoch, the last of 4
 LR, DECAY, CLIP, LOG_EVERY = 0.02, 0.1, 0.5, 4

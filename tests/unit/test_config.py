@@ -60,3 +60,10 @@ def test_a_string_where_the_target_takes_a_number_names_the_key(lr, words):
     for w in words:
         assert w in str(e.value)
     assert load_config({"optim": {"lr": 3}}).optim["lr"] == 3  # an int where the default is a float
+
+
+def test_a_target_under_a_moved_saferun_module_names_where_it_is_now():
+    with pytest.raises(saferun.ConfigError) as e:
+        load_config({"logger": {"mlflow": {"_target_": "saferun.trackers.MLflowLogger"}}})
+    assert "logger.mlflow._target_: cannot import 'saferun.trackers.MLflowLogger'" in str(e.value)
+    assert "saferun.trackers moved: name it saferun.loggers.trackers.MLflowLogger" in str(e.value)

@@ -1,5 +1,5 @@
 """DataLoaders with seeded shuffling and workers, their exact-resume state, and `ShardedStream`.
-(Moving batches to the device: `saferun.loop.transfer`, re-exported here.)"""
+(Moving batches to the device: `saferun.data.transfer`, re-exported here.)"""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               IterableDataset, RandomSampler, Sampler, SequentialSampler,
                               get_worker_info)
 
-from .parallel.distributed import ShardSampler
-from .errors import SaferunError
-from .guards.generators import rng_kind, rng_objects
-from .loop.seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
-from .loop.transfer import batch_size_of, move_to_device, to_host  # noqa: F401  (saferun.data's names)
+from ..distributed import ShardSampler
+from ..errors import SaferunError
+from ..guards.generators import rng_kind, rng_objects
+from .seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
+from .transfer import batch_size_of, move_to_device, to_host  # noqa: F401  (saferun.data's names)
 
 log = logging.getLogger("saferun")
 

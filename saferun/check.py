@@ -17,18 +17,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from ..config import Config
-from ..data import split_datasets
-from ..errors import SaferunError
-from .. import modes
-from ..loop.batches import BatchStream, first_batch
-from ..loop.seeding import preserved_rng
-from ..loop.steps import loss_and_logs
-from . import datachecks
-from ..loop.optimizers import NO_SINGLE_LOSS, NamedOptimizers, each_optimizer_moves
-from .preflight import check_loader, find_rng_objects, find_unpicklable
-from .syncs import HostSyncCounter
-from ..trainer import Trainer
+from .config import Config
+from .data import split_datasets
+from .errors import SaferunError
+from . import modes
+from .loop.batches import BatchStream, first_batch
+from .data.seeding import preserved_rng
+from .loop.steps import loss_and_logs
+from .guards import datachecks
+from .loop.optimizers import NO_SINGLE_LOSS, NamedOptimizers, each_optimizer_moves
+from .guards.preflight import check_loader, find_rng_objects, find_unpicklable
+from .guards.syncs import HostSyncCounter
+from .trainer import Trainer
 
 STEPS = 8
 DRAWS = 8  # worker seeding: draws of sample 0 per worker
@@ -219,7 +219,7 @@ def _host_syncs(make: Factory, cfg: Config) -> CheckResult:
     steps = step_syncs(trainer)
     per_step = sum(sum(s.values()) for s in steps) / max(len(steps), 1)
     if per_step:
-        from .sync_audit import audit
+        from .guards.sync_audit import audit
 
         top = audit(steps)[0]
         if top.caller:

@@ -14,44 +14,23 @@ says so, pointing at the other rank's (the original chained as its cause).
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .batchinfo import describe_batch
+from ..distributed import PEER_FAILED, several_ranks
+from ..guards.batchinfo import describe_batch
 
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-                   r"Timed out waiting|collective operation timeout|NCCL (error|communicator was aborted)|"
-                   r"remote worker crash|ProcessGroup\w* .*(aborted|shut ?down)", re.I)
-
-
-def several_ranks() -> bool:
-    """A process group of 2 or more ranks: no replay may run (see the module docstring)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def collective_failed(exc: BaseException) -> bool:
     """Under torchrun: a collective's error caused by another rank (gone or late). Raised by
     torch itself: a user's own RuntimeError whose message happens to match is the user's."""
-    return (isinstance(exc, RuntimeError) and several_ranks() and bool(_PEER.search(str(exc)))
+    return (isinstance(exc, RuntimeError) and several_ranks() and bool(PEER_FAILED.search(str(exc)))
             and _raised_in_torch(exc))
-
-
-def peer_failure(exc: BaseException) -> Optional[str]:
-    """Under torchrun: the first line of the collective error in `exc` or what it wraps (a
-    save's), caused by another rank; else None."""
-    seen: Optional[BaseException] = exc
-    while seen is not None and several_ranks():
-        text = str(seen).strip()
-        if isinstance(seen, (RuntimeError, ConnectionError)) and _PEER.search(text):
-            return text.splitlines()[0][:300]
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _raised_in_torch(exc: BaseException) -> bool:

@@ -24,10 +24,9 @@ import time
 import uuid
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from .callbacks import Callback, TrainerView
-from .errors import ConfigError
-from .loggers import hparam_values
-from .loop.logbook import Media
+from ..callbacks import Callback, Media, TrainerView
+from ..errors import ConfigError
+from . import hparam_values
 
 log = logging.getLogger("saferun")
 

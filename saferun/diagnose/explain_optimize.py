@@ -1,4 +1,4 @@
-"""Where in the step an explanation says a failure happened (guards/explain.py): which
+"""Where in the step an explanation says a failure happened (diagnose/explain.py): which
 `self.optimize(name, loss)` call raised (or, with trainer.accumulate, which micro-batch), read
 from what the loop's call sites recorded; and, with several optimizers, a replay of
 training_step in which optimize() updates nothing (loop/manual.py `ManualSteps.replaying`)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from .failure_site import site_of
+from ..loop.failure_site import site_of
 
 
 def replaying(steps: Any, backward: bool) -> Any:

@@ -2,7 +2,7 @@
 
 The loop's call sites (a training micro-batch, an `optimize()` call, a validation or predict
 batch) add what they know to the exception as it passes through them, innermost first; the
-explanation (guards/explain.py) reads it back. Nothing here runs unless something raised: a
+explanation (diagnose/explain.py) reads it back. Nothing here runs unless something raised: a
 `try` costs nothing on the path that does not raise.
 """
 

@@ -1,4 +1,5 @@
-"""Built-in observers: TensorBoard event files, metrics.jsonl, a progress bar and log lines.
+"""The loggers: TensorBoard event files, metrics.jsonl, a progress bar and log lines here, the
+experiment trackers (MLflow, W&B) in `trackers`.
 
 All are callbacks that act at log points only, where metrics are
 already host floats, so none of them adds a host sync.
@@ -16,9 +17,8 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from .callbacks import Callback, TrainerView
-from .errors import ConfigError
-from .loop.logbook import Media
+from ..callbacks import Callback, Media, TrainerView
+from ..errors import ConfigError
 
 log = logging.getLogger("saferun")
 
@@ -359,7 +359,7 @@ class LogLines(Callback):
 
 # The loggers a config may name without `_target_` ({"mlflow": {...}} in Python).
 NAMED = {"tensorboard": "saferun.loggers.TensorBoardLogger", "jsonl": "saferun.loggers.MetricsJsonl",
-         "mlflow": "saferun.trackers.MLflowLogger", "wandb": "saferun.trackers.WandbLogger"}
+         "mlflow": "saferun.loggers.trackers.MLflowLogger", "wandb": "saferun.loggers.trackers.WandbLogger"}
 
 
 def with_targets(given: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 explained in the user's terms: the step, the batch's fields, the module and the fix.
 
 Nothing here runs until a step has already failed. The phase and the failing batch are what
-the loop's call sites recorded on the exception as it passed them (guards/failure_site.py: a
+the loop's call sites recorded on the exception as it passed them (loop/failure_site.py: a
 `try` around each step, free until something raises), and the module is found by replaying
 that batch's forward once with forward hooks installed only then. The replay runs in the
 step's modes under `torch.no_grad()` (forward only: no gradient and no optimizer touched)
@@ -24,58 +24,20 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 import torch
 from torch import nn
 
-from ..errors import SaferunError
-from ..loop.seeding import preserved_rng
-from .batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
+from ..errors import (ExplainedAssertionError, ExplainedAttributeError, ExplainedIndexError,
+                      ExplainedKeyError, ExplainedRuntimeError, ExplainedTypeError,
+                      ExplainedValueError, UserCodeError)
+from ..data.seeding import preserved_rng
+from ..distributed import several_ranks
+from ..guards.batchinfo import describe_batch, nonfinite_fields, tensors as _tensors
 from .explain_optimize import in_step as _in_step, replaying as _replaying
-from .failure_site import site_of
-from .explain_ranks import (collective_failed, collective_failure, locate_in_traceback,
-                            several_ranks)
-from .model_audit import carried_graph_advice, graph_carriers
-from .replay import _forward_trace
+from ..loop.failure_site import site_of
+from .explain_ranks import collective_failed, collective_failure, locate_in_traceback
+from ..guards.model_audit import carried_graph_advice, graph_carriers
+from ..guards.replay import _forward_trace
 
 _SAFERUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-class UserCodeError(SaferunError):
-    """An exception raised in the user's code, re-raised with an explanation. The original
-    is its `__cause__` (and `original`), and the explained error is also an instance of the
-    original's type, so `except RuntimeError` (KeyError, ...) still catches it. Only the
-    common builtin types are explained; any other exception propagates unchanged."""
-
-    original: BaseException
-
-    def __str__(self) -> str:  # KeyError's own __str__ would show the message's repr
-        return str(self.args[0]) if self.args else ""
-
-
-class ExplainedRuntimeError(UserCodeError, RuntimeError):
-    pass
-
-
-class ExplainedValueError(UserCodeError, ValueError):
-    pass
-
-
-class ExplainedTypeError(UserCodeError, TypeError):
-    pass
-
-
-class ExplainedIndexError(UserCodeError, IndexError):
-    pass
-
-
-class ExplainedKeyError(UserCodeError, KeyError):
-    pass
-
-
-class ExplainedAttributeError(UserCodeError, AttributeError):
-    pass
-
-
-class ExplainedAssertionError(UserCodeError, AssertionError):
-    pass
 
 
 _TYPED: dict[type, type[UserCodeError]] = {
@@ -137,8 +99,8 @@ _HOOKS = {"training": "training_step", "validation": "validation_step", "test": 
 
 def _failing_step(exc: BaseException, owner: FailureOwner) -> Optional[tuple[str, Any]]:
     """('training', 'validation' or 'predict', the batch on the device), as the loop's call
-    site recorded them on `exc` (guards/failure_site.py); None if no step raised it."""
-    from ..loop.transfer import move_to_device
+    site recorded them on `exc` (loop/failure_site.py); None if no step raised it."""
+    from ..data.transfer import move_to_device
 
     site = site_of(exc)
     if site is None or site.phase is None:

@@ -1,7 +1,7 @@
 """Several processes with torch.distributed, launched by torchrun (one process per device).
 
 The Trainer detects torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK) and starts the
-process group (gloo on CPU, nccl on CUDA); the strategy (`strategy.py`) says which ranks split
+process group (gloo on CPU, nccl on CUDA); the strategy (`parallel/strategy.py`) says which ranks split
 the data (`Ranks.group`: the world, or the data dimension of a device mesh). Everything the
 ranks must agree on goes through collectives at log points; nothing crosses processes between
 them but what the strategy exchanges in each step.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -22,6 +23,10 @@ from torch import nn
 from torch.utils.data import Sampler
 
 BUCKET_BYTES = 25 * 2**20  # per all-reduce when saferun averages gradients itself (DDP's size)
+# A collective's error when another rank failed first (its connection closed, the wait timed out)
+PEER_FAILED = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+                   r"Timed out waiting|collective operation timeout|NCCL (error|communicator was aborted)|"
+                   r"remote worker crash|ProcessGroup\w* .*(aborted|shut ?down)", re.I)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -183,3 +188,21 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def several_ranks() -> bool:
+    """A process group of 2 or more ranks (then a failure is explained without a replay:
+    diagnose/explain_ranks.py)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def peer_failure(exc: BaseException) -> Optional[str]:
+    """Under torchrun: the first line of the collective error in `exc` or what it wraps (a
+    save's), caused by another rank; else None."""
+    seen: Optional[BaseException] = exc
+    while seen is not None and several_ranks():
+        text = str(seen).strip()
+        if isinstance(seen, (RuntimeError, ConnectionError)) and PEER_FAILED.search(text):
+            return text.splitlines()[0][:300]
+        seen = seen.__cause__ or seen.__context__
+    return None
