@@ -49,7 +49,7 @@ def test_saferun_test_evaluates_the_best_model_on_the_test_split(tmp_path):
             f"{summary['tested']['sha256']}") in proc.stdout + proc.stderr
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before  # the run is not written
     proc = saferun("test", "r", "checkpoint=latest", cwd=tmp_path)
-    assert proc.returncode == 1 and "checkpoint='latest' is unknown" in proc.stderr
+    assert proc.returncode == 1 and "checkpoint='latest' does not exist: name best (model_best.pt), last" in proc.stderr
 
 
 @pytest.mark.slow
