@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,24 @@ def _leave_group() -> None:
     if dist.is_initialized():
         _never_freed(list(dist.distributed_c10d._world.pg_map))
         dist.destroy_process_group()
+
+
+def end_process(code: int = 0) -> NoReturn:
+    """End this torchrun rank with exit status `code`, skipping interpreter teardown: leave the
+    process group, run every `atexit` handler (loggers, DataLoader workers, ...) and flush the
+    standard streams while Python is whole, then `os._exit`. Teardown is where gloo can abort a
+    rank whose run succeeded (see `_leave_group`); nothing saferun writes waits for it.
+    `saferun run` ends its ranks this way; a script of your own may call it as its last line."""
+    try:
+        _leave_group()
+        atexit._run_exitfuncs()  # each runs once: os._exit below skips the interpreter's call
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken: nothing more can be said there
+                pass
+        os._exit(code)
 
 
 def _never_freed(groups: list[Any]) -> None:

@@ -22,12 +22,31 @@ def run(args: list[str]) -> None:
     intended = _intend_from_args(args)  # then at once, before torch is imported
     try:
         _run(args)
-    except BaseException:
+    except BaseException as e:
         if intended is not None and not _JOB_STARTED:  # refused before the job: nothing changed
             from ..checkpoint import intent
 
             intent.drop_intent(intended, True)
+        if isinstance(e, SystemExit) and _several_ranks():  # saferun's errors are printed already
+            _end_rank(e.code)
         raise
+    if _several_ranks():
+        _end_rank(0)
+
+
+def _several_ranks() -> bool:
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+def _end_rank(code: Any) -> None:
+    """A torchrun rank ends here, with `code` as SystemExit takes it (None: 0; a text: printed,
+    then 1), and without interpreter teardown (`distributed.end_process`)."""
+    from ..distributed import end_process
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    end_process(code or 0)
 
 
 def _run(args: list[str]) -> None:
@@ -69,10 +88,6 @@ def _run(args: list[str]) -> None:
         if "-m" in args or "--multirun" in args:
             compose.summarize_stopped_sweep(_RUNNING_JOB)
         raise
-    if ranks_from_env().world_size > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
 
 
 _WRITE_HYDRA_DIR = False  # saferun, not Hydra, writes <run dir>/.hydra/ (after acceptance)

@@ -215,6 +215,54 @@ def test_the_command_line_under_torchrun_uses_one_run_directory(tmp_path):
     assert proc.stdout.count("saferun: done at step 10") == 1  # rank 0 speaks for the job
 
 
+SITECUSTOMIZE = """
+import atexit, os
+RANK = os.environ.get("RANK")
+
+
+def mark(what):
+    if RANK is not None:  # a rank, not the torchrun launcher
+        open(os.path.join(os.environ["MARKS"], f"{what}-rank{RANK}"), "w").close()
+
+
+class AtTeardown:
+    # what it needs is bound now: at teardown module globals and builtins may be gone already
+    def __del__(self, _open=os.open, _close=os.close, _flags=os.O_CREAT | os.O_WRONLY,
+                path=os.path.join(os.environ.get("MARKS", ""), f"teardown-rank{RANK}")):
+        if RANK is not None:
+            _close(_open(path, _flags))
+
+
+atexit.register(mark, "atexit")
+at_teardown = AtTeardown()  # freed when the interpreter tears the modules down
+"""
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["success", "refused"])
+def test_the_command_line_ends_each_rank_after_its_exit_handlers_without_interpreter_teardown(
+        tmp_path, refused):
+    # Interpreter teardown is where gloo can abort a rank after a run that succeeded (SIGABRT,
+    # "terminate called without an active exception"): saferun run ends its ranks before it,
+    # after every atexit handler ran, with the status the run ended with
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MARKS": str(marks),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master_port={free_port()}", "-m", "saferun", "run", "debug=fast",
+         "trainer.progress_bar=false", *(["trainer.max_steps=-1"] if refused else [])],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert proc.returncode == (1 if refused else 0), proc.stdout + proc.stderr
+    left = sorted(p.name for p in marks.iterdir())
+    if refused:  # the first rank to end with 1 makes torchrun stop the other, maybe before its end
+        assert left in (["atexit-rank0"], ["atexit-rank1"], ["atexit-rank0", "atexit-rank1"]), left
+    else:
+        assert left == ["atexit-rank0", "atexit-rank1"]
+
+
 def test_a_run_directory_in_use_stops_every_rank_with_the_reason(tmp_path):
     from saferun.checkpoint import rundir
 
