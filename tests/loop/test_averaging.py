@@ -85,7 +85,7 @@ def test_save_best_can_watch_the_average(tmp_path):
     trainer = ToyTrainer(ema_config(tmp_path, save_best="val_ema/acc", save_best_mode="max"),
                          callbacks=[Seen()])
     trainer.fit()
-    assert len(Seen.values) == 2 and trainer._checkpointer.best[0] == max(Seen.values)
+    assert len(Seen.values) == 2 and trainer._checkpointer.best.value == max(Seen.values)
 
 
 def test_no_host_sync_per_step(tmp_path):

@@ -40,4 +40,4 @@ def test_macro_f1_matches_scikit_learn_and_can_be_watched(tmp_path):
     per_batch = [f1_score(val.labels[i:i + 16], predicted[i:i + 16], average="macro") *
                  len(val.labels[i:i + 16]) for i in range(0, len(val), 16)]
     assert abs(sum(per_batch) / len(val) - expected) > 0.02
-    assert trainer._checkpointer.best[0] == max(metrics["val/f1"], trainer._checkpointer.best[0])
+    assert trainer._checkpointer.best.value == max(metrics["val/f1"], trainer._checkpointer.best.value)
