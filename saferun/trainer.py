@@ -28,6 +28,7 @@ from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView,
 from .checkpoint.checkpointer import Checkpointer, StatefulParts
 from .checkpoint.compat import check_second_fit
 from .checkpoint.rundir import default_run_dir, update_summary
+from .checkpoint.store import LOCAL, Storage
 from .config import Config, load_config
 from .schedules import check_schedule_length
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
@@ -79,13 +80,15 @@ class Trainer:
     Args:
         cfg: a `Config`, a nested dict or an OmegaConf node; validated at once.
         callbacks: observers of the loop, called in list order.
+        storage: where the checkpoints are kept (a `saferun.checkpoint.Storage`); default: the
+            local filesystem (`LocalStorage`).
     """
 
     _schedule: Any  # Schedule or NamedSchedules: set with the optimizer (loop/manual.py)
     _check_first_batch: bool
 
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
-                 callbacks: Sequence[Callback] = ()) -> None:
+                 callbacks: Sequence[Callback] = (), storage: Optional[Storage] = None) -> None:
         self.cfg = load_config(cfg)
         # as given (a Config is resolved already): a second fit() resolves it with its limits
         self._given = None if cfg is None or isinstance(cfg, Config) else copy.deepcopy(cfg)
@@ -103,7 +106,7 @@ class Trainer:
                                world_size=self.ranks.world_size)
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
-        self._checkpointer = Checkpointer(self, self._stateful_parts)
+        self._checkpointer = Checkpointer(self, self._stateful_parts, storage or LOCAL)
         self._fitted: Optional[tuple[Optional[int], Optional[int]]] = None  # limits of the last fit
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
@@ -855,7 +858,7 @@ class Trainer:
         validate(), predict() and test(). It never writes into `run_dir`: its own run
         directory is `out_dir`, or a new one under runs/, written only by test()."""
         config = saved_config(run_dir)
-        weights = find_weights(run_dir, checkpoint, config)
+        weights = find_weights(run_dir, checkpoint, config, kwargs.get("storage") or LOCAL)
         check_out_dir(run_dir, out_dir)  # test() writes there: never into a run's own logs
         config["trainer"] = {**config["trainer"], "run_dir": out_dir}
         config["resume"] = None  # the weights are loaded below; nothing of the run resumed

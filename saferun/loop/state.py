@@ -6,9 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-# the counters a checkpoint's "loop" holds, which also set the position of a resume's weights
-COUNTERS = ("step", "epoch", "batches_in_epoch", "samples_seen")
-
 
 @dataclass
 class LoopState:
@@ -54,5 +51,5 @@ class LoopState:
     def load_counters(self, loop: Mapping[str, Any]) -> None:
         """The step, epoch, position and samples of a checkpoint's "loop": where its weights are
         from (an evaluation of a resumed run's weights reports that step)."""
-        for key in COUNTERS:
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
             setattr(self, key, loop[key])
