@@ -790,7 +790,8 @@ class Trainer:
         guard = self._guard
         if guard.verdict(bad) is Verdict.ROLL_BACK:
             guard.rolling_back(bad)  # (too many in a row raise)
-            guard.rolled_back(bad, *self._checkpointer.roll_back(guard.unclean))
+            path, skipped = self._checkpointer.roll_back(guard.unclean)
+            guard.rolled_back(bad, path, skipped)  # said (none clean: raises)
             return
         replayed = replay_bad_step(bad.step, self._checkpointer, self._running, self._batches,
                                    self.state, self.train_step, self._forward_backward,

@@ -14,8 +14,9 @@ A check returns the bad step it found (a `BadStep`, or None); the policy of its 
 Checkpointer (`rolling_back`, `unclean`, `rolled_back` say what the guard owns of that: the
 count, the check of each checkpoint, the report). The guard is handed what it works with: the
 log window's running metrics, the training loader (a bad batch's inputs are looked at) and the
-run's checkpoints as the Checkpointer lists them; of the Trainer it reads only public state
-(`LoopOwner`). Everything else it owns (the spike detectors, the buffer snapshot, the counters).
+run's newest checkpoint as the Checkpointer names it (`newest`); of the Trainer it reads only
+public state (`LoopOwner`). Everything else it owns (the spike detectors, the buffer snapshot,
+the counters).
 """
 
 from __future__ import annotations
