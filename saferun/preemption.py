@@ -176,9 +176,10 @@ class StopRequested(Exception):
 
 
 def stop_exit(exc: BaseException, signals: StopSignals, one_process: bool, mid_step: bool,
-              save: Callable[[], Path], step: int, run_dir: str, owed: bool
-              ) -> Optional[BaseException]:
-    """After SIGTERM/SIGINT: save this step boundary (`save`) and build the exit, else None.
+              save: Callable[[], Path], newest: Callable[[], Optional[tuple[Path, int]]],
+              step: int, run_dir: str, owed: bool) -> Optional[BaseException]:
+    """After SIGTERM/SIGINT: save this step boundary (`save`) and build the exit, else None
+    (`newest`: the run's newest checkpoint and its step, or None, `Checkpointer.newest`).
 
     Only a true boundary is saved: the loop's stop (`StopRequested`, raised between
     steps or between validation batches) or, in one process, a DataLoader worker's
@@ -186,7 +187,6 @@ def stop_exit(exc: BaseException, signals: StopSignals, one_process: bool, mid_s
     from signals to the process group; if one dies anyway in the middle of a step,
     nothing is saved (half a step cannot be resumed exactly) and the error says so.
     """
-    from .checkpoint.store import checkpoint_root, list_checkpoints
     from .errors import SaferunError
 
     signum = signals.received
@@ -195,12 +195,12 @@ def stop_exit(exc: BaseException, signals: StopSignals, one_process: bool, mid_s
     if signum is None or not (isinstance(exc, StopRequested) or worker_died):
         return None
     if worker_died and mid_step:
-        newest = list_checkpoints(checkpoint_root(run_dir))
+        found = newest()
         return SaferunError(
             f"stopped by {signal_name(signum)}, but a DataLoader worker died in the middle "
             f"of a step (after step {step}): {exc} No checkpoint was saved: a "
             f"half-done step cannot be resumed exactly. The newest checkpoint is "
-            f"{newest[-1] if newest else 'none'}; resume=auto continues from it.")
+            f"{found[0] if found else 'none'}; resume=auto continues from it.")
     path = save()
     signals.saved()
     note = " (its validation was interrupted: the resumed run validates first)" if owed else ""

@@ -4,7 +4,7 @@ the trainer: no import cycle)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 
 @dataclass
@@ -32,3 +32,24 @@ class LoopState:
         self.step += 1
         self.samples_seen += samples
         return self.step
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint's "loop" holds of it (the Checkpointer adds save_best's best)."""
+        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "samples_seen": self.samples_seen, "metrics": dict(self.metrics),
+                # a stop interrupted this step's validation: the resumed run does it first
+                "owed": self.owed if self.owed and self.owed["step"] == self.step else None,
+                "validated_at": self.validated_at}
+
+    def load_state_dict(self, loop: Mapping[str, Any]) -> None:
+        """Put `state_dict()`'s result back (a checkpoint's "loop")."""
+        self.load_counters(loop)
+        self.metrics.update(loop["metrics"])
+        self.owed = loop["owed"]
+        self.validated_at = loop.get("validated_at", -1)
+
+    def load_counters(self, loop: Mapping[str, Any]) -> None:
+        """The step, epoch, position and samples of a checkpoint's "loop": where its weights are
+        from (an evaluation of a resumed run's weights reports that step)."""
+        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
+            setattr(self, key, loop[key])

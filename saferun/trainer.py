@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 import os
+from pathlib import Path
 from collections.abc import Mapping  # isinstance on it is twice as fast as on typing.Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,8 +27,8 @@ from . import modes
 from .callbacks import Callback, CallbackList, Control, StepOutput, TrainerView, _merge
 from .checkpoint.checkpointer import Checkpointer, StatefulParts
 from .checkpoint.compat import check_second_fit
-from .checkpoint.store import checkpoint_root, list_checkpoints
 from .checkpoint.rundir import default_run_dir, update_summary
+from .checkpoint.store import LOCAL, Storage
 from .config import Config, load_config
 from .schedules import check_schedule_length
 from .checkpoint.weights import Best, Weights, check_out_dir, find_weights, load_weights, saved_config
@@ -36,6 +37,8 @@ from .data import (check_datasets, check_evaluation_limit, check_training_loader
                    split_datasets)
 from .errors import NonFiniteError, SaferunError  # noqa: F401  (saferun.trainer.NonFiniteError)
 from .guards.badstep import BadStepPolicy
+from .guards.policies import BadStep, Verdict
+from .guards.replay import replay_bad_step
 from .guards.datachecks import setup_warnings
 from .diagnose.explain import StepContexts, explain_failure
 from .loop.failure_site import record
@@ -78,13 +81,15 @@ class Trainer:
     Args:
         cfg: a `Config`, a nested dict or an OmegaConf node; validated at once.
         callbacks: observers of the loop, called in list order.
+        storage: where the checkpoints are kept (a `saferun.checkpoint.Storage`); default: the
+            local filesystem (`LocalStorage`).
     """
 
     _schedule: Any  # Schedule or NamedSchedules: set with the optimizer (loop/manual.py)
     _check_first_batch: bool
 
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
-                 callbacks: Sequence[Callback] = ()) -> None:
+                 callbacks: Sequence[Callback] = (), storage: Optional[Storage] = None) -> None:
         self.cfg = load_config(cfg)
         # as given (a Config is resolved already): a second fit() resolves it with its limits
         self._given = None if cfg is None or isinstance(cfg, Config) else copy.deepcopy(cfg)
@@ -102,7 +107,7 @@ class Trainer:
                                world_size=self.ranks.world_size)
         self.view = TrainerView(self.state)
         self._user_callbacks = list(callbacks)
-        self._checkpointer = Checkpointer(self, self._stateful_parts)
+        self._checkpointer = Checkpointer(self, self._stateful_parts, storage or LOCAL)
         self._fitted: Optional[tuple[Optional[int], Optional[int]]] = None  # limits of the last fit
         self._is_setup = False
         self._logbook = Logbook(self.ranks.is_main)  # what self.log() and log_image() collect
@@ -277,7 +282,7 @@ class Trainer:
         self._setup_guards()
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch, data)
-        self._guard = BadStepPolicy(self, self._running, self._batches, self._forward_backward)
+        self._guard = BadStepPolicy(self, self._running, self.train_loader, self._checkpointer.newest)
         self._timer = StepTimer(self.device, t.log_every_n_steps, phases=not several)
         self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm,
                                        self._strategy.meshes, self._timer)
@@ -327,7 +332,7 @@ class Trainer:
         self._setup_for_fit(misplaced)
         t, state, cbs, timer = self.cfg.trainer, self.state, self._callbacks, self._timer
         limit = self._check_limits()
-        self._checkpointer.begin_run()
+        self._checkpointer.begin_run(self._save)
         self._say_threads()
         try:
             self._start_training()
@@ -373,7 +378,10 @@ class Trainer:
             self._log()
         if not validated:
             self._validate_and_report(Control(stop=True))  # the loop has ended
-        self._checkpointer.save_final(restore_best=any(
+        # Always saved: the final validation may have changed callback state since the last save.
+        step = self.state.step
+        self._save()
+        self._checkpointer.save_final(step, restore_best=any(
             getattr(cb, "restore_best", False) for cb in self._callbacks.callbacks))
 
     def _failure(self, exc: BaseException) -> BaseException:
@@ -557,7 +565,7 @@ class Trainer:
         """test()/predict() before any training and with no weights loaded: say once that the
         numbers are those of the initial weights (a run's checkpoints: the checkpointer says)."""
         if self._initial_said or self._tested is not None or self.state.step or self.cfg.resume \
-                or not self.ranks.is_main or list_checkpoints(checkpoint_root(self.state.run_dir)):
+                or not self.ranks.is_main or self._checkpointer.list():
             return
         self._initial_said = True
         name = type(self).__name__
@@ -604,7 +612,7 @@ class Trainer:
         if self.cfg.trainer.compile:
             self._check_compile()
         if self._guard.needs_checkpoint:  # a rollback or an anomaly replay
-            self._checkpointer.ensure_one()  # so there is always a good state to go back to
+            self._checkpointer.ensure_one(self._save)  # so there is always a good state to go back to
         if self.cfg.guards.model_audit:
             self._audit_first_steps()
         if self._perf.counting:
@@ -688,7 +696,7 @@ class Trainer:
                 f"continues from step {state.step} as one longer run would. For a new run, build "
                 f"a new Trainer.")
         if self._fitted is not None:  # what the run was built with must still hold
-            found = list_checkpoints(checkpoint_root(state.run_dir))
+            found = self._checkpointer.list()
             check_second_fit(self._given, self._built_config, dataclasses.asdict(self.cfg),
                              state.step, found[-1] if found else None)
         per_epoch = self._batches.steps_per_epoch()
@@ -721,7 +729,7 @@ class Trainer:
     def _validate_and_report(self, pending: Optional[Control] = None) -> Optional[Control]:
         """Validate and tell the callbacks. `pending`: what the step still has to do after
         validation; a stop during validation saves it with the checkpoint, as owed."""
-        if not self._guard.window_good():
+        if not self._window_good():
             return None  # rolled back: the state this validation was for is gone
         state = self.state
         state.owed = {"step": state.step, "save": bool(pending and pending.save),
@@ -733,7 +741,9 @@ class Trainer:
         self._schedule.after_validation(metrics)  # a ReduceLROnPlateau, with trainer.sched_metric
         control = self._strategy.agreement.agreed(self._callbacks.on_validation_end(self.view, metrics))
         self._write_media(self._logbook.take()[1])
-        self._checkpointer.save_if_best(metrics)
+        best = self._checkpointer.new_best(metrics)  # trainer.save_best: improved?
+        if best is not None:
+            self._checkpointer.best_saved(self._save(best))
         return control
 
     def _end_step(self, control: Optional[Control], validate: bool, stepped: bool = True
@@ -744,7 +754,7 @@ class Trainer:
         if validate:
             control = _merge(control, self._validate_and_report(control))
         if (control and control.save) or (stepped and self._checkpointer.save_due()):
-            self._checkpointer.save()
+            self._save()
         if self._strategy.agreement.stop_agreed(self._stop_signals):
             raise StopRequested
         return control
@@ -777,6 +787,42 @@ class Trainer:
         self.setup()
         self._checkpointer.restore(state)
 
+    def _save(self, best: Optional[float] = None) -> Path:
+        """A checkpoint of this step (`best`: save_best's new best, with that value), once the
+        steps since the last check and the state it would write are good: a checkpoint is
+        always a good state to resume or roll back to. If they are not, nothing is saved: the
+        policy's verdict is applied (raise, or roll back: the newest checkpoint is returned)."""
+        guard, checkpointer = self._guard, self._checkpointer
+        # nor a non-finite parameter, buffer or optimizer state (an update under a finite loss)
+        bad = guard.window_bad() or guard.state_bad(checkpointer.path())
+        if bad is not None:
+            self._bad_window(bad)  # raises, or rolls back
+            return checkpointer.list()[-1]  # rolled back to it (this step has no checkpoint)
+        return checkpointer.save(best)
+
+    def _window_good(self) -> bool:
+        """Were the steps since the last check good? If not, the policy's verdict is applied
+        (raise, or roll back: False)."""
+        bad = self._guard.window_bad()
+        if bad is not None:
+            self._bad_window(bad)
+        return bad is None
+
+    def _bad_window(self, bad: BadStep) -> None:
+        """A check found `bad`: apply its policy's verdict. Raise the guard's error (with
+        guards.anomaly_replay, after a replay of the bad step), or roll back to the newest
+        clean checkpoint and go on with the data after the bad step."""
+        guard = self._guard
+        if guard.verdict(bad) is Verdict.ROLL_BACK:
+            guard.rolling_back(bad)  # (too many in a row raise)
+            path, skipped = self._checkpointer.roll_back(guard.unclean)
+            guard.rolled_back(bad, path, skipped)  # said (none clean: raises)
+            return
+        replayed = replay_bad_step(bad.step, self._checkpointer, self._running, self._batches,
+                                   self.state, self.train_step, self._forward_backward,
+                                   self.model) if guard.replays(bad) else ""
+        raise guard.error(bad, replayed)
+
     def _stateful_parts(self) -> StatefulParts:
         """The parts whose state a checkpoint holds, as they are now (the Checkpointer asks
         for them at each save and restore; it never reads the Trainer's own attributes)."""
@@ -784,7 +830,7 @@ class Trainer:
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self._scaler, ema=self._ema, running=self._running,
             spikes=self._guard.spikes, batches=self._batches, callbacks=self._callbacks,
-            strategy=self._strategy, stop_signals=self._stop_signals, guard=self._guard)
+            strategy=self._strategy, stop_signals=self._stop_signals)
 
     # ------------------------------------------------------------------ stop, log
 
@@ -792,7 +838,7 @@ class Trainer:
         """After SIGTERM/SIGINT: save this step boundary and build the exit, else None
         (see `preemption.stop_exit`)."""
         return stop_exit(exc, self._stop_signals, self.ranks.world_size == 1,
-                         self._batches.mid_step, self._checkpointer.save, self.state.step,
+                         self._batches.mid_step, self._save, self._checkpointer.newest, self.state.step,
                          self.state.run_dir, self.state.owed is not None)
 
     def _log(self) -> Optional[Control]:
@@ -803,8 +849,9 @@ class Trainer:
         metrics = self._running.read(extra, agreement.stop_votes(signals), self._strategy.data)
         agreement.count_stop_votes(metrics, signals)
         media = self._running.media
-        if not self._guard.log_point_good(metrics):
-            self._guard.on_bad()  # raises, or rolls back (the window's metrics are then moot)
+        bad = self._guard.log_point_bad(metrics)
+        if bad is not None:
+            self._bad_window(bad)  # raises, or rolls back (the window's metrics are then moot)
             return None
         self._running.reset()
         self._guard.clean_log_point()
@@ -864,7 +911,7 @@ class Trainer:
         validate(), predict() and test(). It never writes into `run_dir`: its own run
         directory is `out_dir`, or a new one under runs/, written only by test()."""
         config = saved_config(run_dir)
-        weights = find_weights(run_dir, checkpoint, config)
+        weights = find_weights(run_dir, checkpoint, config, kwargs.get("storage") or LOCAL)
         check_out_dir(run_dir, out_dir)  # test() writes there: never into a run's own logs
         config["trainer"] = {**config["trainer"], "run_dir": out_dir}
         config["resume"] = None  # the weights are loaded below; nothing of the run resumed

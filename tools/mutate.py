@@ -372,10 +372,10 @@ mutation("resume restores the optimizer", FORMATS,
          '        optimizer.load_state_dict(state["optimizer"])\n', "        pass\n", DIFF)
 mutation("resume restores the scheduler", CKPTR,
          '            p.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", DIFF)
-mutation("resume restores the loop counters", CKPTR,
+mutation("resume restores the loop counters", "saferun/loop/state.py",
          '        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):\n'
-         "            setattr(o.state, key, loop[key])\n",
-         '        for key in ("step",):\n            setattr(o.state, key, loop[key])\n',
+         "            setattr(self, key, loop[key])\n",
+         '        for key in ("step",):\n            setattr(self, key, loop[key])\n',
          # setup already set them for a resume; a rollback needs them (samples_seen)
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
 mutation("callback state saved", CKPTR,
@@ -386,8 +386,8 @@ mutation("spike detector state saved", CKPTR,
          '"spikes": {},',
          f"{GUARDS}::test_spike_detector_state_survives_checkpoint_and_resume")
 mutation("weights_only=True", "saferun/checkpoint.py",
-         "torch.load(state_path, map_location=map_location, weights_only=True)",
-         "torch.load(state_path, map_location=map_location, weights_only=False)",
+         "torch.load(f, map_location=map_location, weights_only=True)",
+         "torch.load(f, map_location=map_location, weights_only=False)",
          f"{CKPT}::test_a_crafted_checkpoint_is_refused_and_its_code_never_runs")
 mutation("state checked to load safely before writing", "saferun/checkpoint.py",
          "    check_plain(state)\n", "",
@@ -396,37 +396,37 @@ mutation("hashes verified on load", "saferun/checkpoint.py",
          '    if (size, actual) != (expected["bytes"], expected["sha256"]):', "    if False:",
          f"{CKPT}::test_corrupted_newest_checkpoint_falls_back_to_the_previous_with_a_warning")
 mutation("a checkpoint without manifest is incomplete", "saferun/checkpoint.py",
-         '    if not (path / "manifest.json").is_file():', "    if False:",
+         '    if not storage.isfile(path / "manifest.json"):', "    if False:",
          f"{CKPT}::test_a_checkpoint_without_manifest_is_incomplete")
 mutation("files fsynced", "saferun/checkpoint.py",
-         "        f.flush()\n        os.fsync(f.fileno())\n    return {",
-         "        f.flush()\n    return {",
+         "            yield f\n            f.flush()\n            os.fsync(f.fileno())\n",
+         "            yield f\n            f.flush()\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("the temporary directory fsynced before the rename", "saferun/checkpoint/store.py",
-         "    fsync_dir(tmp)\n    old = None\n", "    old = None\n",
+         "        fsync_dir(tmp)\n        old = None\n", "        old = None\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("the parent fsynced after the rename", "saferun/checkpoint/store.py",
-         "    os.replace(tmp, final)\n    fsync_dir(root)\n",
-         "    os.replace(tmp, final)\n",
+         "        os.replace(tmp, final)\n        fsync_dir(final.parent)\n",
+         "        os.replace(tmp, final)\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("written under a temporary name", "saferun/checkpoint.py",
          '    tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"\n', "    tmp = final\n",
          f"{CKPT}::test_files_and_directories_are_fsynced_before_the_checkpoint_appears")
 mutation("temporary directories are never taken for checkpoints", "saferun/checkpoint.py",
-         "if (m := _STEP_DIR.match(p.name)) and p.is_dir()]",
-         'if (m := re.search(r"step-(\\d{8,})", p.name)) and p.is_dir()]',
+         "if (m := _STEP_DIR.match(name)) and storage.isdir(root / name)]",
+         'if (m := re.search(r"step-(\\d{8,})", name)) and storage.isdir(root / name)]',
          f"{CKPT}::test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact")
 mutation("old checkpoints deleted only after the new one is complete", CKPTR,
-         "        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)\n",
-         "        for old in list_checkpoints(root)[:max(len(list_checkpoints(root)) + 1 - t.keep_last, 0)]:\n"
+         "        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation, self.storage)\n",
+         "        for old in self.list()[:max(len(self.list()) + 1 - t.keep_last, 0)]:\n"
          "            __import__('shutil').rmtree(old)  # make room first\n"
-         "        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)\n",
+         "        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation, self.storage)\n",
          f"{CKPT}::test_a_failed_save_leaves_the_previous_checkpoints")
 mutation("keep_last", "saferun/checkpoint.py",
          "listed[:-keep_last]", "listed[:-keep_last - 1]",
          f"{CKPT}::test_keep_last_and_best")
 mutation("save_best keeps the best", CKPTR,
-         "keep=[Path(self.best[1])] if self.best else (), current=done)", "keep=(), current=done)",
+         "keep=[Path(self.best.checkpoint)] if self.best else (), current=done,", "keep=(), current=done,",
          f"{CKPT}::test_keep_last_and_best")
 mutation("model.pt holds the final weights", CKPTR,
          '            files = {f"model{suffix}.pt": weights}\n',
@@ -474,12 +474,12 @@ mutation("non-finite loss raises at log points", BADSTEP,
 mutation("non-finite gradients are checked", BADSTEP,
          '(("train/grad_norm",) if self.grads_checked else ())', "()",
          f"{NONFINITE}::test_a_non_finite_gradient_under_a_finite_loss_is_caught")
-mutation("checked before each save", CKPTR,
-         "        if not p.guard.window_good():\n            return list_checkpoints(root)[-1]",
-         "        if False:\n            return list_checkpoints(root)[-1]",
+mutation("checked before each save", T,
+         "        bad = guard.window_bad() or guard.state_bad(checkpointer.path())",
+         "        bad = guard.state_bad(checkpointer.path())",
          f"{NONFINITE}::test_no_checkpoint_is_written_after_a_non_finite_step")
 mutation("checked before each validation", T,
-         "        if not self._guard.window_good():\n            return None  # rolled back",
+         "        if not self._window_good():\n            return None  # rolled back",
          "        if False:\n            return None  # rolled back",
          f"{NONFINITE}::test_a_non_finite_step_is_caught_before_validation")
 mutation("check_params adds the parameters", T,
@@ -507,21 +507,21 @@ mutation("skip drops the bad gradients", UPD,
 mutation("skip stops after max_consecutive", BADSTEP,
          "        if self._skips_in_a_row >= self._g.max_consecutive:", "        if False:",
          f"{NONFINITE}::test_skip_stops_after_too_many_in_a_row")
-mutation("rollback restores the newest checkpoint", BADSTEP,
-         "        for path in reversed(list_checkpoints(checkpoint_root(tr.state.run_dir))):\n",
-         "        for path in list_checkpoints(checkpoint_root(tr.state.run_dir)):\n",
+mutation("rollback restores the newest checkpoint", CKPTR,
+         "        for path in reversed(self.list()):  # newest first\n",
+         "        for path in self.list():  # newest first\n",
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
-mutation("rollback restores the weights", BADSTEP,
-         "            tr.load_state_dict(state)\n            bad = nonfinite_state",
-         '            tr.load_state_dict({**state, "model": {k: torch.randn_like(v) if v.is_floating_point() '
-         'else v for k, v in state["model"].items()}})\n            bad = nonfinite_state',
+mutation("rollback restores the weights", CKPTR,
+         "            self.restore(state)\n            bad = unclean()",
+         '            self.restore({**state, "model": {k: torch.randn_like(v) if v.is_floating_point() '
+         'else v for k, v in state["model"].items()}})\n            bad = unclean()',
          f"{NONFINITE}::test_rollback_resumes_from_the_newest_checkpoints_weights_with_the_data_after_the_bad_step")
 mutation("rollback gives up after max_consecutive", BADSTEP,
          "        if self._rollbacks > self._g.max_consecutive:\n            raise NonFiniteError(",
          "        if False:\n            raise NonFiniteError(",
          f"{NONFINITE}::test_rollback_without_recovery_gives_up")
 mutation("rollback keeps a step-0 checkpoint", T,
-         "            self._checkpointer.ensure_one()  # so there is always a good state to go back to",
+         "            self._checkpointer.ensure_one(self._save)  # so there is always a good state to go back to",
          "            pass",
          f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
 mutation("anomaly replay keeps a step-0 checkpoint", T,
@@ -529,8 +529,8 @@ mutation("anomaly replay keeps a step-0 checkpoint", T,
          '                                 or self.spike_policy.needs_checkpoint)',
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("anomaly replay", BADSTEP,
-         '        replayed = ("\\n" + self._anomaly_replay(bad.step) if self._g.anomaly_replay',
-         '        replayed = ("\\n" + self._anomaly_replay(bad.step) if False',
+         "        return (self._g.anomaly_replay and bad.kind == \"non-finite\" and not bad.bad_input",
+         "        return (False and bad.kind == \"non-finite\" and not bad.bad_input",
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
          "        if self._unused is not None and not self._unused.after_backward():  # the first steps\n",
@@ -985,7 +985,7 @@ mutation("the continued course's TensorBoard events are PATH's up to PATH", COUR
 mutation("the superseded course's HParams entry is not copied", COURSE,
          "            if file.name.endswith(\".hparams\"):", "            if False:", TWICE)
 mutation("resume=PATH elsewhere saves this run directory's own first checkpoint", CKPTR,
-         "            self.ensure_one()\n            course.finished(", "            course.finished(", OTHER_DIR)
+         "            self.ensure_one(save)\n            course.finished(", "            course.finished(", OTHER_DIR)
 mutation("a finished change of course removes its record", CKPTR,
          "            course.finished(o.state.run_dir, changed, o.ranks.is_main)\n", "", STOPPED)
 mutation("a killed pass's temporary copies are removed", COURSE,
@@ -993,7 +993,8 @@ mutation("a killed pass's temporary copies are removed", COURSE,
 mutation("save_best's record after a change of course is this directory's or none", CKPTR,
          "            self._best_of_this_directory(path)\n", "            pass\n", BEST_AFTER)
 mutation("save_best's record naming PATH names this directory's copy", CKPTR,
-         "            self.best = (value, str(root / resumed.name), step)", "            pass", BEST_AFTER)
+         "            self.best = dataclasses.replace(self.best, checkpoint=str(root / resumed.name))",
+         "            pass", BEST_AFTER)
 # ---------------------------------------------------------------- guard-cost (issue 27)
 SPIKES_T = "tests/guards/test_spikes.py"
 mutation("spikes never enter the window (refreshed statistics)", "saferun/guards/spikes.py",
@@ -1243,16 +1244,17 @@ BESTM = "tests/checkpoint/test_best_model.py::"
 STAGE = "tests/loop/test_test_stage.py::"
 mutation("best: model_best.pt written at the validation that sets a new best",
          "saferun/checkpoint/checkpointer.py",
-         """            if self.best is not None and self.best[1] == str(path):  # (not when rolled back)
-                self.write_weights("_best")""",
-         """            pass""",
+         """        if self.best is not None and self.best.checkpoint == str(path):
+            self.write_weights("_best")""",
+         """        pass""",
          BESTM + "test_model_best_holds_the_weights_of_the_best_validation")
 mutation("best: the best record survives a resume", "saferun/checkpoint/checkpointer.py",
-         """        self.best = _best_record(loop["best"])""", """        self.best = None""",
+         """        self.best = self._best_record(state["loop"]["best"]) if self._same_best(state) else None""",
+         """        self.best = None""",
          BESTM + "test_a_resumed_run_keeps_the_best_and_does_not_overwrite_model_best")
 mutation("best: model_best.pt written again when resumed at the best's step",
          "saferun/checkpoint/checkpointer.py",
-         """        if self.best is not None and self.best[2] == o.state.step:""", """        if False:""",
+         """        if self.best is not None and self.best.step == o.state.step:""", """        if False:""",
          BESTM + "test_a_crash_between_the_best_checkpoint_and_model_best_is_repaired_on_resume")
 mutation("best: from_run loads the named weights", "saferun/trainer.py",
          """            load_weights(self.model, weights.model, weights.source)""", """            pass""",
@@ -1303,7 +1305,7 @@ mutation("test stage: the test set is split over the ranks", "saferun/data/__ini
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written")
 BESTT = "tests/checkpoint/test_best_model.py::"
 mutation("best: an evaluating trainer resumed from a run knows its best", "saferun/checkpoint/checkpointer.py",
-         '        self.best = _best_record(state["loop"]["best"])  # Trainer.best, before any fit',
+         '        self.best = self._best_record(state["loop"]["best"])  # Trainer.best, before any fit',
          "        pass", BESTT + "test_an_evaluating_trainer_resumed_from_a_run_knows_its_best")
 mutation("test stage: from_run's out_dir is not the run it reads", "saferun/checkpoint/weights.py",
          "    if where.resolve() == Path(run_dir).resolve():", "    if False:",
@@ -1330,7 +1332,7 @@ mutation("policies: a spike rollback keeps a checkpoint from the start", BADSTEP
          "                                 or g.anomaly_replay)",
          f"{GUARDS}::test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save")
 mutation("policies: a spike under rollback is rolled back", "saferun/guards/policies.py",
-         "        guard.roll_back(bad)", "        guard.raise_bad(bad)",
+         "        return Verdict.ROLL_BACK", "        return Verdict.RAISE",
          f"{GUARDS}::test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save")
 
 
@@ -1487,7 +1489,8 @@ mutation("issue 31: from_run's weights are at their epoch", T,
          BESTM + "test_a_test_records_the_run_the_weights_file_its_step_epoch_and_sha256")
 NONFINITE_T = "tests/guards/test_nonfinite.py::"
 mutation("issue 31: a save checks the state it would write", CKPTR,
-         "        if not p.guard.state_good(path):", "        if False:",
+         "        bad = guard.window_bad() or guard.state_bad(checkpointer.path())",
+         "        bad = guard.window_bad()",
          NONFINITE_T + "test_a_save_never_writes_a_non_finite_parameter_or_optimizer_state")
 mutation("issue 31: the save check covers the optimizer state", BADSTEP,
          "        for param, values in opt.state.items():", "        for param, values in {}.items():",
@@ -1501,12 +1504,12 @@ mutation("issue 31: the save check's verdict is agreed across ranks", BADSTEP,
          "tests/parallel/test_fsdp.py::test_a_non_finite_shard_on_one_rank_refuses_the_save_on_every_rank_without_a_hang",
          known="its test is a slow torchrun launch (pytest -m slow); killed by hand when written (the ranks hang)")
 mutation("issue 31: a rollback passes checkpoints that are not clean", BADSTEP,
-         "            if distributed.on_every_rank(bad is None):\n                yield path",
-         "            if True:\n                yield path",
+         "        return None if distributed.on_every_rank(bad is None) else (bad or \"on another rank\")",
+         "        return None",
          NONFINITE_T + "test_rollback_skips_a_newer_checkpoint_that_holds_non_finite_values")
 mutation("issue 31: a refused save rolls back under rollback", BADSTEP,
-         "        self.nonfinite_policy.on_bad_window(self, BadStep(step, \"non-finite\", report, False, True))",
-         "        self.raise_bad(BadStep(step, \"non-finite\", report, False, True))",
+         "        return policy.on_bad_window(bad)",
+         "        return Verdict.RAISE if bad.in_state else policy.on_bad_window(bad)",
          NONFINITE_T + "test_rollback_after_a_refused_save_goes_to_the_newest_clean_checkpoint_and_trains_on")
 mutation("issue 31: a final save rolled back is not passed off as the run's end", CKPTR,
          "        if self._owner.state.step != step:  # not finite, nothing saved: rolled back",
@@ -2025,6 +2028,34 @@ mutation("a _target_ under a moved saferun module names where it is now", "safer
          "for old, new in MOVED.items() if target.startswith(old)), \"\")",
          "for old, new in MOVED.items() if False), \"\")",
          "tests/unit/test_config.py::test_a_target_under_a_moved_saferun_module_names_where_it_is_now")
+# ---------------------------------------------------------------- issue 32: seams (verdicts, storage)
+STORE, STORAGE_T = "saferun/checkpoint/store.py", "tests/checkpoint/test_storage.py"
+STORAGE_RUN = f"{STORAGE_T}::test_a_run_saved_and_resumed_through_another_storage_is_the_uninterrupted_run"
+mutation("storage: checkpoints are listed through the storage", STORE,
+         "    if not storage.isdir(root):\n        return []", "    if not root.is_dir():\n        return []",
+         STORAGE_RUN, f"{STORAGE_T}::test_no_checkpoint_file_is_reached_but_through_the_storage[checkpoint/store.py]")
+mutation("storage: a checkpoint's state is read through the storage", STORE,
+         "        with storage.open_read(state_path) as f:", '        with open(state_path, "rb") as f:',
+         STORAGE_RUN)
+mutation("storage: a checkpoint's state is written through the storage", STORE,
+         '        written = write_tensor_file(tmp / "state.pt", state, storage)',
+         '        written = write_tensor_file(tmp / "state.pt", state)', STORAGE_RUN)
+mutation("storage: rotation deletes through the storage", STORE,
+         "        if path.resolve() not in kept:\n            storage.remove(path)",
+         "        if path.resolve() not in kept:\n            shutil.rmtree(path, ignore_errors=True)",
+         STORAGE_RUN)
+mutation("storage: the Trainer's storage is the Checkpointer's", T,
+         "        self._checkpointer = Checkpointer(self, self._stateful_parts, storage or LOCAL)",
+         "        self._checkpointer = Checkpointer(self, self._stateful_parts)", STORAGE_RUN)
+RESUME_T = "tests/checkpoint/test_resume.py::test_resume_with_a_different_skip_policy_is_refused"
+mutation("policies: skip drops steps (a resume compares the spike settings)", "saferun/guards/policies.py",
+         '    name = "skip"\n    skips = True\n    drops_steps = True\n', '    name = "skip"\n    skips = True\n',
+         RESUME_T)
+mutation("policies: rollback drops steps (a resume compares the spike settings)", "saferun/guards/policies.py",
+         '    needs_checkpoint = True\n    drops_steps = True\n', '    needs_checkpoint = True\n', RESUME_T)
+mutation("verdicts: the rollback verdict rolls back", T,
+         "        if guard.verdict(bad) is Verdict.ROLL_BACK:", "        if False:",
+         f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
 
 # ---------------------------------------------------------------- the runner
 

@@ -7,13 +7,17 @@ It is given the Trainer's public state (the `Owner` protocol: config, the loop's
 ranks) and, at each save and restore, the run's stateful parts by name (`StatefulParts`:
 model, optimizer, scheduler, scaler, weight average, running metrics, spike detectors, batch
 stream, callbacks, strategy): it assembles and restores those and touches nothing else of the
-Trainer. The whole training state is `Trainer.state_dict()` / `load_state_dict()` (every rank
-takes part under torchrun); a save first asks the bad-step policy whether the steps since the
-last check were good, and the callbacks hear of each checkpoint.
+Trainer. The whole training state is `assemble()` / `restore()` (`Trainer.state_dict()` /
+`load_state_dict()` delegate to them; every rank takes part under torchrun). The loop checks
+that the steps since the last check were good before it asks for a save (a checkpoint is always
+a good state to resume or roll back to); the callbacks hear of each checkpoint. Every other
+part lists and loads checkpoints through it (`list`, `newest`, `latest`, `load`), and a
+rollback restores the newest clean one (`roll_back`).
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import math
@@ -33,8 +37,8 @@ from ..version import __version__
 from . import course, intent, rundir
 from .compat import check_resume_config
 from .formats import CheckpointFormat
-from .store import (FORMAT_VERSION, CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                    load_latest, rotate)
+from .store import (FORMAT_VERSION, LOCAL, CheckpointError, Storage, checkpoint_root, list_checkpoints,
+                    load_checkpoint, load_latest, rotate, step_of)
 from .superseded import FRESH, evaluated_weights, start_fresh
 from .weights import Best, publish_weights
 
@@ -50,9 +54,6 @@ class Owner(Protocol):
     ranks: distributed.Ranks
     view: Any
     device: torch.device
-
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +73,18 @@ class StatefulParts:
     strategy: Any  # the parallel strategy: gathers each rank's state, agrees on stops, and
     # names the checkpoint format that saves and loads the model and optimizer (formats.py)
     stop_signals: Any  # StopSignals: a save for a stop is completed before the exit
-    guard: Any  # BadStepPolicy: a save first asks whether the steps since the last check were good
 
 
 class Checkpointer:
     """Finds, resumes and saves the Trainer's checkpoints under <run_dir>/checkpoints."""
 
-    def __init__(self, owner: Owner, parts: Callable[[], StatefulParts]) -> None:
+    def __init__(self, owner: Owner, parts: Callable[[], StatefulParts], storage: Storage = LOCAL) -> None:
+        """`storage`: where the checkpoints are kept (every file operation on them goes
+        through it; `store.LocalStorage` by default)."""
         self._owner = owner
         self._parts = parts  # the Trainer's parts as they are now (set up after this)
-        self.best: Optional[tuple[float, str, int]] = None  # save_best: (value, checkpoint, step)
+        self.storage = storage
+        self.best: Optional[Best] = None  # save_best's best so far
         self.pending_resume: Optional[tuple[Path, dict[str, Any]]] = None  # found by setup
         self.untrained_auto = False  # resume=auto found nothing: the weights are the initial ones
         self.restored_best = False  # EarlyStopping(restore_best=True) put the best weights back
@@ -120,12 +123,8 @@ class Checkpointer:
             "scaler": p.scaler.state_dict(),
             # the same on every rank (sharded: each rank's shards, saved with the model's)
             "ema": p.ema.state_dict() if p.ema is not None else None,
-            "loop": {"step": s.step, "epoch": s.epoch, "batches_in_epoch": s.batches_in_epoch,
-                     "samples_seen": s.samples_seen, "metrics": dict(s.metrics),
-                     "best": list(self.best) if self.best else None,
-                     # a stop interrupted this step's validation: the resumed run does it first
-                     "owed": s.owed if s.owed and s.owed["step"] == s.step else None,
-                     "validated_at": s.validated_at},
+            "loop": {**s.state_dict(),  # save_best's best as [value, checkpoint, step]
+                     "best": [self.best.value, self.best.checkpoint, self.best.step] if self.best else None},
             "per_rank": per_rank,  # [{"rng", "running", "spikes", "epoch_start"}] per rank
             "layout": list(p.strategy.layout),  # (data ranks, ranks): whose shard per_rank holds
             "callbacks": p.callbacks.state_dict(),
@@ -144,13 +143,8 @@ class Checkpointer:
             p.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             p.scaler.load_state_dict(state["scaler"])
-        loop = state["loop"]
-        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
-            setattr(o.state, key, loop[key])
-        o.state.metrics.update(loop["metrics"])
-        self.best = _best_record(loop["best"]) if self._same_best(state) else None
-        o.state.owed = loop["owed"]
-        o.state.validated_at = loop.get("validated_at", -1)
+        o.state.load_state_dict(state["loop"])
+        self.best = self._best_record(state["loop"]["best"]) if self._same_best(state) else None
         saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)  # (before: data = ranks)
         if saved != tuple(p.strategy.layout) and formatted.reshards:
             self._resharded(saved)
@@ -223,20 +217,20 @@ class Checkpointer:
                         "a run killed before the change began left; the change is made now and "
                         "the run continues from there. To continue the course that is there "
                         "instead, delete that file.", o.state.run_dir, where, intent.INTENT)
-        if (where / "manifest.json").is_file():
-            found: Optional[tuple[Path, dict[str, Any]]] = (where, load_checkpoint(where))
+        if self.storage.isfile(where / "manifest.json"):
+            found: Optional[tuple[Path, dict[str, Any]]] = (where, self.load(where))
         else:
             root = where if where.name == "checkpoints" else checkpoint_root(where)
-            found = load_latest(root)
+            found = load_latest(root, storage=self.storage)
         if found is None and self.carried_intent is not None:
             raise CheckpointError(
                 f"resume=auto: {o.state.run_dir} holds the intent of a change of course to "
                 f"{where} ({intent.INTENT}, left by a run killed before the change began), but "
-                f"{no_checkpoint_at(str(where))} Delete {intent.INTENT} to continue the course "
+                f"{no_checkpoint_at(str(where), self.storage)} Delete {intent.INTENT} to continue the course "
                 f"that is there, or set resume=PATH to the checkpoint you meant.")
         if found is None:
             if resume != "auto":
-                raise CheckpointError(no_checkpoint_at(resume))
+                raise CheckpointError(no_checkpoint_at(resume, self.storage))
             log.info("resume=auto: no checkpoint in %s yet; starting fresh.", where)
             self.untrained_auto = True
             return
@@ -245,14 +239,14 @@ class Checkpointer:
         check_resume_config(state["config"], dataclasses.asdict(o.cfg), o.cfg.force_resume,
                             keys=("model", "task"), purpose="use the checkpoint's weights")
         self.load_weights(*found)
-        for key in ("step", "epoch", "batches_in_epoch", "samples_seen"):
-            setattr(o.state, key, state["loop"][key])
-        self.best = _best_record(state["loop"]["best"])  # Trainer.best, before any fit
+        o.state.load_counters(state["loop"])
+        self.best = self._best_record(state["loop"]["best"])  # Trainer.best, before any fit
         self.pending_resume = found
 
-    def begin_run(self) -> None:
+    def begin_run(self, save: Callable[[], Path]) -> None:
         """Check and lock the run directory (one writer at a time), start fresh or resume, and
-        only then, with the run accepted, record its config in <run_dir>/config.yaml."""
+        only then, with the run accepted, record its config in <run_dir>/config.yaml. `save`:
+        the loop's checked save (a change of course saves this directory's first checkpoint)."""
         o = self._owner
         intent.kill_point("course-built")  # the model built, the checkpoint read, nothing recorded
         self._run_dir_lock = rundir.claim(o.state.run_dir, o.ranks.is_main)
@@ -266,7 +260,7 @@ class Checkpointer:
                 aside = start_fresh(o.state.run_dir, o.cfg.resume, o.ranks.is_main, callbacks.owned_run_files())
                 callbacks.on_fresh_start(o.view, aside)
                 intent.drop_intent(o.state.run_dir, o.ranks.is_main)  # this start replaces it
-            self.resume()
+            self.resume(save)
             if o.ranks.is_main:
                 rundir.write_config(o.state.run_dir, dataclasses.asdict(o.cfg))
             if self._unsaid and o.ranks.is_main:  # now: a refused start says nothing there
@@ -283,8 +277,9 @@ class Checkpointer:
         """fit() ended, normally or not: release the run directory."""
         self._run_dir_lock.release()
 
-    def resume(self) -> None:
-        """Continue training from the checkpoint found by setup, after checking the config."""
+    def resume(self, save: Callable[[], Path]) -> None:
+        """Continue training from the checkpoint found by setup, after checking the config;
+        `save`: as `begin_run`'s."""
         o, p = self._owner, self._parts()
         found, self.pending_resume = self.pending_resume, None
         self.untrained_auto = False  # fit trains them
@@ -295,7 +290,7 @@ class Checkpointer:
         check_resume_config(state["config"], config, o.cfg.force_resume)
         forced = [k for k in ("optim", "sched") if state["config"].get(k) != config[k]]
         configured = configured_hyperparameters(p.optimizer, p.scheduler) if forced else None
-        o.load_state_dict(state)  # in memory (it may refuse): the files are untouched so far
+        self.restore(state)  # in memory (it may refuse): the files are untouched so far
         # resume=PATH, or auto finishing a killed one's change: what PATH supersedes goes aside
         # (auto alone took the newest checkpoint: nothing is newer)
         changed = course.change_course(o.state.run_dir, path, state["loop"]["step"], o.ranks.is_main,
@@ -315,14 +310,14 @@ class Checkpointer:
                         ", ".join(forced), p.optimizer.param_groups[0]["lr"], o.state.step)
         if changed is not None:
             self._best_of_this_directory(path)
-        if self.best is not None and self.best[2] == o.state.step:
+        if self.best is not None and self.best.step == o.state.step:
             # resumed at the best's step (a crash may have come between its checkpoint and
             # model_best.pt): the weights now are the best's, so model_best.pt is written again
             self.write_weights("_best")
         if changed is not None:
             # PATH elsewhere: this run directory's own first checkpoint, as this run goes on
             # (after force_resume's values: a resume from it must not go back to PATH's)
-            self.ensure_one()
+            self.ensure_one(save)
             course.finished(o.state.run_dir, changed, o.ranks.is_main)
             if o.ranks.is_main:
                 log.warning("resume=%s: the course it supersedes in this run directory (%s) is "
@@ -338,18 +333,18 @@ class Checkpointer:
         another run directory. Its value stays: a new best must beat the course's best so far."""
         if self.best is None:
             return
-        value, named, step = self.best
+        named = self.best.checkpoint
         root = checkpoint_root(self._owner.state.run_dir)
         if Path(named).resolve() == resumed.resolve():
-            self.best = (value, str(root / resumed.name), step)
-        elif Path(named).parent.resolve() != root.resolve() or not Path(named).is_dir():
-            self.best = (value, "", step)
+            self.best = dataclasses.replace(self.best, checkpoint=str(root / resumed.name))
+        elif Path(named).parent.resolve() != root.resolve() or not self.storage.isdir(Path(named)):
+            self.best = dataclasses.replace(self.best, checkpoint="")
             if self._owner.ranks.is_main:
                 log.warning("save_best: the best checkpoint of this course so far (%s %s, %s) is "
                             "not in this run directory (deleted by the superseded course's "
                             "rotation, or in another run directory); a later checkpoint becomes "
                             "the best only if it beats that value.", self._owner.cfg.trainer.save_best,
-                            value, named)
+                            self.best.value, named)
 
     def replaced(self) -> None:
         """`load_state_dict` was called: its state replaces any found by setup."""
@@ -394,38 +389,36 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
+    def path(self) -> Path:
+        """The checkpoint directory a save now writes (step-N of this step)."""
+        o = self._owner
+        return checkpoint_root(o.state.run_dir) / f"step-{o.state.step:08d}"
+
     def save(self, best: Optional[float] = None) -> Path:
-        """Save the state; `best`: this is save_best's new best checkpoint, with that value."""
+        """Save the state; `best`: this is save_best's new best checkpoint, with that value.
+        The loop calls it once the steps since the last check and the state it would write are
+        known good (a checkpoint is always a good state to resume or roll back to)."""
         o, p = self._owner, self._parts()
         t = o.cfg.trainer
-        root = checkpoint_root(o.state.run_dir)
-        # A checkpoint is only saved if the steps since the last check were finite, so the
-        # newest checkpoint is always a good state to resume or roll back to.
-        if not p.guard.window_good():
-            return list_checkpoints(root)[-1]  # rolled back to it
-        path = root / f"step-{o.state.step:08d}"
-        # nor a non-finite parameter, buffer or optimizer state (an update under a finite loss)
-        if not p.guard.state_good(path):
-            return list_checkpoints(root)[-1]  # rolled back (this step has no checkpoint)
-        if best is not None:  # before state_dict(): the checkpoint records itself as the best
-            self.best = (best, str(path), o.state.step)
-        state = o.state_dict()  # under torchrun, a collective: every rank calls it
+        root, path = checkpoint_root(o.state.run_dir), self.path()
+        if best is not None:  # before assemble(): the checkpoint records itself as the best
+            self.best = self._best(best, str(path), o.state.step)
+        state = self.assemble()  # under torchrun, a collective: every rank calls it
         rotation = lambda done: rotate(root, t.keep_last,  # noqa: E731
-                                       keep=[Path(self.best[1])] if self.best else (), current=done)
+                                       keep=[Path(self.best.checkpoint)] if self.best else (), current=done,
+                                       storage=self.storage)
         formatted = p.strategy.checkpoint_format  # rank 0 writes state.pt; sharded: every rank its shards
-        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation)
+        formatted.save(root, o.state.step, state, p.model, p.optimizer, rotation, self.storage)
         if p.strategy.agreement.stop_agreed(p.stop_signals):  # the ranks exit after this save
             formatted.finish()  # (perhaps written in the background)
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         p.callbacks.on_checkpoint(o.view, str(path))
         return path
 
-    def save_final(self, restore_best: bool = False) -> None:
-        """The run's last checkpoint and model.pt; with `restore_best` (an
-        EarlyStopping(restore_best=True) among the callbacks), then the best weights back."""
-        # Always: the final validation may have changed callback state since the last save.
-        step = self._owner.state.step
-        self.save()
+    def save_final(self, step: int, restore_best: bool = False) -> None:
+        """After the loop's last save (of the final state, at `step`): that checkpoint complete
+        and model.pt; with `restore_best` (an EarlyStopping(restore_best=True) among the
+        callbacks), then the best weights back."""
         if self._owner.state.step != step:  # not finite, nothing saved: rolled back
             raise NonFiniteError(
                 f"the run's final state (step {step}) was not finite, so neither its checkpoint "
@@ -458,47 +451,58 @@ class Checkpointer:
                             {"best": dataclasses.asdict(best)} if best is not None else {})
 
     def best_record(self) -> Optional[Best]:
-        """save_best's best so far as a `Best`, or None (no save_best, or no finite value yet)."""
-        if self.best is None:
-            return None
+        """save_best's best so far, or None (no save_best, or no finite value yet)."""
+        return self.best
+
+    def _best(self, value: float, checkpoint: str, step: int) -> Best:
+        """save_best's record of a best `value` at `step`, kept in `checkpoint`."""
         o = self._owner
-        return Best(o.cfg.trainer.save_best, self.best[0], self.best[2],
-                    str(Path(o.state.run_dir) / "model_best.pt"), self.best[1])
+        return Best(o.cfg.trainer.save_best, value, step,  # type: ignore[arg-type]  # (None: a run evaluated without save_best)
+                    str(Path(o.state.run_dir) / "model_best.pt"), checkpoint)
+
+    def _best_record(self, saved: Any) -> Optional[Best]:
+        """A checkpoint's save_best record, [value, checkpoint, step], or None."""
+        return self._best(saved[0], saved[1], int(saved[2])) if saved else None
 
     def restore_best(self) -> None:
         """EarlyStopping(restore_best=True), at the end of fit: the model (and trainer.ema's
         average) get the best checkpoint's weights; the optimizer, schedule and step stay the
         final ones, and the files (checkpoints, model.pt, model_best.pt) stay as they are."""
         o = self._owner
-        if self.best is None or not self.best[1]:
+        if self.best is None or not self.best.checkpoint:
             if o.ranks.is_main:
                 log.warning("EarlyStopping(restore_best=True): no best checkpoint %s, so the "
                             "model keeps its final weights.", "in this run directory"
                             if self.best else "(no validation reported a finite value)")
             return
-        path = Path(self.best[1])
-        self.load_weights(path, load_checkpoint(path))
+        path = Path(self.best.checkpoint)
+        self.load_weights(path, self.load(path))
         if o.ranks.is_main:
             log.info("EarlyStopping(restore_best=True): the model holds the best weights (%s %s "
-                     "at step %d) again.", o.cfg.trainer.save_best, self.best[0], self.best[2])
+                     "at step %d) again.", o.cfg.trainer.save_best, self.best.value, self.best.step)
 
     def save_due(self) -> bool:
         every = self._owner.cfg.trainer.save_every_n_steps
         return every is not None and self._owner.state.step % every == 0
 
-    def ensure_one(self) -> None:
-        """Save now if the run has no checkpoint yet (rollback and anomaly replay need one)."""
-        if not list_checkpoints(checkpoint_root(self._owner.state.run_dir)):
-            self.save()
+    def ensure_one(self, save: Callable[[], Path]) -> None:
+        """Save now (the loop's checked `save`) if the run has no checkpoint yet (rollback and
+        anomaly replay need one)."""
+        if not self.list():
+            save()
             self._format().finish()  # complete now, not at the next log point
 
-    def save_if_best(self, metrics: Mapping[str, float]) -> None:
-        """trainer.save_best: save when validation improved the watched metric."""
+    def new_best(self, metrics: Mapping[str, float]) -> Optional[float]:
+        """trainer.save_best: the watched metric's value when validation improved it (the loop
+        then saves with it, and calls `best_saved`), else None."""
         key = self._owner.cfg.trainer.save_best
-        if key is not None and self._improves(metrics, key):
-            path = self.save(best=metrics[key])
-            if self.best is not None and self.best[1] == str(path):  # (not when rolled back)
-                self.write_weights("_best")
+        return metrics[key] if key is not None and self._improves(metrics, key) else None
+
+    def best_saved(self, path: Path) -> None:
+        """The loop's save of a new best returned `path`: model_best.pt follows it (not when
+        the save rolled back instead)."""
+        if self.best is not None and self.best.checkpoint == str(path):
+            self.write_weights("_best")
 
     def _improves(self, metrics: Mapping[str, float], key: str) -> bool:
         if key not in metrics:
@@ -507,9 +511,52 @@ class Checkpointer:
         value = metrics[key]
         if math.isnan(value):  # never the best; and a NaN best is beaten by any number
             return False
-        if self.best is None or math.isnan(self.best[0]):
+        if self.best is None or math.isnan(self.best.value):
             return True
-        return value < self.best[0] if self.best_mode == "min" else value > self.best[0]
+        return value < self.best.value if self.best_mode == "min" else value > self.best.value
+
+    # ------------------------------------------------------------------ the run's checkpoints
+
+    def list(self) -> list[Path]:
+        """This run directory's checkpoints, oldest first (complete-looking, not verified)."""
+        return list_checkpoints(checkpoint_root(self._owner.state.run_dir), self.storage)
+
+    def newest(self) -> Optional[tuple[Path, int]]:
+        """The newest checkpoint (not verified) and its step, or None."""
+        found = self.list()
+        return (found[-1], step_of(found[-1])) if found else None
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Checkpoint `path`'s state, verified (`CheckpointError` if it does not)."""
+        return load_checkpoint(path, storage=self.storage)
+
+    def latest(self) -> Optional[tuple[Path, dict[str, Any]]]:
+        """The newest checkpoint that verifies, with its state, or None (see `store.load_latest`)."""
+        return load_latest(checkpoint_root(self._owner.state.run_dir), storage=self.storage)
+
+    def roll_back(self, unclean: Callable[[], Optional[str]]) -> tuple[Optional[Path], builtins.list[str]]:
+        """Restore the newest checkpoint that verifies and that `unclean()` (asked once it is
+        restored) finds nothing wrong with, and go on with the data after the current position
+        (a bad step replayed would fail the same way): (its path, or None when none is clean;
+        why each newer one was passed over)."""
+        o, p = self._owner, self._parts()
+        epoch, position = o.state.epoch, o.state.batches_in_epoch
+        skipped: builtins.list[str] = []
+        for path in reversed(self.list()):  # newest first
+            try:
+                state = self.load(path)
+            except CheckpointError as e:
+                skipped.append(f"{path.name} (damaged: {e})")
+                continue
+            self.restore(state)
+            bad = unclean()
+            if bad is None:
+                o.state.epoch, o.state.batches_in_epoch = epoch, position
+                p.batches.resume(None, None)
+                p.running.reset()
+                return path, skipped
+            skipped.append(f"{path.name} (not finite: {bad})")
+        return None, skipped
 
 
 # what users of other tools write for "the newest checkpoint"
@@ -519,18 +566,19 @@ ACCEPTS = ("resume accepts auto (the newest checkpoint of this run directory), f
            "a checkpoint directory (<run dir>/checkpoints/step-N)")
 
 
-def no_checkpoint_at(resume: str) -> str:
+def no_checkpoint_at(resume: str, storage: Storage = LOCAL) -> str:
     """Why `resume=PATH` found no complete checkpoint: what is at PATH, what resume accepts."""
     where = Path(resume)
-    if not where.exists():
+    if storage.isfile(where):
+        what = f"{where} is a file, not a run directory or checkpoint directory"
+    elif not storage.isdir(where):
         what = f"{where.absolute()} does not exist"
         if resume.lower() in _AUTO_WORDS:
             what += "; did you mean resume=auto (the newest checkpoint of this run directory)?"
-    elif not where.is_dir():
-        what = f"{where} is a file, not a run directory or checkpoint directory"
     else:
-        runs = sorted((p for p in where.iterdir() if list_checkpoints(checkpoint_root(p))),
-                      key=lambda p: list_checkpoints(checkpoint_root(p))[-1].stat().st_mtime)
+        runs = sorted((where / name for name in storage.listdir(where)
+                       if list_checkpoints(checkpoint_root(where / name), storage)),
+                      key=lambda p: storage.modified(list_checkpoints(checkpoint_root(p), storage)[-1]))
         what = f"{where} exists but holds no complete checkpoint"
         if runs:
             what += (f"; it holds run directories ({', '.join(p.name for p in runs[-5:])}): "
@@ -545,10 +593,3 @@ def saved_best_mode(trainer: Mapping[str, Any]) -> Optional[str]:
         return None
     return metric_mode(trainer["save_best"], trainer.get("save_best_mode"), "trainer.save_best",
                        "trainer.save_best_mode={mode}")
-
-
-def _best_record(saved: Any) -> Optional[tuple[float, str, int]]:
-    """A checkpoint's save_best record, [value, path, step], or None."""
-    if not saved:
-        return None
-    return (saved[0], saved[1], int(saved[2]))

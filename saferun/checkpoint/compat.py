@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from ..config import GuardsConfig, TrainerConfig, resolved_with_limits
 from ..errors import ConfigError
+from ..guards.policies import POLICIES
 
 
 # Keys whose change makes a resumed run differ from the uninterrupted one.
@@ -37,7 +38,8 @@ def check_resume_config(saved: Mapping[str, Any], current: Mapping[str, Any], fo
     old = {**_flatten(known), **_flatten(saved)}
     new = _flatten(current)
     if "guards.spikes" in keys and \
-            {old.get("guards.spikes"), new.get("guards.spikes")} & {"skip", "rollback"}:
+            any(POLICIES[p].drops_steps for p in {old.get("guards.spikes"), new.get("guards.spikes")}
+                if p in POLICIES):
         keys += SPIKE_KEYS
     changed = sorted(k for k in set(old) | set(new)
                      if k.startswith(keys) and old.get(k, "<absent>") != new.get(k, "<absent>"))

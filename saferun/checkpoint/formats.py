@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..loop.optimizers import check_state_kind
-from .store import CheckpointError, save_checkpoint
+from .store import CheckpointError, Storage, save_checkpoint
 from .weights import load_weights
 
 
@@ -29,9 +29,9 @@ class CheckpointFormat(Protocol):
     reshards: bool  # loads a checkpoint written by another number of processes
 
     def save(self, root: Path, step: int, state: dict[str, Any], model: nn.Module,
-             optimizer: Any, after: Callable[[Path], None]) -> None:
-        """Write checkpoint `step` of `state` (`Trainer.state_dict`) under `root`; `after(path)`
-        runs once it is complete (rotation)."""
+             optimizer: Any, after: Callable[[Path], None], storage: Storage) -> None:
+        """Write checkpoint `step` of `state` (`Trainer.state_dict`) under `root` in `storage`;
+        `after(path)` runs once it is complete (rotation)."""
 
     def finish(self) -> None:
         """Complete a save still in flight (a no-op for a format that writes at once)."""
@@ -58,9 +58,9 @@ class WholeState:
         self._main = main  # rank 0 writes; every rank holds the same state
 
     def save(self, root: Path, step: int, state: dict[str, Any], model: nn.Module,
-             optimizer: Any, after: Callable[[Path], None]) -> None:
+             optimizer: Any, after: Callable[[Path], None], storage: Storage) -> None:
         if self._main:
-            after(save_checkpoint(root, step, state))
+            after(save_checkpoint(root, step, state, storage))
 
     def finish(self) -> None:
         pass
@@ -99,13 +99,13 @@ class ShardedState:
         self._writer: Any = None  # sharded.ShardedWriter, made at the first save
 
     def save(self, root: Path, step: int, state: dict[str, Any], model: nn.Module,
-             optimizer: Any, after: Callable[[Path], None]) -> None:
+             optimizer: Any, after: Callable[[Path], None], storage: Storage) -> None:
         from . import sharded  # torch.distributed.checkpoint: imported only when needed
 
         if self._writer is None:
             self._writer = sharded.ShardedWriter(self._async_save)
             self._agreement.complete_together(self._writer)  # an asynchronous save's end
-        self._writer.save(root, step, state, model, optimizer, after)
+        self._writer.save(root, step, state, model, optimizer, after, storage)
 
     def finish(self) -> None:
         if self._writer is not None:

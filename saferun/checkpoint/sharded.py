@@ -32,7 +32,6 @@ import logging
 import os
 import pickle
 import secrets
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -47,8 +46,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_state_dict)
 
 from .. import distributed
-from .store import CheckpointError, _sha256, publish
-from .store import _write_failure as write_failure, _write_tensor_file as write_tensor_file
+from ..errors import CheckpointError
+from .store import LOCAL, Storage, file_digest, publish, write_tensor_file
+from .store import _write_failure as write_failure
 
 log = logging.getLogger("saferun")
 
@@ -62,12 +62,15 @@ class ShardedWriter:
         self._group = dist.new_group(backend="gloo") if async_save else None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="saferun-hash") if async_save else None
         self._pending: Optional[tuple[Future, Path, Path, int, Callable[[Path], None]]] = None
+        self._storage: Storage = LOCAL  # the last save's
 
     def save(self, root: Path, step: int, state: dict[str, Any], model: nn.Module,
-             optimizer: torch.optim.Optimizer, after: Callable[[Path], None]) -> Path:
+             optimizer: torch.optim.Optimizer, after: Callable[[Path], None], storage: Storage) -> Path:
         """Every rank: write checkpoint `step` of `state` (Trainer.state_dict) and the shards.
-        `after(path)` runs on rank 0 once it is complete (rotation)."""
+        `after(path)` runs on rank 0 once it is complete (rotation). DCP writes the shards with
+        its own FileSystemWriter: `storage` must be the local filesystem's view of them."""
         self.finish()  # the previous one first: checkpoints complete in order
+        self._storage = storage
         final = root / f"step-{step:08d}"
         tmp = Path(distributed.broadcast(str(root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}")))
         ema = state.get("ema")  # trainer.ema's average, sharded like the model: with its shards
@@ -80,22 +83,22 @@ class ShardedWriter:
                             "param_groups": None if has_optim else
                             optimizer.state_dict()["param_groups"], "ema": ema is not None}
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
+            storage.makedirs(tmp)
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
             shards = _shards(model, optimizer if has_optim else None)
             if ema is not None:
                 shards["ema"] = ema
             if dist.get_rank() == 0:
-                write_tensor_file(tmp / "state.pt", state)
+                write_tensor_file(tmp / "state.pt", state, storage)
             if self.async_save:
                 written = dcp.async_save(shards, storage_writer=writer, process_group=self._group)
                 assert self._hasher is not None  # this rank's hashes, also off the training thread
-                hashed = self._hasher.submit(lambda: (written.result(), _own_files(tmp))[1])  # type: ignore[union-attr]  # a Future here
+                hashed = self._hasher.submit(lambda: (written.result(), _own_files(tmp, storage))[1])  # type: ignore[union-attr]  # a Future here
                 self._pending = (hashed, tmp, final, step, after)
                 return final
             dcp.save(shards, storage_writer=writer)
         except (OSError, RuntimeError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            storage.remove(tmp)
             raise CheckpointError(write_failure(final, e)) from None
         return self._publish(tmp, final, step, after)
 
@@ -112,21 +115,21 @@ class ShardedWriter:
         try:
             files = future.result()
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._storage.remove(tmp)
             raise CheckpointError(write_failure(final, e)) from e
         self._publish(tmp, final, step, after, files)
 
     def _publish(self, tmp: Path, final: Path, step: int, after: Callable[[Path], None],
                  files: Optional[dict[str, Any]] = None) -> Path:
-        rank = dist.get_rank()
-        every = distributed.gather(_own_files(tmp) if files is None else files)
+        rank, storage = dist.get_rank(), self._storage
+        every = distributed.gather(_own_files(tmp, storage) if files is None else files)
         if rank == 0:
             assert every is not None
             listed = {name: entry for part in every for name, entry in part.items()}
             try:
-                publish(final.parent, tmp, final, step, listed)
+                publish(tmp, final, step, listed, storage)
             except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
+                storage.remove(tmp)
                 if isinstance(e, OSError):
                     raise CheckpointError(write_failure(final, e)) from None
                 raise
@@ -134,15 +137,14 @@ class ShardedWriter:
         return final
 
 
-def _own_files(tmp: Path) -> dict[str, Any]:
+def _own_files(tmp: Path, storage: Storage) -> dict[str, Any]:
     """This rank's written files in `tmp` with their manifest entries (rank 0: also DCP's
     .metadata, written once every rank's write was done, and state.pt)."""
     rank = dist.get_rank()
-    mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_"))
+    mine = sorted(name for name in storage.listdir(tmp) if name.startswith(f"__{rank}_"))
     if rank == 0:
         mine += [".metadata", "state.pt"]
-    return {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-            for name in mine}
+    return {name: dict(zip(("bytes", "sha256"), file_digest(tmp / name, storage))) for name in mine}
 
 
 def _shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:

@@ -15,6 +15,10 @@ renames leaves the old copy, which is still listed and loaded, never nothing.
 Loading uses `torch.load(weights_only=True)`: tensors and plain containers
 only, so a crafted file cannot run code. saferun keeps every saved value to
 that (the config is stored as plain data, NumPy RNG state as a tensor).
+
+Every file operation on checkpoints goes through a `Storage` (the protocol below): `LocalStorage`
+holds the local filesystem's code (fsync, atomic rename); another backend is one class. The
+functions here take the storage to use (`LOCAL` by default); the Checkpointer holds the run's.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import re
 import resource
 import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import IO, Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -50,11 +55,83 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHARD_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 
 
+class Storage(Protocol):
+    """Where checkpoints are kept: the file operations saving, loading, listing and rotating
+    them need. Paths are `Path`s in the storage's namespace."""
+
+    def isdir(self, path: Path) -> bool: ...
+    def isfile(self, path: Path) -> bool: ...
+    def listdir(self, path: Path) -> list[str]:
+        """The names in directory `path`."""
+    def remove(self, path: Path) -> None:
+        """Delete file or directory `path` with what it holds; nothing if it is not there."""
+    def makedirs(self, path: Path) -> None:
+        """Directory `path` and its parents (those there already are fine)."""
+    def open_read(self, path: Path) -> Any:
+        """A context manager: file `path` opened for reading bytes."""
+    def open_write(self, path: Path) -> Any:
+        """A context manager: file `path` opened for writing bytes, durable once it closes."""
+    def modified(self, path: Path) -> float:
+        """When `path` was last written (seconds since the epoch)."""
+    def publish(self, tmp: Path, final: Path) -> None:
+        """Put completed directory `tmp` in place as `final` atomically, durably: a crash
+        leaves the old `final` (if any) or the new one, never neither or a part of one."""
+
+
+class LocalStorage:
+    """The local filesystem: writes fsynced, `publish` a rename with the parent fsynced."""
+
+    def isdir(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def isfile(self, path: Path) -> bool:
+        return path.is_file()
+
+    def listdir(self, path: Path) -> list[str]:
+        return [p.name for p in path.iterdir()]
+
+    def remove(self, path: Path) -> None:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def makedirs(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+
+    def open_read(self, path: Path) -> IO[bytes]:
+        return open(path, "rb")
+
+    @contextmanager
+    def open_write(self, path: Path) -> Iterator[IO[bytes]]:
+        with open(path, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+    def modified(self, path: Path) -> float:
+        return path.stat().st_mtime
+
+    def publish(self, tmp: Path, final: Path) -> None:
+        fsync_dir(tmp)
+        old = None
+        if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
+            old = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+LOCAL: Storage = LocalStorage()
+
+
 def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
+def save_checkpoint(root: Path, step: int, state: dict[str, Any], storage: Storage = LOCAL) -> Path:
     """Write `state` atomically as checkpoint `step` under `root`; return its directory.
 
     Raises `CheckpointError` naming the checkpoint and the cause when it cannot be written
@@ -64,29 +141,24 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any]) -> Path:
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        return publish(root, tmp, final, step, {"state.pt": _write_tensor_file(tmp / "state.pt", state)})
+        storage.makedirs(tmp)
+        written = write_tensor_file(tmp / "state.pt", state, storage)
+        return publish(tmp, final, step, {"state.pt": written}, storage)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove(tmp)
         if isinstance(e, (OSError, RuntimeError)):
             raise CheckpointError(_write_failure(final, e)) from None
         raise
 
 
-def publish(root: Path, tmp: Path, final: Path, step: int, files: dict[str, Any]) -> Path:
-    """Complete `tmp`, its `files` written and fsynced: the manifest last, then the rename."""
-    _write_bytes(tmp / "manifest.json", json.dumps(
-        {"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode())
-    fsync_dir(tmp)
-    old = None
-    if final.exists():  # saved again: the old copy keeps a listed name until the new one is in
-        old = root / f"{final.name}.replaced-{secrets.token_hex(4)}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def publish(tmp: Path, final: Path, step: int, files: dict[str, Any],
+            storage: Storage = LOCAL) -> Path:
+    """Complete `tmp`, its `files` written and durable: the manifest last, then `tmp` is put
+    in place as `final` (`Storage.publish`: a step saved again keeps its old copy listed
+    under a `.replaced-` name until the new one is in)."""
+    with storage.open_write(tmp / "manifest.json") as f:
+        f.write(json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode())
+    storage.publish(tmp, final)
     return final
 
 
@@ -94,7 +166,7 @@ def save_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     """Write a plain state_dict atomically (loadable with torch.load(weights_only=True))."""
     tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
     try:
-        _write_tensor_file(tmp, state_dict)
+        write_tensor_file(tmp, state_dict)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except (OSError, RuntimeError) as e:
@@ -103,16 +175,15 @@ def save_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: Path, map_location: Any = "cpu", storage: Storage = LOCAL) -> dict[str, Any]:
     """Verify `path`'s manifest and hashes, then load its state with weights_only=True."""
-    if not (path / "manifest.json").is_file():
+    if not storage.isfile(path / "manifest.json"):
         raise CheckpointError(f"{path} has no manifest.json: it is not a complete saferun "
                               f"checkpoint (a save was interrupted?).")
-    for name, expected in _read_manifest(path).items():  # state.pt, and any shard files
+    for name, expected in read_manifest(path, storage).items():  # state.pt, and any shard files
         file = path / name
         try:
-            size = file.stat().st_size
-            actual = _sha256(file)
+            size, actual = file_digest(file, storage)
         except OSError as e:
             raise CheckpointError(f"{file} is unreadable ({e.strerror or e}).") from None
         if (size, actual) != (expected["bytes"], expected["sha256"]):
@@ -121,7 +192,8 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
                                   f"{expected['bytes']} bytes, sha256 {expected['sha256']}).")
     state_path = path / "state.pt"
     try:
-        state = torch.load(state_path, map_location=map_location, weights_only=True)
+        with storage.open_read(state_path) as f:
+            state = torch.load(f, map_location=map_location, weights_only=True)
         if isinstance(state, dict) and isinstance(state.get("sharded"), dict):  # sharded.py's
             state["sharded"]["path"] = str(path)
         return state
@@ -135,7 +207,7 @@ def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from None
 
 
-def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+def read_manifest(path: Path, storage: Storage = LOCAL) -> dict[str, dict[str, Any]]:
     """The manifest's file entries (state.pt, and a sharded checkpoint's shard files), once
     every field has the shape saferun writes.
 
@@ -144,7 +216,8 @@ def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     """
     manifest_path = path / "manifest.json"
     try:
-        manifest = json.loads(manifest_path.read_bytes())
+        with storage.open_read(manifest_path) as f:
+            manifest = json.loads(f.read())
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{manifest_path} is unreadable ({e}).") from None
     problem = _manifest_problem(manifest, path.name)
@@ -214,20 +287,21 @@ def check_plain(obj: Any, path: str = "state") -> None:
             f"lists/dicts of them (a callback's state_dict included).")
 
 
-def list_checkpoints(root: Path) -> list[Path]:
+def list_checkpoints(root: Path, storage: Storage = LOCAL) -> list[Path]:
     """Complete-looking checkpoint directories under `root`, oldest first.
 
     A `step-N.replaced-*` copy (left by a crash while step N was saved again) sorts just
     before `step-N`, so it is used only when `step-N` is missing or damaged.
     """
-    if not root.is_dir():
+    if not storage.isdir(root):
         return []
-    found = [(int(m.group(1)), m.group(2) is None, p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), m.group(2) is None, root / name) for name in storage.listdir(root)
+             if (m := _STEP_DIR.match(name)) and storage.isdir(root / name)]
     return [p for _, _, p in sorted(found)]
 
 
-def load_latest(root: Path, map_location: Any = "cpu") -> Optional[tuple[Path, dict[str, Any]]]:
+def load_latest(root: Path, map_location: Any = "cpu",
+                storage: Storage = LOCAL) -> Optional[tuple[Path, dict[str, Any]]]:
     """The newest checkpoint under `root` that verifies, with its state; None if there is none.
 
     A newer checkpoint that fails verification is skipped with a warning naming it. When
@@ -235,9 +309,9 @@ def load_latest(root: Path, map_location: Any = "cpu") -> Optional[tuple[Path, d
     instead would silently throw the run away.
     """
     damaged = []
-    for path in reversed(list_checkpoints(root)):
+    for path in reversed(list_checkpoints(root, storage)):
         try:
-            return path, load_checkpoint(path, map_location)
+            return path, load_checkpoint(path, map_location, storage)
         except CheckpointError as e:
             log.warning("Skipping checkpoint %s: %s Falling back to an older one.", path, e)
             damaged.append(f"  - {path.name}: {e}")
@@ -251,7 +325,7 @@ def load_latest(root: Path, map_location: Any = "cpu") -> Optional[tuple[Path, d
 
 
 def rotate(root: Path, keep_last: int, keep: Iterable[Path] = (),
-           current: Optional[Path] = None) -> None:
+           current: Optional[Path] = None, storage: Storage = LOCAL) -> None:
     """Delete all but the newest `keep_last` checkpoints (and those in `keep`), and stale temps.
 
     With `current` (the checkpoint just saved), checkpoints of later steps are left alone
@@ -260,16 +334,17 @@ def rotate(root: Path, keep_last: int, keep: Iterable[Path] = (),
     """
     kept = {p.resolve() for p in keep}
     limit = step_of(current) if current is not None else math.inf
-    found = [p for p in list_checkpoints(root) if step_of(p) <= limit]
+    found = [p for p in list_checkpoints(root, storage) if step_of(p) <= limit]
     whole = {step_of(p) for p in found if ".replaced-" not in p.name}
     # a replaced copy is redundant once its step was saved again in full
     redundant = [p for p in found if ".replaced-" in p.name and step_of(p) in whole]
     listed = [p for p in found if p not in redundant]
     for path in redundant + listed[:-keep_last]:
         if path.resolve() not in kept:
-            shutil.rmtree(path, ignore_errors=True)
-    for tmp in root.glob(".tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+            storage.remove(path)
+    for name in storage.listdir(root):
+        if name.startswith(".tmp-"):
+            storage.remove(root / name)
 
 
 def step_of(path: Path) -> int:
@@ -312,25 +387,19 @@ def _free(path: Path) -> str:
     return "unknown"
 
 
-def _write_tensor_file(path: Path, obj: Any) -> dict[str, Any]:
-    """torch.save to `path`, flushed and fsynced; returns its size and SHA-256."""
-    with open(path, "wb") as f:
+def write_tensor_file(path: Path, obj: Any, storage: Storage = LOCAL) -> dict[str, Any]:
+    """torch.save to `path`, durably; returns its manifest entry (size and SHA-256)."""
+    with storage.open_write(path) as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    size, sha256 = file_digest(path, storage)
+    return {"bytes": size, "sha256": sha256}
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
+def file_digest(path: Path, storage: Storage = LOCAL) -> tuple[int, str]:
+    """File `path`'s size in bytes and SHA-256, read back from the storage."""
+    digest, size = hashlib.sha256(), 0
+    with storage.open_read(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
+            size += len(block)
+    return size, digest.hexdigest()

@@ -30,8 +30,8 @@ from torch import nn
 from ..errors import SaferunError
 from .rundir import update_summary
 from .intent import fsync_dir
-from .store import (CheckpointError, _read_manifest, _write_failure, _write_tensor_file,
-                    checkpoint_root, list_checkpoints, load_checkpoint)
+from .store import (LOCAL, CheckpointError, Storage, _write_failure, checkpoint_root, list_checkpoints,
+                    load_checkpoint, read_manifest, write_tensor_file)
 
 FILES = {"best": "model_best.pt", "last": "model.pt"}  # checkpoint= names -> the exported file
 EMA_FILES = {"best": "model_ema_best.pt", "last": "model_ema.pt"}
@@ -97,7 +97,7 @@ def publish_weights(run_dir: str | Path, files: Mapping[str, Mapping[str, torch.
     run = Path(run_dir)
     temps = {name: run / f".tmp-{name}-{secrets.token_hex(4)}" for name in files}
     try:
-        entries = {name: {**_write_tensor_file(temps[name], sd), **record} for name, sd in files.items()}
+        entries = {name: {**write_tensor_file(temps[name], sd), **record} for name, sd in files.items()}
         update_summary(str(run), {PENDING: {**_summary(run).get(PENDING, {}), **entries}})
         for name in files:
             os.replace(temps[name], run / name)
@@ -171,28 +171,30 @@ def check_out_dir(run_dir: str | Path, out_dir: Optional[str]) -> None:
                            f"directory (or leave out_dir unset: a new one under runs/).")
 
 
-def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]) -> Weights:
+def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any],
+                 storage: Storage = LOCAL) -> Weights:
     """The weights `checkpoint` names in `run_dir`: "best" (model_best.pt), "last" (model.pt),
-    a checkpoint directory (<run_dir>/checkpoints/step-N) or a .pt file of weights."""
+    a checkpoint directory (<run_dir>/checkpoints/step-N, in `storage`) or a .pt file of
+    weights."""
     where = Path(run_dir)
     if checkpoint in FILES:
         path = where / FILES[checkpoint]
         if not path.is_file():
-            raise SaferunError(_missing(where, checkpoint, config))
+            raise SaferunError(_missing(where, checkpoint, config, storage))
         model, record = load_verified(path)
         ema = where / EMA_FILES[checkpoint]
         return Weights(model, load_verified(ema)[0] if ema.is_file() else None,
                        record.get("step"), path, epoch=record.get("epoch"), sha256=record["sha256"])
     path = Path(checkpoint)
-    if (path / "manifest.json").is_file():
-        state = load_checkpoint(path)
+    if storage.isfile(path / "manifest.json"):
+        state = load_checkpoint(path, storage=storage)
         if "sharded" in state:
             raise CheckpointError(
                 f"checkpoint={checkpoint} holds the weights sharded by trainer.strategy=fsdp; "
                 f"use checkpoint=best or checkpoint=last (whole weights, model_best.pt or "
                 f"model.pt).")
         return Weights(state["model"], None, state["loop"]["step"], path, state,
-                       state["loop"]["epoch"], _read_manifest(path)["state.pt"]["sha256"])
+                       state["loop"]["epoch"], read_manifest(path, storage)["state.pt"]["sha256"])
     if path.is_file():  # a file the user names: loaded as it is, its digest recorded
         data = path.read_bytes()
         return Weights(_load_file(path, data), None, None, path,
@@ -204,9 +206,9 @@ def find_weights(run_dir: str | Path, checkpoint: str, config: Mapping[str, Any]
         f"checkpoint directory (<run dir>/checkpoints/step-N) or a .pt file of weights.")
 
 
-def _missing(where: Path, checkpoint: str, config: Mapping[str, Any]) -> str:
+def _missing(where: Path, checkpoint: str, config: Mapping[str, Any], storage: Storage) -> str:
     trainer = config.get("trainer") or {}
-    found = list_checkpoints(checkpoint_root(where))
+    found = list_checkpoints(checkpoint_root(where), storage)
     latest = f" (the latest: checkpoint={found[-1]})" if found else ""
     if checkpoint == "best" and not trainer.get("save_best"):
         return (f"{where} has no model_best.pt: the run did not set trainer.save_best, so it kept "

@@ -65,14 +65,14 @@ def _nothing_to_resume(made: Path, args: Sequence[str], multirun: bool) -> str:
 def _latest_runs(parent: Path, made: Path, n: int = 3) -> list[tuple[Path, int]]:
     """Up to `n` run directories beside `made` that hold checkpoints, the most recently saved
     first, each with its latest step (a sweep's: the latest of its jobs)."""
-    from ..checkpoint.store import list_checkpoints, step_of
+    from ..checkpoint.store import LOCAL, list_checkpoints, step_of  # (before any Trainer)
 
     found = []
     for d in (p for p in parent.iterdir() if p.is_dir() and p != made):
         saved = [c for root in (d / "checkpoints", *d.glob("*/checkpoints"))
                  for c in list_checkpoints(root)]
         if saved:
-            found.append((max(c.stat().st_mtime for c in saved), d, max(map(step_of, saved))))
+            found.append((max(map(LOCAL.modified, saved)), d, max(map(step_of, saved))))
     return [(d, step) for _, d, step in sorted(found, key=lambda f: f[0], reverse=True)[:n]]
 
 

@@ -4,16 +4,19 @@ guards.nonfinite (raise / skip / rollback / off) and guards.spikes (raise / skip
 off), with guards.max_consecutive and guards.anomaly_replay. Under a skip policy the step asks
 `bad_now` (one host sync per step; `loop/update.py` then drops the update) and the step ends
 with `skipped`; otherwise the loop checks the window since the last check at log points
-(`log_point_good`), validations and saves (`window_good`), with no host sync per step, and a
-bad window raises or rolls back (`on_bad`). A save also checks what it would write
-(`state_good`: the parameters, buffers and optimizer state, one host read per save), so that
-no checkpoint holds a non-finite value: an update can make them so under a finite loss.
+(`log_point_bad`), validations and before saves (`window_bad`), with no host sync per step.
+Before a save the loop also checks what it would write (`state_bad`: the parameters, buffers
+and optimizer state, one host read per save), so that no checkpoint holds a non-finite value:
+an update can make them so under a finite loss.
 
-It is handed what it works with: the log window's running metrics, the batch stream and the
-step's forward and backward (at construction); of the Trainer it uses only public parts: a
-rollback and an anomaly replay reload the newest checkpoint through `Trainer.load_state_dict`
-and re-run steps through `train_step`. Everything else it owns (the spike detectors, the
-buffer snapshot, the counters).
+A check returns the bad step it found (a `BadStep`, or None); the policy of its kind gives the
+`verdict`, and the loop applies it: it raises `error(bad)`, or rolls back through the
+Checkpointer (`rolling_back`, `unclean`, `rolled_back` say what the guard owns of that: the
+count, the check of each checkpoint, the report). The guard is handed what it works with: the
+log window's running metrics, the training loader (a bad batch's inputs are looked at) and the
+run's newest checkpoint as the Checkpointer names it (`newest`); of the Trainer it reads only
+public state (`LoopOwner`). Everything else it owns (the spike detectors, the buffer snapshot,
+the counters).
 """
 
 from __future__ import annotations
@@ -21,20 +24,18 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
 from ..callbacks import StepOutput
-from ..checkpoint.store import (CheckpointError, checkpoint_root, list_checkpoints, load_checkpoint,
-                                load_latest, step_of)
 from ..errors import NonFiniteError
 from ..text import short
 from .. import distributed
 from .buffers import BufferSnapshot
 from .batchinfo import nonfinite_inputs
-from .replay import first_nonfinite, replay
-from .policies import POLICIES, BadStep
+from .replay import first_nonfinite
+from .policies import POLICIES, BadStep, Verdict
 from .spikes import SpikeDetector
 
 log = logging.getLogger("saferun")
@@ -49,23 +50,20 @@ class LoopOwner(Protocol):
     optimizer: Any  # an Optimizer, or several by name
     state: Any  # LoopState
     ranks: distributed.Ranks
-    train_loader: Any
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-    def train_step(self, micro_batches: Any) -> StepOutput: ...
 
 
 class BadStepPolicy:
     """Detects bad steps (non-finite values, spikes) and applies the configured policy."""
 
-    def __init__(self, trainer: LoopOwner, running: Any, batches: Any,
-                 forward_backward: Callable[[Any], tuple[torch.Tensor, Any, int]]) -> None:
+    def __init__(self, trainer: LoopOwner, running: Any, loader: Any,
+                 newest: Callable[[], Optional[tuple[Path, int]]]) -> None:
         """`running`: the log window's metrics (RunningTrainMetrics), which the checks read;
-        `batches`: the BatchStream a rollback and an anomaly replay go on with;
-        `forward_backward`: a step's forward and backward, which an anomaly replay re-runs."""
+        `loader`: the training DataLoader (a bad batch's inputs are looked at); `newest`: the
+        run's newest checkpoint and its step, or None (`Checkpointer.newest`), which the errors
+        name."""
         t, g = trainer.cfg.trainer, trainer.cfg.guards
         self._trainer = trainer
-        self._running, self._batches, self._forward_backward = running, batches, forward_backward
+        self._running, self._loader, self._newest = running, loader, newest
         self._g = g
         # fp16: a non-finite gradient is the GradScaler's normal signal to skip a step.
         self.grads_checked = t.precision != "fp16"
@@ -151,34 +149,35 @@ class BadStepPolicy:
         """A good log point: rollbacks since the last one no longer count as consecutive."""
         self._rollbacks = 0
 
-    def window_good(self) -> bool:
+    def window_bad(self) -> Optional[BadStep]:
         """Check the steps since the last log point (one host sync) and, with
-        guards.check_params, the parameters (one more); False after a rollback."""
+        guards.check_params, the parameters (one more): the bad step found, or None."""
         g, tr = self._g, self._trainer
         # A save between log points must not write a non-finite parameter either.
         if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
-            self.on_bad()  # raises (or rolls back, if the window's steps were bad)
-            return False
+            return self.find_bad()  # (raises if the window's steps were good)
         spikes_at_checks = self.spike_policy.checked and not self.spike_policy.skips
         if not (self.nonfinite_policy.checked or spikes_at_checks) or not self._running.losses:
-            return True
+            return None
         if self._running.first_bad(self.nonfinite_policy.checked, self.grads_checked, tr.ranks) is None:
-            return True
-        self.on_bad()  # raises, or rolls back
-        return False
+            return None
+        return self.find_bad()
 
-    def state_good(self, path: Path) -> bool:
-        """At a save of checkpoint `path`, after `window_good`: are the parameters, buffers and
-        optimizer state finite (each rank its own shards, the verdict agreed)? One host read.
-        If not, nothing is saved: the policy raises, or rolls back to the newest clean
-        checkpoint (False)."""
+    def log_point_bad(self, metrics: Mapping[str, float]) -> Optional[BadStep]:
+        """A log point's check: the bad step among its steps, or None (`log_point_good`)."""
+        return None if self.log_point_good(metrics) else self.find_bad()
+
+    def state_bad(self, path: Path) -> Optional[BadStep]:
+        """Before a save of checkpoint `path`, after `window_bad`: are the parameters, buffers
+        and optimizer state finite (each rank its own shards, the verdict agreed)? One host
+        read. None if so; else the bad state, which nothing is saved of."""
         if not self.nonfinite_policy.checked:
-            return True
+            return None
         tr = self._trainer
         bad = nonfinite_state(tr.model, tr.optimizer)
         if distributed.on_every_rank(bad is None):
             self._checked.add(str(path.resolve()))
-            return True
+            return None
         on = f"rank {tr.ranks.rank}: " if tr.ranks.world_size > 1 else ""
         found = distributed.union([on + bad] if bad else [])  # every rank's, on every rank
         step = tr.state.step
@@ -188,16 +187,25 @@ class BadStepPolicy:
                   f"large, an overflow in the optimizer, code that writes into the weights). "
                   f"Nothing was saved at step {step} ({path.name}; at the run's end also "
                   f"model.pt): a checkpoint never holds a non-finite value.")
-        self.nonfinite_policy.on_bad_window(self, BadStep(step, "non-finite", report, False, True))
-        return False
+        return BadStep(step, "non-finite", report, False, True)
+
+    def verdict(self, bad: BadStep) -> Verdict:
+        """What the policy of `bad`'s kind says follows it (the loop applies it)."""
+        policy = self.nonfinite_policy if bad.kind == "non-finite" else self.spike_policy
+        return policy.on_bad_window(bad)
+
+    def replays(self, bad: BadStep) -> bool:
+        """Does `bad`'s error come with an anomaly replay (guards.anomaly_replay)?"""
+        return (self._g.anomaly_replay and bad.kind == "non-finite" and not bad.bad_input
+                and not bad.in_state)
 
     def _checkpoints_said(self, bad_step: int) -> str:
         """What the newest checkpoint is to this failure: where to go on from, and whether it
         was checked finite (never a claim the files do not bear out)."""
-        found = list_checkpoints(checkpoint_root(self._trainer.state.run_dir))
-        if not found:
+        found = self._newest()
+        if found is None:
             return "There is no checkpoint yet."
-        newest, step = found[-1], step_of(found[-1])
+        newest, step = found
         when = (f"saved before step {bad_step}" if step < bad_step else
                 f"saved at step {step}, after the bad step {bad_step} (its values were checked)")
         checked = ("checked finite when saved (parameters, buffers, optimizer state)"
@@ -206,8 +214,9 @@ class BadStepPolicy:
                    "guards.nonfinite=off)")
         return f"The newest checkpoint, {newest}, was {when} and {checked}: resume={newest} continues from it."
 
-    def on_bad(self) -> None:
-        """A bad step since the last log point (non-finite or a spike): raise, or roll back."""
+    def find_bad(self) -> BadStep:
+        """The first bad step since the last log point (non-finite or a spike), described:
+        what, where, on which samples; every rank takes part."""
         tr, g = self._trainer, self._g
         running = self._running
         found = (running.first_bad(self.nonfinite_policy.checked, self.grads_checked, tr.ranks)
@@ -218,7 +227,6 @@ class BadStepPolicy:
                 f"{first_nonfinite(tr.model.named_parameters())}. Lower optim.lr or set "
                 f"trainer.max_grad_norm; set guards.anomaly_replay=true to find the operation.")
         first, kind, rank = found
-        policy = self.nonfinite_policy if kind == "non-finite" else self.spike_policy
         bad_step = tr.state.step - running.steps + 1 + first
         # the values and samples of the rank where it started, on every rank (torchrun)
         # which of the step's logged values were not finite (several optimizers: loss/<name>)
@@ -238,25 +246,24 @@ class BadStepPolicy:
         report = (f"{what} at step {bad_step}{on_rank}: loss {loss}, gradient norm "
                   f"{norm}{named}; {samples}.")
         # checked first: a NaN already in the data is not a layer's fault
-        bad_input = nonfinite_inputs(tr.train_loader, indices) if kind == "non-finite" else ""
+        bad_input = nonfinite_inputs(self._loader, indices) if kind == "non-finite" else ""
         if bad_input:
             report = f"{what} at step {bad_step}{on_rank}: {bad_input} Loss {loss}, gradient " \
                      f"norm {norm}; {samples}."
-        policy.on_bad_window(self, BadStep(bad_step, kind, report, bool(bad_input)))  # raises, or rolls back
+        return BadStep(bad_step, kind, report, bool(bad_input))
 
-    def raise_bad(self, bad: BadStep) -> None:
-        """The raise policy (and a bad step a skip policy could not drop): the error, after an
-        anomaly replay of a non-finite step if asked for."""
+    def error(self, bad: BadStep, replayed: str = "") -> NonFiniteError:
+        """The raise verdict's error (a bad step a skip policy could not drop too): what, where,
+        what to do; `replayed`: the anomaly replay's report (`replays`), or ""."""
         key = "guards.nonfinite" if bad.kind == "non-finite" else "guards.spikes"
         said = self._checkpoints_said(bad.step)
         if bad.in_state:
-            raise NonFiniteError(
+            return NonFiniteError(
                 f"{bad.report} {said} What to do: lower optim.lr or set trainer.max_grad_norm; "
                 f"look for code that writes into the weights or the optimizer state; or set "
                 f"{key}=rollback to go back to the newest clean checkpoint and train on.")
-        replayed = ("\n" + self._anomaly_replay(bad.step) if self._g.anomaly_replay
-                    and bad.kind == "non-finite" and not bad.bad_input else "")
-        raise NonFiniteError(
+        replayed = f"\n{replayed}" if replayed else ""
+        return NonFiniteError(
             f"{bad.report} The check runs at log points, validations and saves (no host sync per "
             f"step), so that update and any after it were applied. {said} What to do: inspect "
             f"those samples; lower optim.lr or set "
@@ -266,68 +273,36 @@ class BadStepPolicy:
 
     # ------------------------------------------------------------------ recovery
 
-    def roll_back(self, bad: BadStep) -> None:
-        """The rollback policy: restore the newest checkpoint, keep going with new data."""
-        tr, report, bad_step = self._trainer, bad.report, bad.step
+    def rolling_back(self, bad: BadStep) -> None:
+        """The rollback verdict, before the loop applies it: counted; too many without a clean
+        log point in between raise."""
         self._rollbacks += 1
         if self._rollbacks > self._g.max_consecutive:
             raise NonFiniteError(
-                f"{report} Cannot roll back: {self._rollbacks} rollbacks without a clean log point "
+                f"{bad.report} Cannot roll back: {self._rollbacks} rollbacks without a clean log point "
                 f"in between (guards.max_consecutive={self._g.max_consecutive}). Lower optim.lr, "
                 f"set trainer.max_grad_norm, or check the data.")
-        epoch, position = tr.state.epoch, tr.state.batches_in_epoch
-        skipped: list[str] = []
-        for path in self._clean_checkpoints(skipped):  # loaded into the Trainer, newest first
-            # Go on with the data after the bad step: replaying it would fail the same way.
-            tr.state.epoch, tr.state.batches_in_epoch = epoch, position
-            self._batches.resume(None, None)
-            self._running.reset()
-            passed = f"; skipped, newer but not clean: {', '.join(skipped)}" if skipped else ""
-            log.warning("%s Rolled back to %s (step %d), the newest clean checkpoint%s; training "
-                        "continues with the data after step %d.", report, path, tr.state.step,
-                        passed, bad_step)
-            return
-        why = f" ({'; '.join(skipped)})" if skipped else ""
-        raise NonFiniteError(f"{report} Cannot roll back: there is no clean checkpoint to roll "
-                             f"back to{why}. Lower optim.lr, set trainer.max_grad_norm, or check "
-                             f"the data.")
 
-    def _clean_checkpoints(self, skipped: list[str]) -> Iterator[Path]:
-        """The run's checkpoints, newest first, each loaded into the Trainer, that verify and
-        hold finite parameters, buffers and optimizer state (one saved without the check, by
-        an earlier saferun or with guards.nonfinite=off, may not); the others are named in
-        `skipped`, with why."""
+    def unclean(self) -> Optional[str]:
+        """A rollback's check of the checkpoint it just restored: None when every rank's
+        parameters, buffers and optimizer state are finite, else what is not (one saved without
+        the check, by an earlier saferun or with guards.nonfinite=off, may not be)."""
         tr = self._trainer
-        for path in reversed(list_checkpoints(checkpoint_root(tr.state.run_dir))):
-            try:
-                state = load_checkpoint(path)
-            except CheckpointError as e:
-                skipped.append(f"{path.name} (damaged: {e})")
-                continue
-            tr.load_state_dict(state)
-            bad = nonfinite_state(tr.model, tr.optimizer)
-            if distributed.on_every_rank(bad is None):
-                yield path
-                return
-            skipped.append(f"{path.name} (not finite: {bad or 'on another rank'})")
+        bad = nonfinite_state(tr.model, tr.optimizer)
+        return None if distributed.on_every_rank(bad is None) else (bad or "on another rank")
 
-    def _anomaly_replay(self, bad_step: int) -> str:
-        """Re-run from the newest checkpoint to `bad_step`, then that step under anomaly mode."""
-        tr = self._trainer
-        try:
-            found = load_latest(checkpoint_root(tr.state.run_dir))
-        except CheckpointError as e:
-            return f"Anomaly replay: {e}"
-        if found is None or found[1]["loop"]["step"] >= bad_step:
-            return "Anomaly replay: no checkpoint before the bad step to replay from."
-        tr.load_state_dict(found[1])
-        self._running.reset()
-        for micro_batches, _, _ in self._batches.groups():
-            if tr.state.step + 1 == bad_step:
-                # (B023 is a false alarm: replay() calls the lambda before the loop moves on)
-                return str(replay(lambda: self._forward_backward(micro_batches)[0], tr.model))  # noqa: B023
-            tr.train_step(micro_batches)
-        return "Anomaly replay: the data ended before the bad step."
+    def rolled_back(self, bad: BadStep, path: Optional[Path], skipped: list[str]) -> None:
+        """The rollback applied: to checkpoint `path`, the newest clean one, said; None (none
+        was clean: `skipped` says why each was not) raises."""
+        if path is None:
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            raise NonFiniteError(f"{bad.report} Cannot roll back: there is no clean checkpoint to "
+                                 f"roll back to{why}. Lower optim.lr, set trainer.max_grad_norm, "
+                                 f"or check the data.")
+        passed = f"; skipped, newer but not clean: {', '.join(skipped)}" if skipped else ""
+        log.warning("%s Rolled back to %s (step %d), the newest clean checkpoint%s; training "
+                    "continues with the data after step %d.", bad.report, path,
+                    self._trainer.state.step, passed, bad.step)
 
 
 def nonfinite_state(model: torch.nn.Module, optimizer: Any) -> Optional[str]:

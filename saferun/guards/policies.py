@@ -1,6 +1,7 @@
 """The bad-step policies: what follows a step whose loss or gradients were not finite
 (guards.nonfinite) or that spiked (guards.spikes). `BadStepPolicy` (badstep.py) finds the bad
-step; the policy configured for its kind says what happens next, and the guard carries it out.
+step; the policy configured for its kind returns a `Verdict`, and the loop (the Trainer)
+applies it: it raises the guard's error, or rolls back through the Checkpointer.
 
 A new policy is one class here and its entry in `POLICIES` (whose names are the values
 guards.nonfinite and guards.spikes accept).
@@ -8,8 +9,9 @@ guards.nonfinite and guards.spikes accept).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,11 @@ class BadStep:
     in_state: bool = False  # found at a save in the parameters, buffers or optimizer state
 
 
-class Recovery(Protocol):
-    """What a policy can ask of the guard that found the bad step."""
+class Verdict(enum.Enum):
+    """What a policy says follows a bad step a check found; the loop applies it."""
 
-    def raise_bad(self, bad: BadStep) -> None: ...
-    def roll_back(self, bad: BadStep) -> None: ...
+    RAISE = "raise"  # stop the run with the guard's error (what, where, what to do)
+    ROLL_BACK = "roll back"  # restore the newest clean checkpoint, go on with the data after it
 
 
 class Policy:
@@ -39,10 +41,13 @@ class Policy:
     # every step is asked at once (one host read per step) and a bad one's update dropped
     skips: ClassVar[bool] = False
     needs_checkpoint: ClassVar[bool] = False  # a checkpoint must exist before the first step
+    # the run goes on without some steps' updates (skipped or rolled back): which steps are bad
+    # decides the result, so a resume must find the same ones (checkpoint/compat.py)
+    drops_steps: ClassVar[bool] = False
 
-    def on_bad_window(self, guard: Recovery, bad: BadStep) -> None:
+    def on_bad_window(self, bad: BadStep) -> Verdict:
         """A check (log point, validation, save) found `bad` among the steps since the last."""
-        guard.raise_bad(bad)
+        return Verdict.RAISE
 
 
 class Raise(Policy):
@@ -57,6 +62,7 @@ class Skip(Policy):
 
     name = "skip"
     skips = True
+    drops_steps = True
 
 
 class Rollback(Policy):
@@ -64,9 +70,10 @@ class Rollback(Policy):
 
     name = "rollback"
     needs_checkpoint = True
+    drops_steps = True
 
-    def on_bad_window(self, guard: Recovery, bad: BadStep) -> None:
-        guard.roll_back(bad)
+    def on_bad_window(self, bad: BadStep) -> Verdict:
+        return Verdict.ROLL_BACK
 
 
 class Off(Policy):

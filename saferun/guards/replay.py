@@ -13,6 +13,10 @@ parameter whose gradient is non-finite.
 The replay repeats the batch's side effects (BatchNorm statistics,
 gradients) and draws new random numbers unless the caller restores the RNG
 state of the step: use it when the step is being discarded anyway.
+
+`replay_bad_step` is the diagnosis guards.anomaly_replay adds to a non-finite step's error:
+the loop hands it the checkpoints, the batch stream and its step functions, and it re-runs the
+run from the newest checkpoint before the bad step up to that step, which it replays.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
+
+from ..errors import SaferunError
 
 _NAN_ERROR = re.compile(r"Function '(\w+)' returned nan values in its (\d+)\w* output")
 _TRACE_MARK = "Traceback of forward call that caused the error:"
@@ -102,6 +109,36 @@ def replay(run: Callable[[], Any], model: Optional[nn.Module] = None) -> ReplayR
     if model is not None:
         report.first_bad_grad = first_nonfinite((n, p.grad) for n, p in model.named_parameters())
     return report
+
+
+class Checkpoints(Protocol):
+    """What the anomaly replay uses of the Checkpointer."""
+
+    def latest(self) -> Optional[tuple[Path, dict[str, Any]]]: ...
+    def restore(self, state: Mapping[str, Any]) -> None: ...
+
+
+def replay_bad_step(bad_step: int, checkpoints: Checkpoints, running: Any, batches: Any,
+                    state: Any, train_step: Callable[[Any], Any],
+                    forward_backward: Callable[[Any], tuple[torch.Tensor, Any, int]],
+                    model: nn.Module) -> str:
+    """Re-run from the newest checkpoint to `bad_step` (restored, the log window `running`
+    emptied; `train_step` over the `batches` stream's groups, `state` counting the steps), then
+    that step's `forward_backward` under anomaly mode: the report, in words."""
+    try:
+        found = checkpoints.latest()
+    except SaferunError as e:  # every checkpoint damaged
+        return f"Anomaly replay: {e}"
+    if found is None or found[1]["loop"]["step"] >= bad_step:
+        return "Anomaly replay: no checkpoint before the bad step to replay from."
+    checkpoints.restore(found[1])
+    running.reset()
+    for micro_batches, _, _ in batches.groups():
+        if state.step + 1 == bad_step:
+            # (B023 is a false alarm: replay() calls the lambda before the loop moves on)
+            return str(replay(lambda: forward_backward(micro_batches)[0], model))  # noqa: B023
+        train_step(micro_batches)
+    return "Anomaly replay: the data ended before the bad step."
 
 
 def first_nonfinite(named_tensors: Iterable[tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:

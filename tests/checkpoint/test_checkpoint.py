@@ -83,11 +83,11 @@ def test_a_crafted_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
     path = save_checkpoint(tmp_path / "checkpoints", 5, {"x": torch.ones(1)})
     # the attacker replaces the state and rewrites the manifest to match
     torch.save({"model": Payload(str(marker))}, path / "state.pt")
-    from saferun.checkpoint.store import _sha256
+    from saferun.checkpoint.store import file_digest
 
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["state.pt"] = {"bytes": (path / "state.pt").stat().st_size,
-                                     "sha256": _sha256(path / "state.pt")}
+                                     "sha256": file_digest(path / "state.pt")[1]}
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="refused to load.*Unsupported global"):
         load_checkpoint(path)
@@ -446,8 +446,8 @@ def test_save_best_never_keeps_a_nan_as_the_best(tmp_path, mode):
     trainer = ToyTrainer(cfg)
     c = Checkpointer(trainer, lambda: pytest.fail("_improves reads no parts"))
     assert not c._improves({"val/loss": float("nan")}, "val/loss")  # a NaN is never the best
-    c.best = (float("nan"), "step-00000005", 5)  # a NaN best (saved by an older saferun)
+    c.best = c._best_record([float("nan"), "step-00000005", 5])  # a NaN best (saved by an older saferun)
     assert c._improves({"val/loss": 0.5}, "val/loss")  # is beaten by any number
-    c.best = (0.5, "step-00000010", 10)
+    c.best = c._best_record([0.5, "step-00000010", 10])
     assert c._improves({"val/loss": 0.4 if mode == "min" else 0.6}, "val/loss")
     assert not c._improves({"val/loss": float("nan")}, "val/loss")

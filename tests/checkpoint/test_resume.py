@@ -166,6 +166,8 @@ def test_resume_with_a_different_config_is_refused_naming_the_keys(tmp_path):
     ({"nonfinite": "skip"}, {"nonfinite": "raise"}, "guards.nonfinite: 'skip' -> 'raise'"),
     ({"spikes": "skip"}, {"spikes": "skip", "spike_threshold": 3.0},
      "guards.spike_threshold: 6.0 -> 3.0"),
+    ({"spikes": "rollback"}, {"spikes": "rollback", "spike_threshold": 3.0},
+     "guards.spike_threshold: 6.0 -> 3.0"),
 ])
 def test_resume_with_a_different_skip_policy_is_refused(tmp_path, before, after, named):
     cfg = toy_config(tmp_path, max_steps=4)

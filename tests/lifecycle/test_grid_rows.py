@@ -25,7 +25,6 @@ PARTS = {
     "scheduler": "scheduler", "ema": "ema",
     "running": "metrics.jsonl",  # the log window not yet logged: the logged values
     "callbacks": "callback classes: see CALLBACKS",
-    "guard": "the nonfinite_* events (the bad-step policy's effect on every row)",
     "strategy": "no state of its own: gathers and formats the others (the two_ranks event)",
     "stop_signals": "no state of its own: a stop's save (the sigterm event)",
     "spikes": "no row yet: the spike detectors' resume is tests/guards/test_spikes.py's",
