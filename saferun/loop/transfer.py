@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
+from operator import methodcaller
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     """
     if type(batch) in (list, tuple) and set(map(type, batch)) == _TENSOR:
         try:  # the common (inputs, targets) batch, without building a path per element
-            moved = [t.to(device, non_blocking=non_blocking) for t in batch]
+            moved = list(map(methodcaller("to", device, non_blocking=non_blocking), batch))
             return moved if type(batch) is list else tuple(moved)
         except (RuntimeError, TypeError):
             pass  # the walk below names the tensor that failed
