@@ -61,7 +61,8 @@ class OptimizerUpdate:
                 raise
         # the class's zero_grad, not the instance's wrapper that refuses one inside training_step
         type(optimizer).zero_grad(optimizer, set_to_none=True)
-        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
+        if schedule.scheduler is not None:  # (none: no rate changes, nothing to step)
+            schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         return norm, skipped, spike, loss_spike
 
 
