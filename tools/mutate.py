@@ -1552,6 +1552,30 @@ mutation("threads: the user's OMP_WAIT_POLICY wins", THREADS,
          'if "torch" in sys.modules or "OMP_WAIT_POLICY" in env:', 'if "torch" in sys.modules:',
          f"{THREADT}::test_the_saferun_command_stops_openmp_threads_spinning_unless_the_user_chose")
 PERF, PERFT = "saferun/loop/throughput.py", "tests/loop/test_throughput.py"
+# the step frame (loop/frame.py) and the step guards (guards/step_guards.py), issue 32/37
+FRAME = "saferun/loop/frame.py"
+mutation("step frame: contexts entered unless one process in fp32", FRAME,
+         "        self._plain = autocast is contextlib.nullcontext and not strategy.wraps_micro_batch",
+         "        self._plain = True",
+         f"{STEP}::test_bf16_autocast_on_cpu")
+mutation("step frame: a backward inside the first training_step is refused", T,
+         "        first = [] if self._manual is not None else [FirstBackward(self._habits, self._params)]",
+         "        first: list[Any] = []",
+         "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
+mutation("step guards: a skip policy's buffer snapshot is taken before each step", T,
+         "            guards.register(self._guard.snapshot)", "            pass",
+         f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics",
+         f"{OPTS}::test_skip_policy_restores_the_buffers_the_skipped_steps_forward_changed")
+mutation("step guards: several optimizers run the after-backward guards", MANUAL,
+         "        for check in guards.after_backward:  # declared modes",
+         "        for check in ():  # declared modes",
+         f"{OPTS}::test_a_module_switched_to_eval_in_training_step_is_named_with_several_optimizers")
+mutation("step guards: a guard that is done is dropped", T,
+         "                guards.drop(check)  # done", "                pass  # done",
+         f"{NONFINITE}::test_unused_parameters_are_named_once")
+mutation("GradScaler: updated once per step under fp16", T,
+         "        if self._update.scaling:  # fp16: after the step", "        if False:  # fp16: after the step",
+         "tests/checkpoint/test_checkpoint.py::test_grad_scaler_state_is_saved_and_restored")
 mutation("perf: the first step's FLOPs are counted", T,
          "        self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)",
          "        self._frame.count_first_step(None)",
