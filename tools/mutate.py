@@ -1572,7 +1572,8 @@ mutation("step guards: several optimizers run the after-backward guards", MANUAL
          f"{OPTS}::test_a_module_switched_to_eval_in_training_step_is_named_with_several_optimizers")
 mutation("step guards: a guard that is done is dropped", T,
          "                guards.drop(check)  # done", "                pass  # done",
-         f"{NONFINITE}::test_unused_parameters_are_named_once")
+         f"{NONFINITE}::test_unused_parameters_are_named_once",
+         "tests/loop/test_loop_cost.py::test_a_default_step_calls_no_guard_or_context_it_does_not_need")
 mutation("GradScaler: updated once per step under fp16", T,
          "        if self._update.scaling:  # fp16: after the step", "        if False:  # fp16: after the step",
          "tests/checkpoint/test_checkpoint.py::test_grad_scaler_state_is_saved_and_restored")
