@@ -1562,6 +1562,9 @@ mutation("step frame: a backward inside the first training_step is refused", T,
          "        first = [] if self._manual is not None else [FirstBackward(self._habits, self._params)]",
          "        first: list[Any] = []",
          "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
+mutation("step frame: the first steps' checks drop out when done", FRAME,
+         "            self._first = [c for c in self._first if not c.done]", "            pass",
+         f"{AUDITS}::test_the_audits_run_in_the_first_two_steps_only", COST)
 mutation("step guards: a skip policy's buffer snapshot is taken before each step", T,
          "            guards.register(self._guard.snapshot)", "            pass",
          f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics",

@@ -19,6 +19,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Lower it when the loop gets leaner.
 EXTRA_CALLS_PER_STEP = 31
 STRICT_EXTRA_OVER_DEFAULTS = 3  # the spike guard's call and its two detector updates
+# Container objects a plain step leaves alive until its log point (the collector's generation-0
+# count, which triggers collections), beyond the hand loop's 1: the loss and the gradient norm
+# on the device, and the sample indices with their epoch (a tuple, a list, the sampler's list).
+EXTRA_KEPT_PER_STEP = 5
+STRICT_KEPT_OVER_DEFAULTS = 4  # the step's two spike flags, the two values the detectors keep
 
 
 @pytest.fixture
@@ -29,21 +34,20 @@ def loop_window(monkeypatch):
     return loop_window
 
 
-def plain_step_calls(loop_window, variant, tmp_path, steps=230, start=120):
-    window = loop_window.Window(start, steps, "calls")
+def plain_step_counts(loop_window, variant, tmp_path, mode, steps=230, start=120):
+    window = loop_window.Window(start, steps, mode)
     if variant == "hand":
         loop_window.hand_loop(steps, window)
     else:
         guards = loop_window.STRICT if variant == "strict" else {}
         loop_window.saferun_loop(steps, window, guards, str(tmp_path / variant))
     assert window.step == steps
-    return window.result()["plain_step_python_calls"]
+    return window.result()["plain_step_python_calls" if mode == "calls" else "plain_step_kept_objects"]
 
 
 def test_the_loop_adds_few_python_calls_per_step(loop_window, tmp_path):
-    hand = plain_step_calls(loop_window, "hand", tmp_path)
-    defaults = plain_step_calls(loop_window, "saferun", tmp_path)
-    strict = plain_step_calls(loop_window, "strict", tmp_path)
+    hand, defaults, strict = (plain_step_counts(loop_window, v, tmp_path, "calls")
+                              for v in ("hand", "saferun", "strict"))
     assert hand > 300  # the window counted the steps (forward, backward, AdamW, the loader)
     assert defaults - hand <= EXTRA_CALLS_PER_STEP, (defaults, hand)
     assert strict - defaults <= STRICT_EXTRA_OVER_DEFAULTS, (strict, defaults)
@@ -82,3 +86,12 @@ def test_a_default_step_calls_no_guard_or_context_it_does_not_need(tmp_path):
     assert ("unused.py", "after_backward") not in probe.called  # done after its window (20 steps)
     assert "model_audit.py" not in files and "loss_audit.py" not in files
     assert ("modes.py", "after_backward") in probe.called  # guards.declared_modes is on
+
+
+def test_the_loop_keeps_few_objects_per_step(loop_window, tmp_path):
+    # exact counts (the collector paused over the window), independent of the machine
+    hand, defaults, strict = (plain_step_counts(loop_window, v, tmp_path / v, "kept")
+                              for v in ("hand", "saferun", "strict"))
+    assert hand >= 1  # the window counted (the hand loop's loader keeps one)
+    assert defaults - hand <= EXTRA_KEPT_PER_STEP, (defaults, hand)
+    assert strict - defaults <= STRICT_KEPT_OVER_DEFAULTS, (strict, defaults)
