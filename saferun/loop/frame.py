@@ -12,7 +12,7 @@ each dropped when done: the first-step checks around `training_step` (`first_ste
 habits' backward check, guards.model_audit's audits) and the FLOP count around a whole
 micro-batch (`count_first_step`). One process in fp32 enters no context at all. After the
 first steps the frame costs three Python calls per micro-batch beyond `training_step`: `run`,
-the logbook's `begin` and `joined` (plus `then`, and the batch's move).
+`_training_step` and `Logbook.run` (plus the batch's move and `then`).
 """
 
 from __future__ import annotations
@@ -68,11 +68,6 @@ class StepFrame:
         self._plain = autocast is contextlib.nullcontext and not strategy.wraps_micro_batch
         self._first: list[FirstStepCheck] = []  # empty after the first steps
         self._count: Optional[MicroBatchCount] = None
-
-    @property
-    def checking(self) -> bool:
-        """Whether a check or count of the first steps is still to run."""
-        return bool(self._first) or self._count is not None
 
     def first_steps(self, *checks: FirstStepCheck) -> None:
         """Run the next `training_step` calls inside `checks` (the first one outermost), each
