@@ -1516,7 +1516,7 @@ mutation("issue 31: the error says whether the newest checkpoint was checked", B
 
 
 # issues 35/37: speed
-COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_per_step"
+COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step"
 mutation("loop cost: nothing built per step for a step that logged only means", T,
          "self._running.add(output, where, self._logbook.take_step())",
          "self._running.add(output, where, self._logbook.take())", COST)

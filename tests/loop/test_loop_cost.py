@@ -34,23 +34,28 @@ def loop_window(monkeypatch):
     return loop_window
 
 
-def plain_step_counts(loop_window, variant, tmp_path, mode, steps=230, start=120):
-    window = loop_window.Window(start, steps, mode)
+def plain_step_counts(loop_window, variant, tmp_path, steps=230, start=120):
+    """(Python calls, container objects kept) per plain step of the window."""
+    window = loop_window.Window(start, steps, "calls", kept=True)
     if variant == "hand":
         loop_window.hand_loop(steps, window)
     else:
         guards = loop_window.STRICT if variant == "strict" else {}
         loop_window.saferun_loop(steps, window, guards, str(tmp_path / variant))
     assert window.step == steps
-    return window.result()["plain_step_python_calls" if mode == "calls" else "plain_step_kept_objects"]
+    counted = window.result()
+    return counted["plain_step_python_calls"], counted["plain_step_kept_objects"]
 
 
-def test_the_loop_adds_few_python_calls_per_step(loop_window, tmp_path):
-    hand, defaults, strict = (plain_step_counts(loop_window, v, tmp_path, "calls")
-                              for v in ("hand", "saferun", "strict"))
-    assert hand > 300  # the window counted the steps (forward, backward, AdamW, the loader)
+def test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step(loop_window, tmp_path):
+    # exact counts, independent of the machine (the objects: the collector paused over the window)
+    (hand, hand_kept), (defaults, kept), (strict, strict_kept) = (
+        plain_step_counts(loop_window, v, tmp_path / v) for v in ("hand", "saferun", "strict"))
+    assert hand > 300 and hand_kept >= 1  # the window counted (forward, backward, AdamW, the loader)
     assert defaults - hand <= EXTRA_CALLS_PER_STEP, (defaults, hand)
     assert strict - defaults <= STRICT_EXTRA_OVER_DEFAULTS, (strict, defaults)
+    assert kept - hand_kept <= EXTRA_KEPT_PER_STEP, (kept, hand_kept)
+    assert strict_kept - kept <= STRICT_KEPT_OVER_DEFAULTS, (strict_kept, kept)
 
 
 class _StepCalls(saferun.Callback):
@@ -87,11 +92,3 @@ def test_a_default_step_calls_no_guard_or_context_it_does_not_need(tmp_path):
     assert "model_audit.py" not in files and "loss_audit.py" not in files
     assert ("modes.py", "after_backward") in probe.called  # guards.declared_modes is on
 
-
-def test_the_loop_keeps_few_objects_per_step(loop_window, tmp_path):
-    # exact counts (the collector paused over the window), independent of the machine
-    hand, defaults, strict = (plain_step_counts(loop_window, v, tmp_path / v, "kept")
-                              for v in ("hand", "saferun", "strict"))
-    assert hand >= 1  # the window counted (the hand loop's loader keeps one)
-    assert defaults - hand <= EXTRA_KEPT_PER_STEP, (defaults, hand)
-    assert strict - defaults <= STRICT_KEPT_OVER_DEFAULTS, (strict, defaults)
