@@ -1565,6 +1565,11 @@ mutation("step frame: a backward inside the first training_step is refused", T,
 mutation("step frame: the first steps' checks drop out when done", FRAME,
          "            self._first = [c for c in self._first if not c.done]", "            pass",
          f"{AUDITS}::test_the_audits_run_in_the_first_two_steps_only", COST)
+mutation("loop cost: a list of plain values is copied without a call per value",
+         "saferun/loop/transfer.py",
+         "    if type(obj) in (list, tuple) and _PLAIN.issuperset(map(type, obj)):",
+         "    if False:",
+         "tests/unit/test_data.py::test_a_long_list_of_numbers_is_copied_without_a_call_per_number")
 mutation("step guards: a skip policy's buffer snapshot is taken before each step", T,
          "            guards.register(self._guard.snapshot)", "            pass",
          f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics",
