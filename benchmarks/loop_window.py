@@ -26,6 +26,9 @@ round, with the absolute microseconds per step it adds.
 the same window: Python function calls and C calls (`sys.setprofile`), generation-0 garbage
 collections per 1000 steps (about one per 700 container objects left allocated: a proxy for
 objects built per step), and host syncs (saferun's `HostSyncCounter`, in a separate run).
+`Window(..., "calls", kept=True)` also counts the container objects a plain step leaves alive,
+exactly (the collector paused over the window instead of counting its collections;
+tests/loop/test_loop_cost.py holds a budget for it).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ LOG_EVERY = 100
 class Window:
     """Marks the end of each step; times (or counts) steps `start`+1 .. `end`."""
 
-    def __init__(self, start: int, end: int, mode: str) -> None:
-        self.start, self.end, self.mode = start, end, mode
+    def __init__(self, start: int, end: int, mode: str, kept: bool = False) -> None:
+        self.start, self.end, self.mode, self.kept = start, end, mode, kept
         self.step = 0
         self.t0 = self.t1 = 0
         self.calls = self.c_calls = self.gc0 = 0
@@ -62,6 +65,7 @@ class Window:
         self.sync_counts: list[int] = []
         self.op_counts: list[int] = []
         self.call_counts: list[int] = []  # Python calls so far, at the end of each step
+        self.kept_counts: list[int] = []  # with `kept`: gc-tracked objects alive at each step's end
 
     def tick(self) -> None:
         self.step += 1
@@ -70,6 +74,14 @@ class Window:
             self.op_counts.append(self.ops.count)
         if self.mode == "calls" and self.start <= self.step <= self.end:
             self.call_counts.append(self.calls)
+        if self.kept:  # the collector paused: its count grows by what steps keep
+            if self.step == self.start:
+                gc.collect()
+                gc.disable()
+            if self.start <= self.step <= self.end:
+                self.kept_counts.append(gc.get_count()[0])
+            if self.step == self.end:
+                gc.enable()
         if self.step == self.start:
             self.t0 = time.perf_counter_ns()
             if self.mode == "calls":
@@ -105,6 +117,11 @@ class Window:
                        gc0_per_1000_steps=1000 * self.gc0 / n,
                        plain_step_python_calls=statistics.median(plain),
                        log_point_python_calls=statistics.median(after_log) - statistics.median(plain))
+            if self.kept:  # container objects a plain step leaves alive (median)
+                k = self.kept_counts
+                out["plain_step_kept_objects"] = statistics.median(
+                    k[i - self.start] - k[i - 1 - self.start] for i in range(self.start + 1, self.end + 1)
+                    if i % LOG_EVERY and (i - 1) % LOG_EVERY)
         else:  # device: syncs and torch operators
             c, o = self.sync_counts, self.op_counts
             plain = [k for k in range(self.start + 1, self.end + 1)

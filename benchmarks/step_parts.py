@@ -20,8 +20,10 @@ happen to follow a similar one. Arms:
 - `saferun - X`: `Trainer.train_step` with X replaced by a trivial stand-in while that arm's
   step runs (never while another arm runs). The removed parts do no tensor arithmetic, so every
   arm dispatches the same torch ops. This reaches into saferun's internals as of this commit:
-  `Trainer._declared`, `Trainer._scaler`, `saferun.trainer.move_to_device` and
-  `saferun.trainer.StepOutput`; when those move, update this file.
+  `Trainer._guards` (the step guards' after_backward hooks: the declared-modes check),
+  `Trainer._scaler`, `saferun.loop.frame.move_to_device` and `saferun.trainer.StepOutput`;
+  when those move, update this file. (Since issue 37 the step calls no GradScaler method
+  outside fp16, so the GradScaler arm runs the same code as the full step.)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import saferun.trainer as trainer_module
+import saferun.loop.frame as frame_module
 from step_micro import build, hand_step
 
 
@@ -110,9 +113,9 @@ def arms(workload: str, tmp: str, n_batches: int) -> tuple[list[Arm], list]:
            Arm("saferun again (control)", t.train_step),
            Arm("hand, parameter list", hand_with_list(t.model, t.optimizer, t.device, max_norm)),
            Arm("saferun - declared-modes check", t.train_step,
-               lambda: _patched(t, "_declared", None)),
+               lambda: _patched(t._guards, "after_backward", ())),
            Arm("saferun - move_to_device", t.train_step,
-               lambda: _patched(trainer_module, "move_to_device", _no_move)),
+               lambda: _patched(frame_module, "move_to_device", _no_move)),
            Arm("saferun - StepOutput", t.train_step,
                lambda: _patched(trainer_module, "StepOutput", _no_output)),
            Arm("saferun - GradScaler calls (plain object)", t.train_step,

@@ -109,6 +109,12 @@ class DeclaredModes:
         """Every module's `training` flag, in order."""
         return list(map(_TRAINING, self.modules))  # C calls only: ~30 ns per module
 
+    def after_backward(self, step: int) -> None:
+        """The step guard (guards/step_guards.py), every step: the modes after training_step
+        and its backward. One Python call when they hold."""
+        if list(map(_TRAINING, self.modules)) != self.expected:
+            self.check(step)
+
     def check(self, step: int, hook: str = "training_step", actual: Optional[list[bool]] = None
               ) -> None:
         """Raise `SaferunError` naming the first module whose mode differs from its declaration

@@ -41,10 +41,9 @@ from .guards.policies import BadStep, Verdict
 from .guards.replay import replay_bad_step
 from .guards.datachecks import setup_warnings
 from .diagnose.explain import StepContexts, explain_failure
-from .loop.failure_site import record
-from .guards.loss_audit import LossCallAudit
-from .guards.model_audit import ModelAudit
+from .guards.model_audit import FirstStepAudits, ModelAudit
 from .guards.preflight import preflight
+from .guards.step_guards import StepGuards
 from .guards.unused import UnusedParameters, window
 from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
@@ -54,6 +53,7 @@ from .loop.habits import StepHabits, check_step_signatures, fit_arguments
 from .loop.components import configured_callbacks, instantiate_node, required_node
 from .loop.activation_checkpointing import apply_activation_checkpointing
 from .loop.compile import check_compiled_step, unwrap_compiled
+from .loop.frame import FirstBackward, StepFrame
 from .loop.manual import ManualSteps, setup_optimizers
 from .loop.metrics import RunningTrainMetrics
 from .loop.optimizers import NamedOptimizers
@@ -61,11 +61,11 @@ from .loop.precision import autocast_factory, grad_scaler
 from .data.seeding import derive_seed, seed_everything
 from .loop.threads import apply_plan, plan_threads, usable_cores
 from .loop.steptimer import StepTimer
-from .loop.throughput import Throughput
-from .data.transfer import batch_size_of, move_to_device, samples_in
+from .loop.throughput import FlopCount, Throughput
+from .data.transfer import batch_size_of, samples_in
 from .loop import averaging, stateful
 from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
-from .loop.update import OptimizerUpdate, total_norm
+from .loop.update import OptimizerUpdate, ParamNorm
 from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
                          trainable_parameters)
 from . import distributed
@@ -291,10 +291,13 @@ class Trainer:
         if t.compile:
             self.model.compile(backend=t.compile_backend)
         self._strategy.finish_setup(self.val_loader, several, self.train_loader, self.metrics)
+        self._frame = StepFrame(self, logbook=self._logbook, habits=self._habits,
+                                strategy=self._strategy, autocast=self._autocast,
+                                device=self.device, non_blocking=self._non_blocking)
+        self._guards = self._step_guards(several)
         self._manual = ManualSteps(  # several optimizers: the step training_step drives
-            self, model, self._logbook, self._habits, scaler=self._scaler, schedule=self._schedule,
-            update=self._update, strategy=self._strategy, guard=self._guard, declared=self._declared,
-            autocast=self._autocast, non_blocking=self._non_blocking) if several else None
+            self, model, self._frame, self._update, schedule=self._schedule,
+            guards=self._guards) if several else None
         self._checkpointer.find_resume()  # resume applies to every entry point: fit, validate, predict
         self._is_setup = True
 
@@ -313,12 +316,22 @@ class Trainer:
             log.info("%s", self._threads_unsaid)
         self._threads_unsaid = None
 
+    def _step_guards(self, several: bool) -> StepGuards:
+        """The in-loop guards the config turns on, one line each (guards/step_guards.py)."""
+        g, guards = self.cfg.guards, StepGuards()
+        if self._guard.snapshot is not None:  # a skip policy: the buffers as before each step
+            guards.register(self._guard.snapshot)
+        if g.declared_modes:
+            guards.register(modes.DeclaredModes(self.model, self._frozen))
+        if g.unused_params and not several:  # (several optimizers: each optimize() watches its own)
+            guards.register(UnusedParameters(self.model.named_parameters(),
+                                             window(self.cfg.trainer.max_steps, self.state.step)))
+        if g.check_params:
+            guards.register(ParamNorm(self._params, self._strategy.meshes))
+        return guards
+
     def _setup_guards(self) -> None:
         g = self.cfg.guards
-        self._unused: Optional[UnusedParameters] = UnusedParameters(
-            self.model.named_parameters(), window(self.cfg.trainer.max_steps, self.state.step)
-        ) if g.unused_params else None
-        self._declared = modes.DeclaredModes(self.model, self._frozen) if g.declared_modes else None
         self._check_first_batch = False
         if g.preflight:
             preflight(self.train_loader, self.val_loader)
@@ -407,27 +420,28 @@ class Trainer:
             timer.lap("data_wait")
         if self._manual is not None:  # several optimizers: training_step calls optimize()
             return self._manual.step(micro_batches)
-        guard = self._guard
-        if guard.snapshot is not None:
-            guard.snapshot.take()  # under a skip policy: the buffers as before this step
-            if timer.on:
-                timer.lap("guards")
+        guards = self._guards  # the in-loop guards the config turns on (setup)
+        for before in guards.before_step:  # a skip policy: the buffers as before this step
+            before()
+        if timer.on:
+            timer.lap("guards")
         loss, logs, samples = self._forward_backward(micro_batches)
         if timer.on:
             timer.lap("forward_backward")
-        if self._declared is not None:
-            self._declared.check(self.state.step + 1)
-        if self._unused is not None and not self._unused.after_backward():  # the first steps
-            self._unused = None
+        step = self.state.step + 1
+        for check in guards.after_backward:  # declared modes; unused parameters (first steps)
+            if check(step):
+                guards.drop(check)  # done
         if timer.on:
             timer.lap("guards")
         grad_norm, skipped, spike, loss_spike = self._update(  # (a skip policy: one host sync)
             self.optimizer, self._params, self._schedule, loss)
-        self._scaler.update()  # after the step (a skipped one too: it saw the gradients)
+        if self._update.scaling:  # fp16: after the step (a skipped one too: it saw the gradients)
+            self._scaler.update()
         if timer.on:
             timer.lap("optimizer")
         if skipped:
-            return guard.skipped(loss, grad_norm, samples)
+            return self._guard.skipped(loss, grad_norm, samples)
         self.state.advance(samples)
         return StepOutput(loss=loss, grad_norm=grad_norm, logs=logs, num_samples=samples,
                           spike=spike, loss_spike=loss_spike)
@@ -451,36 +465,30 @@ class Trainer:
                           last: bool = True, samples: int = 0
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """Forward and backward over the micro-batches: (mean loss, mean logs, samples). One
-        (trainer.accumulate=1) runs here; several go through `accumulate`, which counts them
-        and calls back for each with its samples, its share and whether it is the last."""
+        (trainer.accumulate=1) runs here, in the step frame; several go through `accumulate`,
+        which counts them and calls back for each with its samples, its share and whether it
+        is the last."""
         if len(micro_batches) != 1:
             return accumulate(self._forward_backward, micro_batches, self.batch_size)
         if not samples:
             samples = self.batch_size(micro_batches[0])
             if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
                 samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
-        batch = move_to_device(micro_batches[0], self.device, self._non_blocking)
-        try:  # the explanation of a failure learns the phase and the batch from here
-            habits, step = self._habits, self.state.step + 1
-            had_grads = habits.first_pending and habits.grads_before(self._params)
-            with self._strategy.micro_batch(last):
-                with self._autocast():
-                    habits.step = step  # an optimizer.step() in training_step is refused
-                    self._logbook.begin("train", step)
-                    try:
-                        out = self._logbook.joined(self.training_step(batch), "training_step")
-                    finally:
-                        habits.step = 0
-                    if habits.first_pending:  # a backward in training_step (checked once)
-                        habits.check_first_backward(self._params, had_grads, step)
-                    loss, logs = loss_and_logs(out, step)
-                if share != 1.0:  # accumulation: weighted so the sum is the whole batch's mean
-                    loss, logs = loss * share, {k: v * share for k, v in logs.items()}
-                self._scaler.scale(loss).backward()
-        except BaseException as exc:
-            record(exc, phase="training", batch=batch)
-            raise
-        return loss.detach(), logs, samples
+        then = self._backward if share == 1.0 else (
+            lambda out, step: self._backward(out, step, share))
+        loss, logs = self._frame.run(micro_batches[0], last, then)
+        return loss, logs, samples
+
+    def _backward(self, out: Any, step: int, share: float = 1.0
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """After training_step, in the step frame (under the strategy's micro-batch context):
+        the loss checked, weighted by its share of an accumulated step (so the sum is the whole
+        batch's mean), and backpropagated (scaled under fp16)."""
+        loss, logs = loss_and_logs(out, step)
+        if share != 1.0:
+            loss, logs = loss * share, {k: v * share for k, v in logs.items()}
+        (self._scaler.scale(loss) if self._update.scaling else loss).backward()
+        return loss.detach(), logs
 
     def validate(self) -> dict[str, float]:
         """Average `validation_step` over the validation set, in eval mode without autograd."""
@@ -613,63 +621,19 @@ class Trainer:
             self._check_compile()
         if self._guard.needs_checkpoint:  # a rollback or an anomaly replay
             self._checkpointer.ensure_one(self._save)  # so there is always a good state to go back to
-        if self.cfg.guards.model_audit:
-            self._audit_first_steps()
-        if self._perf.counting:
-            self._count_first_step()
+        # the first steps' checks, run by the step frame (free once done)
+        audits = [FirstStepAudits(self._model_audit(), not self.cfg.trainer.compile,
+                                  lambda: vars(self))] if self.cfg.guards.model_audit else []
+        first = [] if self._manual is not None else [FirstBackward(self._habits, self._params)]
+        self._frame.first_steps(*first, *audits)
+        self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)
         self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
 
-    def _count_first_step(self) -> None:
-        """The throughput report's FLOPs: the next train_step runs under torch's FLOP counter
-        (loop/throughput.py); then train_step is the method again, so later steps pay nothing."""
-        step = self.train_step
-
-        def first_step(micro_batches: Sequence[Any]) -> StepOutput:
-            self.__dict__.pop("train_step", None)
-            return self._perf.count(step, micro_batches)
-
-        self.train_step = first_step  # type: ignore[method-assign]
-
-    def _audit_first_steps(self) -> None:
-        """The model-state and loss-call audits (guards/model_audit.py, loss_audit.py): the
-        first training_step call runs under the loss-call audit, the second begins with the
-        state audit (after the first backward); then training_step is what it was before
-        (the class's own method, or a wrapper saferun.testing set), so later steps pay nothing."""
-        before = self.__dict__.get("training_step")  # a wrapper set on the instance, or None
-        before = getattr(before, "restores", before)  # an audit an earlier fit left installed
-
-        def restore() -> None:
-            if before is None:
-                self.__dict__.pop("training_step", None)
-            else:
-                self.training_step = before  # type: ignore[method-assign]
-
-        restore()
-        step_fn, calls = self.training_step, [0]
-        audit = ModelAudit(self.model, self._params,
-                           check_new_params=not self._strategy.sharded)
+    def _model_audit(self) -> ModelAudit:
+        """guards.model_audit's state audit, set up (its warnings said) for this fit's first steps."""
+        audit = ModelAudit(self.model, self._params, check_new_params=not self._strategy.sharded)
         audit.at_setup()
-        loss_audit = not self.cfg.trainer.compile  # a function mode inside a compiled forward
-
-        def first_steps(batch: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 1:
-                try:
-                    if not loss_audit:
-                        return step_fn(batch)
-                    with LossCallAudit(self.state.step + 1):
-                        return step_fn(batch)
-                except BaseException:
-                    restore()  # an explanation replays the step
-                    raise
-            restore()
-            audit.after_first_backward(self.state.step + 1, batch_size_of(batch), vars(self))
-            out = step_fn(batch)
-            audit.carried_into(out, self.state.step + 1)
-            return out
-
-        first_steps.restores = before  # type: ignore[attr-defined]
-        self.training_step = first_steps  # type: ignore[method-assign]
+        return audit
 
     def _check_limits(self) -> float:
         """The step limit of this fit(). A second fit() must have something left to train (else
@@ -842,9 +806,9 @@ class Trainer:
                          self.state.run_dir, self.state.owed is not None)
 
     def _log(self) -> Optional[Control]:
-        g = self.cfg.guards
-        extra = {"train/param_norm": total_norm(self._params, self._strategy.meshes)} \
-            if g.check_params else {}
+        extra: dict[str, torch.Tensor] = {}
+        for add in self._guards.at_log_point:  # guards.check_params: train/param_norm
+            add(extra)
         agreement, signals = self._strategy.agreement, self._stop_signals
         metrics = self._running.read(extra, agreement.stop_votes(signals), self._strategy.data)
         agreement.count_stop_votes(metrics, signals)

@@ -148,7 +148,8 @@ mutation("measure the norm without clip_grad_norm_(inf)", "saferun/loop/steps.py
          '        return torch.nn.utils.clip_grad_norm_(params, float("inf"))',
          f"{STEP}::test_measuring_without_clipping_never_touches_gradients")
 mutation("accumulation weights micro-batches", T,
-         "            if share != 1.0:", "            if False:",
+         "        if share != 1.0:\n            loss, logs = loss * share",
+         "        if False:\n            loss, logs = loss * share",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch", DIFF)
 mutation("accumulation weights by share of samples, not by count", "saferun/loop/steps.py",
          "share = size / total if size != total else 1.0",
@@ -162,9 +163,9 @@ mutation("accumulate micro-batches per optimizer step", BATCHES,
          "take(batches, self._t.accumulate)", "take(batches, 1)",
          f"{STEP}::test_accumulated_micro_batches_equal_one_large_batch")
 mutation("scheduler steps once per optimizer step", T,
-         "            self._scaler.scale(loss).backward()\n",
-         "            self._scaler.scale(loss).backward()\n"
-         "            if self.scheduler is not None:\n                self.scheduler.step()\n",
+         "        (self._scaler.scale(loss) if self._update.scaling else loss).backward()\n",
+         "        (self._scaler.scale(loss) if self._update.scaling else loss).backward()\n"
+         "        if self.scheduler is not None:\n            self.scheduler.step()\n",
          f"{STEP}::test_scheduler_steps_once_per_optimizer_step")
 mutation("bf16 autocast", "saferun/precision.py",
          '    if precision == "fp32":', '    if precision in ("fp32", "bf16"):',
@@ -214,8 +215,8 @@ mutation("several optimizers: each scheduler steps after its optimizer", MANUAL,
          "self._update(opt, params, self._schedule.by_name[name], loss)",
          "self._update(opt, params, self._schedule.by_name[self.names[0]], loss)", HAND_WRITTEN)
 mutation("the scheduler steps after the optimizer", UPD,
-         "        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
-         "\n", HAND_WRITTEN, "tests/unit/test_schedules.py")
+         "            schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
+         "            pass\n", HAND_WRITTEN, "tests/unit/test_schedules.py")
 mutation("several optimizers: gradients averaged over ranks", MANUAL,
          "            self._strategy.average(self.params[name], step)", "            pass",
          "tests/recipes/test_gan.py::test_torchrun_two_ranks_agree_and_equal_one_process_over_the_global_batch")
@@ -483,8 +484,8 @@ mutation("checked before each validation", T,
          "        if False:\n            return None  # rolled back",
          f"{NONFINITE}::test_a_non_finite_step_is_caught_before_validation")
 mutation("check_params adds the parameters", T,
-         'extra = {"train/param_norm": total_norm(self._params, self._strategy.meshes)} \\\n            if g.check_params else {}',
-         "extra = {}",
+         "            guards.register(ParamNorm(self._params, self._strategy.meshes))",
+         "            pass",
          f"{NONFINITE}::test_non_finite_parameters_are_named_when_check_params_is_on")
 mutation("non-finite parameters are bad", T,
          'keys = ("train/loss", "train/param_norm") +', 'keys = ("train/loss",) +',
@@ -496,9 +497,9 @@ mutation("skip restores the buffers (BatchNorm statistics)", BADSTEP,
          "        self.snapshot.restore()\n", "",
          f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics", DIFF)
 mutation("skip leaves the scheduler untouched", UPD,
-         "        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
-         "        schedule.after_step()\n        if skipped and schedule.scheduler is not None:\n"
-         "            schedule.scheduler.step()\n",
+         "            schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
+         "            schedule.after_step()\n            if skipped:\n"
+         "                schedule.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip drops the bad gradients", UPD,
          "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
@@ -533,8 +534,8 @@ mutation("anomaly replay", BADSTEP,
          "        return (False and bad.kind == \"non-finite\" and not bad.bad_input",
          f"{NONFINITE}::test_anomaly_replay_names_the_backward_op_and_its_forward_line")
 mutation("unused parameters named", T,
-         "        if self._unused is not None and not self._unused.after_backward():  # the first steps\n",
-         "        if False:\n",
+         "            guards.register(UnusedParameters(self.model.named_parameters(),",
+         "            id(UnusedParameters(self.model.named_parameters(),",
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
 # ---------------------------------------------------------------- spikes
@@ -568,7 +569,8 @@ mutation("eval purity checksums see moved values", "saferun/purity.py",
          "chunk[1::2].sum(dtype=acc)])", "chunk.sum(dtype=acc)])",
          "tests/unit/test_purity.py")
 mutation("declared modes checked every step", T,
-         "            self._declared.check(self.state.step + 1)", "            pass",
+         "            guards.register(modes.DeclaredModes(self.model, self._frozen))",
+         "            pass",
          f"{GUARDS}::test_a_frozen_module_put_back_in_train_mode_is_named",
          f"{GUARDS}::test_a_module_switched_to_eval_during_training_is_named")
 mutation("declared modes: each module's mode read", "saferun/modes.py",
@@ -863,14 +865,13 @@ mutation("audit: plain tensor state that training changes is warned about", MA,
          "        if not changed:\n            return []", "        if True:\n            return []",
          f"{AUDITS}::test_state_in_a_plain_tensor_is_warned_about_with_register_buffer")
 mutation("audit: the audits run (guards.model_audit)", T,
-         "        if self.cfg.guards.model_audit:\n            self._audit_first_steps()",
-         "        if False:\n            self._audit_first_steps()",
+         "        self._frame.first_steps(*first, *audits)", "        self._frame.first_steps(*first)",
          f"{AUDITS}::test_modules_in_a_plain_list_are_refused_before_a_second_update",
          f"{AUDITS}::test_class_indices_out_of_range_name_the_positions_and_c")
-mutation("audit: nothing runs after the second training_step call", T,
-         "            restore()\n            audit.after_first_backward",
-         "            audit.after_first_backward",
-         f"{AUDITS}::test_the_audits_leave_training_step_as_the_class_method_after_the_second_call")
+mutation("audit: nothing runs after the second training_step call", MA,
+         "        self.done = True\n        self._audit.after_first_backward",
+         "        self._audit.after_first_backward",
+         f"{AUDITS}::test_the_audits_run_in_the_first_two_steps_only")
 mutation("audit: regression losses that broadcast the input are refused", LA,
          "    if shape == x.shape:\n        return None", "    if True:\n        return None",
          f"{AUDITS}::test_regression_losses_that_broadcast_are_refused_naming_both_shapes")
@@ -1347,8 +1348,8 @@ mutation("several optimizers: the step counter advances", "saferun/loop/manual.p
 
 
 mutation("several optimizers: the step uses the Trainer's GradScaler", T,
-         "self, model, self._logbook, self._habits, scaler=self._scaler,",
-         'self, model, self._logbook, self._habits, scaler=torch.amp.GradScaler("cpu", enabled=False),',
+         "        self._scaler, self._guard, self._schedule = update.scaler, update.guard, schedule",
+         '        self._scaler, self._guard, self._schedule = torch.amp.GradScaler("cpu", enabled=False), update.guard, schedule',
          "tests/loop/test_optimizers.py::test_each_update_equals_a_hand_written_loop_bitwise")
 
 mutation("saferun check: compile parity still compiles after the other checks", "saferun/check.py",
@@ -1360,7 +1361,7 @@ mutation("saferun check: compile parity runs the fit's own compile check", "safe
          "tests/guards/test_check.py::test_compile_parity_is_checked_when_the_config_compiles")
 
 mutation("several optimizers: unused parameters named per optimizer", MANUAL,
-         "            if unused is not None and not unused.after_backward():",
+         "            if unused is not None and unused.after_backward(step):",
          "            if False:",
          f"{OPTS}::test_unused_parameters_are_named_per_optimizer_once")
 mutation("several optimizers: unused parameters named once", MANUAL,
@@ -1522,7 +1523,7 @@ mutation("issue 31: the error says whether the newest checkpoint was checked", B
 
 
 # issues 35/37: speed
-COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_per_step"
+COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step"
 mutation("loop cost: nothing built per step for a step that logged only means", T,
          "self._running.add(output, where, self._logbook.take_step())",
          "self._running.add(output, where, self._logbook.take())", COST)
@@ -1558,11 +1559,45 @@ mutation("threads: the user's OMP_WAIT_POLICY wins", THREADS,
          'if "torch" in sys.modules or "OMP_WAIT_POLICY" in env:', 'if "torch" in sys.modules:',
          f"{THREADT}::test_the_saferun_command_stops_openmp_threads_spinning_unless_the_user_chose")
 PERF, PERFT = "saferun/loop/throughput.py", "tests/loop/test_throughput.py"
+# the step frame (loop/frame.py) and the step guards (guards/step_guards.py), issue 32/37
+FRAME = "saferun/loop/frame.py"
+mutation("step frame: contexts entered unless one process in fp32", FRAME,
+         "        self._plain = autocast is contextlib.nullcontext and not strategy.wraps_micro_batch",
+         "        self._plain = True",
+         f"{STEP}::test_bf16_autocast_on_cpu")
+mutation("step frame: a backward inside the first training_step is refused", T,
+         "        first = [] if self._manual is not None else [FirstBackward(self._habits, self._params)]",
+         "        first: list[Any] = []",
+         "tests/loop/test_loop_edges.py::test_a_backward_or_optimizer_step_inside_training_step_is_refused_before_any_update")
+mutation("step frame: the first steps' checks drop out when done", FRAME,
+         "            self._first = [c for c in self._first if not c.done]", "            pass",
+         f"{AUDITS}::test_the_audits_run_in_the_first_two_steps_only", COST)
+mutation("loop cost: a list of plain values is copied without a call per value",
+         "saferun/loop/transfer.py",
+         "    if type(obj) in (list, tuple) and _PLAIN.issuperset(map(type, obj)):",
+         "    if False:",
+         "tests/unit/test_data.py::test_a_long_list_of_numbers_is_copied_without_a_call_per_number")
+mutation("step guards: a skip policy's buffer snapshot is taken before each step", T,
+         "            guards.register(self._guard.snapshot)", "            pass",
+         f"{NONFINITE}::test_a_skipped_nan_batch_leaves_no_nan_in_the_batchnorm_statistics",
+         f"{OPTS}::test_skip_policy_restores_the_buffers_the_skipped_steps_forward_changed")
+mutation("step guards: several optimizers run the after-backward guards", MANUAL,
+         "        for check in guards.after_backward:  # declared modes",
+         "        for check in ():  # declared modes",
+         f"{OPTS}::test_a_module_switched_to_eval_in_training_step_is_named_with_several_optimizers")
+mutation("step guards: a guard that is done is dropped", T,
+         "                guards.drop(check)  # done", "                pass  # done",
+         f"{NONFINITE}::test_unused_parameters_are_named_once",
+         "tests/loop/test_loop_cost.py::test_a_default_step_calls_no_guard_or_context_it_does_not_need")
+mutation("GradScaler: updated once per step under fp16", T,
+         "        if self._update.scaling:  # fp16: after the step", "        if False:  # fp16: after the step",
+         "tests/checkpoint/test_checkpoint.py::test_grad_scaler_state_is_saved_and_restored")
 mutation("perf: the first step's FLOPs are counted", T,
-         "        if self._perf.counting:\n            self._count_first_step()\n", "",
+         "        self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)",
+         "        self._frame.count_first_step(None)",
          f"{PERFT}::test_flops_are_counted_once_and_reported_to_every_logger")
-mutation("perf: only the first step runs under the FLOP counter", T,
-         '            self.__dict__.pop("train_step", None)\n', "",
+mutation("perf: only the first step runs under the FLOP counter", PERF,
+         "        if last:\n            self.done = True\n", "        if last:\n",
          f"{PERFT}::test_flops_are_counted_once_and_reported_to_every_logger")
 mutation("perf: the report joins the log point's metrics", T,
          "        self._perf.at_log_point(metrics)  #", "        pass  #",

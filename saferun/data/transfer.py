@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
+from operator import methodcaller
 from typing import Any, Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from ..errors import SaferunError
 
 _TENSOR = {torch.Tensor}  # a batch's element types, for the hot path's check (no generator)
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})  # leaves kept as they are
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -27,7 +29,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     """
     if type(batch) in (list, tuple) and set(map(type, batch)) == _TENSOR:
         try:  # the common (inputs, targets) batch, without building a path per element
-            moved = [t.to(device, non_blocking=non_blocking) for t in batch]
+            moved = list(map(methodcaller("to", device, non_blocking=non_blocking), batch))
             return moved if type(batch) is list else tuple(moved)
         except (RuntimeError, TypeError):
             pass  # the walk below names the tensor that failed
@@ -88,6 +90,8 @@ def _map_tensors(obj: Any, tensor: Callable[[torch.Tensor, str], Any],
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_map_tensors(v, tensor, other, f"{path}.{f}")
                            for f, v in zip(obj._fields, obj)))
+    if type(obj) in (list, tuple) and _PLAIN.issuperset(map(type, obj)):
+        return type(obj)(obj)  # plain values only (an RNG state's 625 ints): no call per value
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(v, tensor, other, f"{path}[{i}]") for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

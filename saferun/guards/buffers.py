@@ -41,6 +41,8 @@ class BufferSnapshot:
             torch._foreach_copy_(self._copies, tensors)
         self._sources = tensors
 
+    before_step = take  # a step guard (guards/step_guards.py) under a skip policy
+
     def restore(self) -> None:
         """Put back the buffers as the last `take()` found them (values and tensor objects)."""
         if len(_slots(self._model)) != len(self._slots):

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
+from ..data.transfer import batch_size_of
 from ..errors import ModelStateError
+from .loss_audit import LossCallAudit
 
 log = logging.getLogger("saferun")
 
@@ -359,3 +361,34 @@ def _fix(name: str) -> str:
         return "an nn.Module for the object that holds it (then it is registered)"
     return "nn.ModuleDict (nn.ParameterDict)" if "['" in name else "nn.ModuleList (nn.ParameterList)"
 
+
+
+class FirstStepAudits:
+    """guards.model_audit in the step frame (loop/frame.py): the first `training_step` call runs
+    under the loss-call audit (guards/loss_audit.py; not under trainer.compile, whose compiled
+    forward a function mode cannot see into), the second begins with the state audit (after
+    the first backward) and ends with the check of what it returned; then it is done and later
+    steps pay nothing. `holders()`: the Trainer's attributes (a graph kept there)."""
+
+    def __init__(self, audit: ModelAudit, loss_audit: bool,
+                 holders: Callable[[], Mapping[str, Any]]) -> None:
+        self._audit, self._loss_audit, self._holders = audit, loss_audit, holders
+        self._calls = 0
+        self.done = False
+
+    def __call__(self, call: Callable[[Any], Any], batch: Any, step: int) -> Any:
+        self._calls += 1
+        if self._calls == 1:
+            try:
+                if not self._loss_audit:
+                    return call(batch)
+                with LossCallAudit(step):
+                    return call(batch)
+            except BaseException:
+                self.done = True  # the run ends here; an explanation replays the step unaudited
+                raise
+        self.done = True
+        self._audit.after_first_backward(step, batch_size_of(batch), self._holders())
+        out = call(batch)
+        self._audit.carried_into(out, step)
+        return out

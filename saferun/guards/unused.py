@@ -30,15 +30,15 @@ class UnusedParameters:
         self.waiting = {n: p for n, p in named if p.requires_grad}
         self.window, self.seen, self.optimizer = max(window, 1), 0, optimizer
 
-    def after_backward(self) -> bool:
-        """After a step's backward: drop the parameters that got a gradient; report those left
-        at the window's end. Returns whether there is anything left to check (the caller's
-        pending flag)."""
+    def after_backward(self, step: int = 0) -> bool:
+        """After a step's backward (a step guard, guards/step_guards.py): drop the parameters
+        that got a gradient; report those left at the window's end. Returns whether the guard
+        is done (nothing left to check, or the window is over)."""
         self.waiting = {n: p for n, p in self.waiting.items() if p.grad is None}
         self.seen += 1
         if self.waiting and self.seen >= self.window:
             self._report()
-        return bool(self.waiting) and self.seen < self.window
+        return not self.waiting or self.seen >= self.window
 
     def _report(self) -> None:
         unused = list(self.waiting)

@@ -68,7 +68,6 @@ class StepHabits:
     def __init__(self) -> None:
         self.step = 0  # while training_step runs: the step it computes; else 0
         self.saferun_steps = False  # self.optimize() steps an optimizer inside training_step
-        self.first_pending = True
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer],
               schedulers: Iterable[Any] = ()) -> None:
@@ -106,8 +105,8 @@ class StepHabits:
 
     def check_first_backward(self, params: Sequence[torch.Tensor], had_grads: bool, step: int
                              ) -> None:
-        """After the first training_step: a gradient that appeared is the user's backward."""
-        self.first_pending = False
+        """After the first training_step (loop/frame.py's FirstBackward): a gradient that
+        appeared is the user's backward."""
         if had_grads or not any(p.grad is not None for p in params):
             return
         raise SaferunError(

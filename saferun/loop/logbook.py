@@ -169,6 +169,17 @@ class Logbook:
         self.phase, self.position = phase, position
         self.means = {}
 
+    def run(self, phase: str, position: int, fn: Callable[[Any], Any], arg: Any, hook: str) -> Any:
+        """`fn(arg)` as `hook`, which may log, started (`begin`) and its return value `joined`:
+        the step frame's one call around training_step (loop/frame.py)."""
+        self.phase, self.position = phase, position
+        self.means = {}
+        out = fn(arg)
+        if self.means or self.folded.values:
+            return self.joined(out, hook)
+        self.phase = None  # (`joined` with nothing logged)
+        return out
+
     def joined(self, out: Any, hook: str) -> Any:
         """`hook`'s return value with what it self.log()ged as "mean": a loss tensor becomes
         {"loss": loss, ...}; a dict gets the values added. A name both returned and logged is

@@ -30,11 +30,11 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 from torch.autograd.graph import increment_version
 
-from .logbook import Logbook
 from ..callbacks import StepOutput
 from ..errors import SaferunError
+from ..guards.step_guards import StepGuards
 from .failure_site import record
-from .habits import StepHabits
+from .frame import StepFrame
 from .manual_checks import checked_loss, graph_slip
 from .metrics import scalar_dict
 from .optimizers import build_named, check_held
@@ -42,7 +42,7 @@ from ..schedules import Schedule
 from .steps import check_optimizer_params
 from .update import OptimizerUpdate
 from ..guards.unused import UnusedParameters, window
-from ..data.transfer import move_to_device, samples_in
+from ..data.transfer import samples_in
 
 
 class ManualOwner(Protocol):
@@ -61,19 +61,15 @@ class ManualOwner(Protocol):
 class ManualSteps:
     """Runs one step of training_step with several optimizers and checks how it used them."""
 
-    def __init__(self, trainer: ManualOwner, model: torch.nn.Module, logbook: Logbook,
-                 habits: StepHabits, *, scaler: Any, schedule: Any, update: OptimizerUpdate,
-                 strategy: Any, guard: Any, declared: Any, autocast: Any, non_blocking: bool
-                 ) -> None:
-        """`model`: unwrapped (its parameter names are the messages'); `schedule`: the
-        NamedSchedules; `update`: the loop's one update after backward, run per optimizer;
-        `guard`: the BadStepPolicy (its snapshot and skipped steps); `declared`: DeclaredModes
-        or None; `autocast`: the precision's context factory."""
-        self._tr, self._habits = trainer, habits
-        self._logbook = logbook  # what training_step self.log()s joins its returned dict
-        self._scaler, self._schedule, self._strategy, self._guard = scaler, schedule, strategy, guard
-        self._update = update
-        self._declared, self._autocast, self._non_blocking = declared, autocast, non_blocking
+    def __init__(self, trainer: ManualOwner, model: torch.nn.Module, frame: StepFrame,
+                 update: OptimizerUpdate, *, schedule: Any, guards: StepGuards) -> None:
+        """`model`: unwrapped (its parameter names are the messages'); `frame`: the step frame
+        training_step runs in (its strategy and habits); `update`: the loop's one update after
+        backward, run per optimizer (its GradScaler and BadStepPolicy); `schedule`: the
+        NamedSchedules; `guards`: the in-loop guards the config turns on."""
+        self._tr, self._frame, self._update, self._guards = trainer, frame, update, guards
+        self._habits, self._strategy = frame.habits, frame.strategy
+        self._scaler, self._guard, self._schedule = update.scaler, update.guard, schedule
         names = {id(p): n for n, p in model.named_parameters()}
         self.names = list(trainer.optimizer)
         # per optimizer: its trainable parameters with their names (for the DDP average's
@@ -89,26 +85,17 @@ class ManualSteps:
 
     def step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One step: training_step on the batch, which calls optimize() once per optimizer."""
-        tr = self._tr
+        tr, guards = self._tr, self._guards
         assert len(micro_batches) == 1  # trainer.accumulate > 1 is refused at setup
-        if self._guard.snapshot is not None:
-            self._guard.snapshot.take()  # skip policy: the buffers as before this step
-        batch = micro_batches[0]
-        samples = samples_in(batch, tr.batch_size, f"step {tr.state.step + 1}")
-        batch = move_to_device(batch, tr.device, self._non_blocking)
+        for before in guards.before_step:  # a skip policy: the buffers as before this step
+            before()
+        samples = samples_in(micro_batches[0], tr.batch_size, f"step {tr.state.step + 1}")
         self._done, self._skipped = {}, []
-        try:
-            with self._strategy.micro_batch(True):  # DDP: buffers broadcast after training_step
-                with self._autocast():
-                    self._logbook.begin("train", tr.state.step + 1)
-                    self._habits.step = tr.state.step + 1  # its own optimizer.step() is refused
-                    out = self._logbook.joined(tr.training_step(batch), "training_step")
+        try:  # (DDP: buffers broadcast after training_step)
+            out = self._frame.run(micro_batches[0])
             done = self._done
-        except BaseException as exc:  # the explanation learns the phase and the batch here
-            record(exc, phase="training", batch=batch)
-            raise
         finally:
-            self._done, self._habits.step = None, 0
+            self._done = None
         step = tr.state.step + 1
         missing = [n for n in self.names if n not in done]
         if missing:
@@ -118,8 +105,9 @@ class ManualSteps:
                 f"With several optimizers every step updates each one once, so that its "
                 f"schedule, gradient norm and checkpoint state stay in step with the loop.")
         logs = _user_logs(out, step)
-        if self._declared is not None:
-            self._declared.check(step)
+        for check in guards.after_backward:  # declared modes
+            if check(step):
+                guards.drop(check)
         self._scaler.update()  # once per step, after every optimizer's unscale_ and step
         if self._skipped:
             return self._skip_step(samples)
@@ -174,7 +162,7 @@ class ManualSteps:
                 record(exc, optimize_part="backward")
                 raise
             unused = self._unused.get(name)  # guards.unused_params, in the first steps
-            if unused is not None and not unused.after_backward():
+            if unused is not None and unused.after_backward(step):
                 del self._unused[name]
             self._strategy.average(self.params[name], step)  # torchrun: the mean over ranks
             loss = loss.detach()

@@ -91,18 +91,12 @@ class Throughput:
         """The next step should be counted (once per Trainer)."""
         return self.countable and self.flops_per_step is None
 
-    def count(self, step: Callable[[Any], Any], micro_batches: Any) -> Any:
-        """Run `step(micro_batches)` under torch's FLOP counter and keep its count."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
-        with counter:
-            out = step(micro_batches)
-        self.flops_per_step = counter.get_total_flops()
+    def counted(self, flops: int) -> None:
+        """Keep the first step's count (`FlopCount`) and say it."""
+        self.flops_per_step = flops
         if self.say:
             log.info("perf: %.4g FLOPs per step (forward and backward, counted on this fit's first "
                      "step); MFU: %s.", self.flops_per_step, self.peak_said)
-        return out
 
     def at_log_point(self, metrics: dict[str, float]) -> None:
         """Add the perf/* figures that follow from `metrics`' steps and samples per second."""
@@ -114,3 +108,25 @@ class Throughput:
             metrics["perf/tflops_per_sec"] = flops / 1e12
             if self.peak is not None:
                 metrics["perf/mfu"] = flops / (self.peak * 1e12)
+
+
+class FlopCount:
+    """The count of the first step's FLOPs in the step frame (loop/frame.py): each of its
+    micro-batches (training_step and backward) runs under torch's FLOP counter; after the last,
+    the total goes to `perf` and the count is done, so later steps run uncounted."""
+
+    def __init__(self, perf: Throughput) -> None:
+        self._perf, self._total = perf, 0
+        self.done = False
+
+    def __call__(self, run: Callable[[], Any], last: bool) -> Any:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = run()
+        self._total += counter.get_total_flops()
+        if last:
+            self.done = True
+            self._perf.counted(self._total)
+        return out

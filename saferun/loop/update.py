@@ -33,7 +33,10 @@ class OptimizerUpdate:
         spike detectors and skip verdict); `meshes`: the parameters may lie on several device
         meshes (the strategy's `meshes`); `timer`: the loop's StepTimer, told which part of
         the update is the guards'."""
-        self._scaler, self._guard = scaler, guard
+        self.scaler, self.guard = scaler, guard
+        # fp16: the scaler scales, unscales and steps; disabled it passes everything through,
+        # so the steps do not call it (four Python calls per step)
+        self.scaling: bool = scaler.is_enabled()
         self._max_grad_norm, self._meshes = max_grad_norm, meshes
         self._timer = timer or StepTimer(torch.device("cpu"), 1)  # (never started: never on)
 
@@ -43,12 +46,13 @@ class OptimizerUpdate:
         """(gradient norm before clipping, skipped, spiked, the loss spiked): the two spike
         flags on the device, None without guards.spikes. A skip policy reads one value per
         step from the device (agreed over ranks); otherwise nothing is read."""
-        scaler, guard = self._scaler, self._guard
-        try:
-            scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones
-        except BaseException as exc:  # several optimizers: the explanation names this part
-            record(exc, optimize_part="step")
-            raise
+        scaler, guard = self.scaler, self.guard
+        if self.scaling:
+            try:
+                scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones
+            except BaseException as exc:  # several optimizers: the explanation names this part
+                record(exc, optimize_part="step")
+                raise
         norm = clip_or_measure(params, self._max_grad_norm, self._meshes)
         timer = self._timer
         if timer.on:
@@ -59,14 +63,27 @@ class OptimizerUpdate:
             timer.lap("guards")
         if not skipped:
             try:
-                scaler.step(optimizer)
+                scaler.step(optimizer) if self.scaling else optimizer.step()
             except BaseException as exc:
                 record(exc, optimize_part="step")
                 raise
         # the class's zero_grad, not the instance's wrapper that refuses one inside training_step
         type(optimizer).zero_grad(optimizer, set_to_none=True)
-        schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
+        if schedule.scheduler is not None:  # (none: no rate changes, nothing to step)
+            schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         return norm, skipped, spike, loss_spike
+
+
+class ParamNorm:
+    """guards.check_params at log points (a step guard, guards/step_guards.py): the total norm
+    of the trainable parameters as train/param_norm, read with the window's metrics; a
+    non-finite one makes the log point bad."""
+
+    def __init__(self, params: list[nn.Parameter], meshes: bool = False) -> None:
+        self._params, self._meshes = params, meshes
+
+    def at_log_point(self, extra: dict[str, torch.Tensor]) -> None:
+        extra["train/param_norm"] = total_norm(self._params, self._meshes)
 
 
 def clip_or_measure(params: list[nn.Parameter], max_norm: Optional[float],

@@ -77,6 +77,12 @@ class Strategy:
     def micro_batch(self, last: bool) -> ContextManager[None]:
         return _NO_CONTEXT
 
+    @property
+    def wraps_micro_batch(self) -> bool:
+        """Whether `micro_batch` does anything (after setup): if not, the step frame
+        (loop/frame.py) does not enter it."""
+        return type(self).micro_batch is not Strategy.micro_batch
+
     def after_evaluation(self, model: nn.Module) -> None:
         """After an evaluation pass over `model` (the trained model or its average)."""
 
@@ -220,6 +226,10 @@ class MeshParallel(Strategy):
         if self._sync is None:
             return _NO_CONTEXT
         return self._sync.micro_batch(last, self._state.step + 1)
+
+    @property
+    def wraps_micro_batch(self) -> bool:
+        return self._sync is not None  # dp_shard > 1: FSDP2's gradient sync
 
     def after_evaluation(self, model: nn.Module) -> None:
         fsdp.reshard(model)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 from mistakes import (CORPUS, GraphCarried, LayerMadeInForward, ModulesInAList, OneBasedLabels,
                       catch, config_for)
 from saferun.errors import LossCallError, ModelStateError, SaferunError
+from saferun.guards import model_audit
 from saferun.guards.loss_audit import LossCallAudit
 from toys import Net, ToyTrainer, make_classification, toy_config
 
@@ -303,25 +304,30 @@ def test_probabilities_and_log_probabilities_where_each_is_expected(caplog):
 
 # ------------------------------------------------------------------ no cost after the first steps
 
-def test_the_audits_leave_training_step_as_the_class_method_after_the_second_call(tmp_path):
-    calls = []
+def test_the_audits_run_in_the_first_two_steps_only(tmp_path, monkeypatch):
+    # The step frame (loop/frame.py) runs them around the first two training_step calls, then
+    # drops them: later steps pay nothing, and nothing is set on the Trainer instance.
+    calls, audited = [], []
 
     class Counting(LossCallAudit):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
             calls.append(func)
             return super().__torch_function__(func, types, args, kwargs)
 
-    import saferun.trainer as trainer_module
-    original = trainer_module.LossCallAudit
-    trainer_module.LossCallAudit = Counting  # type: ignore[misc]
-    try:
-        t = ToyTrainer(toy_config(tmp_path, max_steps=6))
-        t.fit()
-    finally:
-        trainer_module.LossCallAudit = original  # type: ignore[misc]
-    assert "training_step" not in vars(t)  # the class's own method again: nothing per step
-    assert F.cross_entropy in calls  # the first step ran under the audit, once
+    real = model_audit.ModelAudit.after_first_backward
+
+    def after_first_backward(self, step, *args, **kwargs):
+        audited.append(step)
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(model_audit, "LossCallAudit", Counting)
+    monkeypatch.setattr(model_audit.ModelAudit, "after_first_backward", after_first_backward)
+    t = ToyTrainer(toy_config(tmp_path, max_steps=6))
+    t.fit()
+    assert "training_step" not in vars(t) and "train_step" not in vars(t)
+    assert F.cross_entropy in calls  # the first step ran under the loss-call audit, once
     assert calls.count(F.cross_entropy) == 1
+    assert audited == [2]  # the state audit: once, as the second step begins
 
 
 # ------------------------------------------------------------------ training order

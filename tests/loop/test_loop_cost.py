@@ -3,17 +3,27 @@ Python calls per step (`sys.setprofile`) against the hand-written loop of
 benchmarks/loop_window.py, over a window of plain steps (no log point, no checkpoint)."""
 
 import os
+import sys
 
 import pytest
+
+import saferun
+from toys import ToyTrainer, toy_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # saferun's own work per plain step beyond the hand loop's (batch size, device move, the
-# guards' checks, the bookkeeping, the callbacks' dispatch, the stop checks): 41 calls today
-# (60 before issue 37), with one call of slack, so that per-step work added by mistake, even
-# one object built per step, fails here. Lower it when the loop gets leaner.
-EXTRA_CALLS_PER_STEP = 42
+# step frame, the declared-modes check, the bookkeeping, the callbacks' dispatch, the stop
+# checks): 30 calls today (41 before issue 37's step frame, 60 before issue 37), with one call
+# of slack, so that per-step work added by mistake, even one object built per step, fails here.
+# Lower it when the loop gets leaner.
+EXTRA_CALLS_PER_STEP = 31
 STRICT_EXTRA_OVER_DEFAULTS = 3  # the spike guard's call and its two detector updates
+# Container objects a plain step leaves alive until its log point (the collector's generation-0
+# count, which triggers collections), beyond the hand loop's 1: the loss and the gradient norm
+# on the device, and the sample indices with their epoch (a tuple, a list, the sampler's list).
+EXTRA_KEPT_PER_STEP = 5
+STRICT_KEPT_OVER_DEFAULTS = 4  # the step's two spike flags, the two values the detectors keep
 
 
 @pytest.fixture
@@ -24,21 +34,61 @@ def loop_window(monkeypatch):
     return loop_window
 
 
-def plain_step_calls(loop_window, variant, tmp_path, steps=230, start=120):
-    window = loop_window.Window(start, steps, "calls")
+def plain_step_counts(loop_window, variant, tmp_path, steps=230, start=120):
+    """(Python calls, container objects kept) per plain step of the window."""
+    window = loop_window.Window(start, steps, "calls", kept=True)
     if variant == "hand":
         loop_window.hand_loop(steps, window)
     else:
         guards = loop_window.STRICT if variant == "strict" else {}
         loop_window.saferun_loop(steps, window, guards, str(tmp_path / variant))
     assert window.step == steps
-    return window.result()["plain_step_python_calls"]
+    counted = window.result()
+    return counted["plain_step_python_calls"], counted["plain_step_kept_objects"]
 
 
-def test_the_loop_adds_few_python_calls_per_step(loop_window, tmp_path):
-    hand = plain_step_calls(loop_window, "hand", tmp_path)
-    defaults = plain_step_calls(loop_window, "saferun", tmp_path)
-    strict = plain_step_calls(loop_window, "strict", tmp_path)
-    assert hand > 300  # the window counted the steps (forward, backward, AdamW, the loader)
+def test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step(loop_window, tmp_path):
+    # exact counts, independent of the machine (the objects: the collector paused over the window)
+    (hand, hand_kept), (defaults, kept), (strict, strict_kept) = (
+        plain_step_counts(loop_window, v, tmp_path / v) for v in ("hand", "saferun", "strict"))
+    assert hand > 300 and hand_kept >= 1  # the window counted (forward, backward, AdamW, the loader)
     assert defaults - hand <= EXTRA_CALLS_PER_STEP, (defaults, hand)
     assert strict - defaults <= STRICT_EXTRA_OVER_DEFAULTS, (strict, defaults)
+    assert kept - hand_kept <= EXTRA_KEPT_PER_STEP, (kept, hand_kept)
+    assert strict_kept - kept <= STRICT_KEPT_OVER_DEFAULTS, (strict_kept, kept)
+
+
+class _StepCalls(saferun.Callback):
+    """The Python functions called during step `at` (from the end of the step before to the end
+    of this one), as (file name, function name)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.called = at, set()
+
+    def on_train_step_end(self, view, output):
+        if view.step == self.at - 1:
+            sys.setprofile(self._profile)
+        elif view.step == self.at:
+            sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            self.called.add((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+
+
+def test_a_default_step_calls_no_guard_or_context_it_does_not_need(tmp_path):
+    # One process in fp32 with the default guards, after the first steps: no context entered
+    # (strategy.micro_batch, autocast), no GradScaler call (disabled outside fp16), none of the
+    # first steps' checks (loop/frame.py) and no guard hook the config leaves off; the step
+    # guards that are on (declared modes) run (guards/step_guards.py).
+    probe = _StepCalls(at=30)
+    ToyTrainer(toy_config(tmp_path, max_steps=40), callbacks=[probe]).fit()
+    files = {file for file, _ in probe.called}
+    names = {name for _, name in probe.called}
+    assert "training_step" in names, probe.called  # it profiled the step
+    assert "contextlib.py" not in files and "grad_scaler.py" not in files, sorted(probe.called)
+    assert not {"_checked", "_counted", "micro_batch", "before_step", "at_log_point"} & names
+    assert ("unused.py", "after_backward") not in probe.called  # done after its window (20 steps)
+    assert "model_audit.py" not in files and "loss_audit.py" not in files
+    assert ("modes.py", "after_backward") in probe.called  # guards.declared_modes is on
+

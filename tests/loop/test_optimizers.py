@@ -180,6 +180,18 @@ def test_skip_policy_drops_only_the_bad_optimizers_update(tmp_path):
     assert metrics["train/loss/enc"] == metrics["train/loss/enc"]  # finite again after the skip
 
 
+def test_a_module_switched_to_eval_in_training_step_is_named_with_several_optimizers(tmp_path):
+    # the step guards (guards/step_guards.py) run in both step drivers: declared modes here
+    class CallsEval(TwoOptimizers):
+        def training_step(self, batch):
+            if self.state.step == 2:
+                self.model.head.eval()
+            return super().training_step(batch)
+
+    with pytest.raises(SaferunError, match=r"step 3: module 'head' \(Linear\) is in eval mode"):
+        CallsEval(config(tmp_path)).fit()
+
+
 class TwoOptimizersNorm(TwoOptimizers):
     """The encoder has a BatchNorm: each training forward updates its running statistics."""
 

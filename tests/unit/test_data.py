@@ -137,3 +137,22 @@ def test_training_shards_are_disjoint_and_reshuffled_every_epoch():
 def test_validation_shards_hold_every_sample_exactly_once():
     shards = [shard_indices(10, r, 3, 0, evaluation=True) for r in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(10))  # no padding, no repeats
+
+
+def test_a_long_list_of_numbers_is_copied_without_a_call_per_number():
+    # A checkpoint's state goes through move_to_device on its way to the CPU: Python's random
+    # state alone is a tuple of 625 ints, which must not cost a Python call each (issue 37).
+    import random
+    import sys
+
+    state = {"python": random.getstate(), "steps": [1.5, 2.5, None], "t": torch.ones(2)}
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        moved = move_to_device(state, torch.device("cpu"))
+    finally:
+        sys.setprofile(None)
+    assert moved["python"] == state["python"] and moved["steps"] == state["steps"]
+    assert moved["steps"] is not state["steps"]  # a list is rebuilt, as any container
+    assert torch.equal(moved["t"], state["t"])
+    assert len(calls) < 20, len(calls)
