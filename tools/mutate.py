@@ -1903,6 +1903,12 @@ mutation("host syncs: a read of a host-only tensor is not a sync", SYNCS,
          "        if not counter._is_host(args[0] if args else None):", "        if True:",
          f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs",
          f"{REAL}::test_wav2vec2_layerdrop_is_not_a_sync")
+mutation("host syncs: a host tensor written from device data is device data", SYNCS,
+         "                counter._forget_host(out if func is not torch.Tensor.__setitem__ else args[0])",
+         "                pass", "tests/guards/test_syncs.py::test_a_host_buffer_filled_with_device_values_is_counted_at_each_read")
+mutation("host syncs: an assignment into a host tensor is a write", SYNCS,
+         "out if func is not torch.Tensor.__setitem__ else args[0])", "out)",
+         "tests/guards/test_syncs.py::test_a_host_buffer_filled_with_device_values_is_counted_at_each_read")
 mutation("host syncs: a value check torch makes on CPU only is not a sync", SYNCS,
          "            counter._in_read |= skip_check\n", "            counter._in_read |= False\n",
          f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs")
