@@ -886,6 +886,17 @@ mutation("audit: probabilities into cross_entropy/nll_loss are refused", LA,
 mutation("audit: raw scores into nll_loss are warned about", LA,
          '    if name == "nll_loss" and not _log_normalised(x):', "    if False:",
          f"{AUDITS}::test_probabilities_and_log_probabilities_where_each_is_expected")
+mutation("audit: a sigmoid's output into the logits loss is warned about", LA,
+         "                ) if _made_by_sigmoid(x.grad_fn) else None", "                ) if False else None",
+         f"{AUDITS}::test_a_sigmoid_before_the_logits_loss_is_said_once_per_line")
+mutation("audit: a sigmoid's output is seen through shape-only ops", LA,
+         "        if kind not in _SHAPE_ONLY:", "        if True:", f"{AUDITS}::test_a_sigmoid_before_the_logits_loss_is_said_once_per_line")
+mutation("audit: with autograd, the graph decides whether a sigmoid made the logits", LA,
+         "    if x.grad_fn is not None:\n", "    if False:\n", f"{AUDITS}::test_raw_scores_that_happen_to_lie_in_0_1_are_not_taken_for_a_sigmoids")
+mutation("audit: without autograd, raw scores near 0 are not a sigmoid's", LA,
+         "            and 0.2 < float(x.float().median()) < 0.8:", "            and True:", f"{AUDITS}::test_raw_scores_that_happen_to_lie_in_0_1_are_not_taken_for_a_sigmoids")
+mutation("audit: a loss line's warning is said once", LA,
+         "        if message in self.warnings:", "        if False:", f"{AUDITS}::test_a_sigmoid_before_the_logits_loss_is_said_once_per_line")
 mutation("audit: the user's loss line is named", LA,
          "        if not file.startswith((_TORCH_DIR, _SAFERUN_DIR)):", "        if True:",
          f"{AUDITS}::test_regression_losses_that_broadcast_are_refused_naming_both_shapes")
