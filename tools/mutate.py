@@ -1876,6 +1876,9 @@ mutation("course: the command line drops a refused run's intent", "saferun/cli/r
 # issue 33: real architectures
 REAL, DC, SYNCS = "tests/guards/test_real_models.py", "saferun/guards/datachecks.py", "saferun/guards/syncs.py"
 CHK = "saferun/check.py"
+mutation("saferun check: several optimizers' training_step runs for its forward alone", "saferun/trainer.py",
+         "        with self._manual.replaying(False):", "        with torch.enable_grad():",
+         "tests/guards/test_check.py::test_a_trainer_with_several_optimizers_gets_the_checks_that_run_training_step")
 mutation("batch independence: a point counts only if it follows the batch's samples", DC,
          "    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))",
          "    return False",
