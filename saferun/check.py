@@ -170,7 +170,7 @@ def _first_forward(trainer: Trainer, seed: int) -> None:
     assert trainer.train_loader is not None
     batch = first_batch(trainer.train_loader, seed, 0, trainer.device, False)
     with modes.training(trainer.model, _frozen(trainer)), torch.no_grad(), preserved_rng():
-        trainer.training_step(batch)
+        trainer.forward_only(batch)  # several optimizers: its optimize() calls update nothing
 
 
 def _declared_modes(make: Factory, cfg: Config) -> CheckResult:
@@ -326,7 +326,7 @@ def _model_call(trainer: Trainer, batch: Any) -> Callable[[bool], Any]:
     predict_step if training_step calls only submodules."""
     model = trainer.model
     with torch.no_grad(), preserved_rng():
-        called = datachecks.model_call(model, lambda: trainer.training_step(batch))
+        called = datachecks.model_call(model, lambda: trainer.forward_only(batch))
     rows = trainer.batch_size(batch)
     if called is not None:
         args, kwargs = called

@@ -461,6 +461,15 @@ class Trainer:
                 "build_optimizer.")
         self._manual.optimize(name, loss, retain_graph)
 
+    def forward_only(self, batch: Any) -> Any:
+        """training_step(batch) for its forward alone, as `saferun check` runs it: with several
+        optimizers its self.optimize() calls update nothing (no backward, step or schedule);
+        with one, training_step is called as it is. Returns what training_step returns."""
+        if self._manual is None:
+            return self.training_step(batch)
+        with self._manual.replaying(False):
+            return self.training_step(batch)
+
     def _forward_backward(self, micro_batches: Sequence[Any], share: float = 1.0,
                           last: bool = True, samples: int = 0
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:

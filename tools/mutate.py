@@ -887,6 +887,17 @@ mutation("audit: probabilities into cross_entropy/nll_loss are refused", LA,
 mutation("audit: raw scores into nll_loss are warned about", LA,
          '    if name == "nll_loss" and not _log_normalised(x):', "    if False:",
          f"{AUDITS}::test_probabilities_and_log_probabilities_where_each_is_expected")
+mutation("audit: a sigmoid's output into the logits loss is warned about", LA,
+         "                ) if _made_by_sigmoid(x.grad_fn) else None", "                ) if False else None",
+         f"{AUDITS}::test_a_sigmoid_before_the_logits_loss_is_said_once_per_line")
+mutation("audit: a sigmoid's output is seen through shape-only ops", LA,
+         "        if kind not in _SHAPE_ONLY:", "        if True:", f"{AUDITS}::test_a_sigmoid_before_the_logits_loss_is_said_once_per_line")
+mutation("audit: with autograd, the graph decides whether a sigmoid made the logits", LA,
+         "    if x.grad_fn is not None:\n", "    if False:\n", f"{AUDITS}::test_raw_scores_that_happen_to_lie_in_0_1_are_not_taken_for_a_sigmoids")
+mutation("audit: without autograd, raw scores near 0 are not a sigmoid's", LA,
+         "            and 0.2 < float(x.float().median()) < 0.8:", "            and True:", f"{AUDITS}::test_raw_scores_that_happen_to_lie_in_0_1_are_not_taken_for_a_sigmoids")
+mutation("audit: a loss line's warning is said once", LA,
+         "        if message in self.warnings:", "        if False:", f"{AUDITS}::test_a_sigmoid_before_the_logits_loss_is_said_once_per_line")
 mutation("audit: the user's loss line is named", LA,
          "        if not file.startswith((_TORCH_DIR, _SAFERUN_DIR)):", "        if True:",
          f"{AUDITS}::test_regression_losses_that_broadcast_are_refused_naming_both_shapes")
@@ -1903,6 +1914,9 @@ mutation("course: the command line drops a refused run's intent", "saferun/cli/r
 # issue 33: real architectures
 REAL, DC, SYNCS = "tests/guards/test_real_models.py", "saferun/guards/datachecks.py", "saferun/guards/syncs.py"
 CHK = "saferun/check.py"
+mutation("saferun check: several optimizers' training_step runs for its forward alone", "saferun/trainer.py",
+         "        with self._manual.replaying(False):", "        with torch.enable_grad():",
+         "tests/guards/test_check.py::test_a_trainer_with_several_optimizers_gets_the_checks_that_run_training_step")
 mutation("batch independence: a point counts only if it follows the batch's samples", DC,
          "    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))",
          "    return False",
@@ -1941,6 +1955,12 @@ mutation("host syncs: a read of a host-only tensor is not a sync", SYNCS,
          "        if not counter._is_host(args[0] if args else None):", "        if True:",
          f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs",
          f"{REAL}::test_wav2vec2_layerdrop_is_not_a_sync")
+mutation("host syncs: a host tensor written from device data is device data", SYNCS,
+         "                counter._forget_host(out if func is not torch.Tensor.__setitem__ else args[0])",
+         "                pass", "tests/guards/test_syncs.py::test_a_host_buffer_filled_with_device_values_is_counted_at_each_read")
+mutation("host syncs: an assignment into a host tensor is a write", SYNCS,
+         "out if func is not torch.Tensor.__setitem__ else args[0])", "out)",
+         "tests/guards/test_syncs.py::test_a_host_buffer_filled_with_device_values_is_counted_at_each_read")
 mutation("host syncs: a value check torch makes on CPU only is not a sync", SYNCS,
          "            counter._in_read |= skip_check\n", "            counter._in_read |= False\n",
          f"{REAL}::test_host_only_reads_and_cpu_only_checks_are_not_syncs")

@@ -14,7 +14,8 @@ after the first step.
   softmax before it trains on a squashed signal; nll_loss and kl_div expect log-probabilities,
   so probabilities give -p instead of -log p. Refused. (log_softmax before cross_entropy is
   harmless, log_softmax being idempotent: not reported.) Unnormalised scores into nll_loss and
-  probabilities into binary_cross_entropy_with_logits are warned about: rarely meant.
+  a sigmoid's output into binary_cross_entropy_with_logits are warned about: rarely meant.
+  Each warning is said once per loss line.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class LossCallAudit(TorchFunctionMode):
         message = f"the loss call at step {self.step} {verdict}: {what}\n  at: {user_line()}"
         if severity == "error":
             raise LossCallError(message)
+        if message in self.warnings:  # the same line's loss, called again (a helper, a loop)
+            return
         self.warnings.append(message)
         log.warning("%s", message)
 
@@ -199,9 +202,35 @@ def _kl_input(x: torch.Tensor, log_target: bool) -> Optional[tuple[str, str]]:
     return None
 
 
+_FIX = ("it applies the sigmoid itself. Pass the raw scores, or use binary_cross_entropy on "
+        "probabilities.")
+# autograd nodes that only reshape, select or cast: a sigmoid's output through them is still one
+_SHAPE_ONLY = {"View", "UnsafeView", "Reshape", "ReshapeAlias", "Squeeze", "Unsqueeze", "Select",
+               "Slice", "Expand", "T", "Transpose", "Permute", "Clone", "ToCopy", "Alias"}
+
+
 def _logits_expected(x: torch.Tensor) -> Optional[tuple[str, str]]:
-    if x.is_floating_point() and x.numel() > 1 and bool(((x > 0) & (x < 1)).all()):
+    """A sigmoid's outputs passed as logits. With autograd the graph says what made `x`
+    (raw scores of an untrained model can all lie in (0, 1) by chance: a discriminator's, near
+    its output bias). Without it, only values that look like a sigmoid's of such scores: at least
+    8, all in (0, 1), their median between 0.2 and 0.8 (raw scores near 0 are not)."""
+    if x.grad_fn is not None:
+        return ("warn", f"F.binary_cross_entropy_with_logits got the output of a sigmoid: {_FIX}"
+                ) if _made_by_sigmoid(x.grad_fn) else None
+    if x.is_floating_point() and x.numel() >= 8 and bool(((x > 0) & (x < 1)).all()) \
+            and 0.2 < float(x.float().median()) < 0.8:
         return "warn", ("F.binary_cross_entropy_with_logits got inputs all strictly between 0 "
-                        "and 1 (a sigmoid before it?): it applies the sigmoid itself. Pass the raw "
-                        "scores, or use binary_cross_entropy on probabilities.")
+                        f"and 1, around 0.5 (a sigmoid before it?): {_FIX}")
     return None
+
+
+def _made_by_sigmoid(node: Any) -> bool:
+    """The autograd node `node` is a sigmoid's, or a shape-only op's on one."""
+    while node is not None:
+        kind = type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+        if kind == "Sigmoid":
+            return True
+        if kind not in _SHAPE_ONLY:
+            return False
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    return False

@@ -15,7 +15,8 @@ Reads made inside `torch/optim` (Adam's host-side `step` counters) and
 by construction and are not counted: they never wait for the device. Nor are, on a
 CPU run, reads that would not be syncs on a GPU: of a tensor that lives on the host in
 any run (made by a factory such as `torch.rand([])` without a device, and what is
-computed from such tensors alone), and the value checks torch makes only on CPU
+computed from such tensors alone; one that an in-place op, `out=` or an assignment fills
+with device data is no longer host-only), and the value checks torch makes only on CPU
 tensors (`F.one_hot`'s range check, skipped on CUDA when `num_classes` is given).
 
 A read inside a library (site-packages, the standard library) is reported at the
@@ -101,6 +102,14 @@ class HostSyncCounter:
     def _forget(self, key: int, ref: Any) -> None:
         if self._host.get(key) is ref:
             del self._host[key]
+
+    def _forget_host(self, out: Any) -> None:
+        """`out` now holds values from the run's device (and so does the tensor it views)."""
+        for t in _leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._host.pop(id(t), None)
+                if t._base is not None:
+                    self._host.pop(id(t._base), None)
 
     def _is_host(self, t: Any) -> bool:
         ref = self._host.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -203,6 +212,8 @@ class _FunctionReads(TorchFunctionMode):
                     func in _FACTORIES and not inputs and kwargs.get("device") is None
                     and torch.get_default_device().type == "cpu"):
                 counter._mark_host(out)
+            else:  # written from device data: an in-place op, `out=`, an assignment into it
+                counter._forget_host(out if func is not torch.Tensor.__setitem__ else args[0])
             return out
         if not counter._is_host(args[0] if args else None):
             counter._record()

@@ -302,6 +302,43 @@ def test_probabilities_and_log_probabilities_where_each_is_expected(caplog):
     assert "not log-probabilities" in audit.warnings[0] and "sigmoid" in audit.warnings[1]
 
 
+def _bce(logits: torch.Tensor) -> torch.Tensor:  # one loss line, called for several batches
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, 0.9))
+
+
+def test_raw_scores_that_happen_to_lie_in_0_1_are_not_taken_for_a_sigmoids(caplog):
+    # A GAN discriminator at initialisation: its raw scores cluster around its output bias and
+    # can all lie in (0, 1) by chance. Not a sigmoid's outputs: no warning. With autograd the
+    # graph tells (even around 0.5); without, raw scores near 0 are not a sigmoid's.
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(64, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    with torch.no_grad():
+        disc[2].weight.mul_(0.1)
+    real, fake = torch.randn(32, 64), torch.randn(32, 64)
+
+    def near(bias):
+        with torch.no_grad():
+            disc[2].bias.fill_(bias)
+        scores = disc(real)
+        assert bool(((scores > 0) & (scores < 1)).all()) and scores.grad_fn is not None
+        return scores
+
+    with caplog.at_level(logging.WARNING, logger="saferun"), LossCallAudit(1) as audit:
+        _bce(near(0.5)) + _bce(disc(fake))
+        _bce(near(0.1).detach())
+    assert audit.warnings == [] and not caplog.records, audit.warnings
+
+
+def test_a_sigmoid_before_the_logits_loss_is_said_once_per_line(caplog):
+    torch.manual_seed(0)
+    head = nn.Linear(8, 1)
+    with caplog.at_level(logging.WARNING, logger="saferun"), LossCallAudit(1) as audit:
+        for _ in range(3):  # the same mistake at the same line: said once
+            _bce(torch.sigmoid(head(torch.randn(16, 8))).squeeze(-1))
+    assert len(audit.warnings) == 1 and len(caplog.records) == 1, audit.warnings
+    assert "the output of a sigmoid" in audit.warnings[0], audit.warnings
+
+
 # ------------------------------------------------------------------ no cost after the first steps
 
 def test_the_audits_run_in_the_first_two_steps_only(tmp_path, monkeypatch):

@@ -174,3 +174,44 @@ def test_compile_parity_is_checked_when_the_config_compiles(tmp_path):
     parity = found["compile parity"]
     assert parity.status == "fail" and "compiled" in parity.finding, parity
     assert "trainer.compile=false" in parity.finding, parity
+
+
+class TwoOptimizers(ToyTrainer):
+    """Several named optimizers, as a GAN uses them: training_step calls the model's parts
+    (not the model) and drives self.optimize(name, loss) itself."""
+
+    def build_optimizer(self, params):
+        return {"backbone": torch.optim.SGD(self.model.backbone.parameters(), lr=0.05),
+                "head": torch.optim.SGD(self.model.head.parameters(), lr=0.05)}
+
+    def training_step(self, batch):
+        x, y = batch
+        net = self.model
+        h = net.backbone(x)
+        self.optimize("head", torch.nn.functional.cross_entropy(net.head(h.detach()), y))
+        self.optimize("backbone", torch.nn.functional.cross_entropy(net.head(h), y))
+        return None
+
+
+class Centred(torch.nn.Linear):
+    def forward(self, h):
+        return super().forward(h - h.mean(0))  # planted: every row depends on the whole batch
+
+
+class MixesBatchTwoOptimizers(TwoOptimizers):
+    def build_model(self):
+        net = super().build_model()
+        net.head = Centred(16, 3)
+        return net
+
+
+def test_a_trainer_with_several_optimizers_gets_the_checks_that_run_training_step(tmp_path):
+    # eval purity and batch independence run training_step for its forward alone: its
+    # self.optimize() calls update nothing there (the weights stay as they were)
+    cfg = load_config(toy_config(tmp_path))
+    only = ["eval purity", "batch independence"]
+    found = {r.name: r for r in run_checks(lambda c: TwoOptimizers(c), cfg, only=only)}
+    assert [r.status for r in found.values()] == ["pass", "pass"], found
+    assert "no validation set" not in found["eval purity"].finding
+    [mixed] = run_checks(lambda c: MixesBatchTwoOptimizers(c), cfg, only=["batch independence"])
+    assert mixed.status == "fail" and "mixes" in mixed.finding, mixed

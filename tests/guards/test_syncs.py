@@ -57,3 +57,29 @@ def test_counter_sees_reads_of_inference_tensors_and_skips_optimizer_internals()
         bool(out > 0)
         torch.stack([out, out]).tolist()
     assert counter.count == 3
+
+
+def test_a_host_buffer_filled_with_device_values_is_counted_at_each_read(tmp_path):
+    # A running sum made by a factory without a device starts on the host, but once the loss
+    # is added into it in place (or copied or assigned into it) it holds values from the
+    # run's device: each read of it is a sync on a GPU, so it is counted here too.
+    class Summing(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            if self.state.step == 0:
+                self.total, self.pair, self.first = torch.zeros(()), torch.zeros(2), torch.zeros(2)
+            self.total += loss.detach()
+            self.pair.copy_(torch.stack([loss.detach(), self.total]))
+            self.first[0] = loss.detach()
+            if (self.state.step + 1) % 10 == 0:
+                self.read = (torch.stack([self.total, self.pair[1]]) / 10).tolist()
+                self.read += self.first.tolist()
+                self.total.zero_()
+            return loss
+
+    t = Summing(toy_config(tmp_path, max_steps=40, log_every_n_steps=20))
+    with HostSyncCounter() as counter:
+        t.fit()
+    line = Summing.training_step.__code__.co_firstlineno + 8
+    user = {s: n for s, n in counter.sites.items() if "test_syncs.py" in s}
+    assert user == {f"{__file__}:{line}": 4, f"{__file__}:{line + 1}": 4}, user
