@@ -60,7 +60,7 @@ def test_a_mistake_on_rank_1_under_ddp_is_explained_there_and_named_by_rank_0(tm
     other_rank_line(out, rank=0, step=2)
     assert "collective mismatch" not in out
     # rank 0's line is its error, not a log line apart from the raw traceback that ends it
-    assert "[rank0]: saferun.diagnose.explain.ExplainedRuntimeError: rank 0 stopped after step 2: " \
+    assert "[rank0]: saferun.errors.ExplainedRuntimeError: rank 0 stopped after step 2: " \
            "a collective with the other ranks failed" in out, out[-6000:]
 
 
