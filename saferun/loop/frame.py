@@ -25,7 +25,7 @@ import torch
 from .failure_site import record
 from .habits import StepHabits
 from .logbook import Logbook
-from .transfer import move_to_device
+from ..data.transfer import move_to_device
 
 
 class FrameOwner(Protocol):
