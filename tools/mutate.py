@@ -2111,6 +2111,10 @@ mutation("policies: rollback drops steps (a resume compares the spike settings)"
 mutation("verdicts: the rollback verdict rolls back", T,
          "        if guard.verdict(bad) is Verdict.ROLL_BACK:", "        if False:",
          f"{NONFINITE}::test_rollback_restores_the_last_checkpoint_and_goes_on")
+mutation("tensorboard: a test() writer outside fit sorts after the fit's file", "saferun/loggers/__init__.py",
+         "        if earlier and mine and min(mine) < max(earlier):  # read first, the fit's START would",
+         "        if False:  # read first, the fit's START would",
+         "tests/loop/test_test_stage.py::test_test_metrics_outside_fit_stay_in_tensorboard_when_their_file_would_sort_first")
 
 # ---------------------------------------------------------------- the runner
 

@@ -123,7 +123,14 @@ class TensorBoardLogger(Callback):
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(self.log_dir or os.path.join(view.run_dir, "tensorboard"))
+        log_dir = self.log_dir or os.path.join(view.run_dir, "tensorboard")
+        earlier = _event_files(log_dir)
+        writer = SummaryWriter(log_dir)
+        mine = {n for n in _event_files(log_dir) - earlier
+                if f".{socket.gethostname()}.{os.getpid()}." in n}
+        if earlier and mine and min(mine) < max(earlier):  # read first, the fit's START would
+            writer = _reopen_sorted_last(writer, log_dir, mine, max(earlier), view.step,  # hide it
+                                         purge=False)
         for name, value in metrics.items():
             writer.add_scalar(name, value, view.step)
         writer.close()
@@ -198,12 +205,14 @@ def _event_files(log_dir: str, hparams: bool = False) -> set[str]:
             if _EVENT_FILE.match(n) and (hparams or not n.endswith(_HPARAMS_SUFFIX))}
 
 
-def _reopen_sorted_last(writer: Any, log_dir: str, mine: set[str], latest: str, step: int) -> Any:
+def _reopen_sorted_last(writer: Any, log_dir: str, mine: set[str], latest: str, step: int,
+                        purge: bool = True) -> Any:
     """TensorBoard reads a directory's event files in name order, and a purge hides only the
     steps read before it, so a resumed writer's file must sort after every earlier one. The
     name starts with the second the file was opened; one opened within the same second as an
     earlier writer can sort first (pid 1000 < 999, counter .10 < .9) and the earlier run's
-    steps would then show twice. Drop that file, wait for the next second, open again."""
+    steps would then show twice. Drop that file, wait for the next second, open again (`purge`
+    False: a test() writer, which hides nothing, whose steps a later file's START would hide)."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer.close()
@@ -218,7 +227,7 @@ def _reopen_sorted_last(writer: Any, log_dir: str, mine: set[str], latest: str, 
                     latest, wait, step)
     else:
         time.sleep(max(wait, 0.0))
-    return SummaryWriter(log_dir, flush_secs=10, purge_step=step)
+    return SummaryWriter(log_dir, flush_secs=10, purge_step=step if purge else None)
 
 
 def hparam_values(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

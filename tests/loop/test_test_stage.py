@@ -109,6 +109,30 @@ def test_what_test_step_only_logs_is_reported_everywhere(tmp_path):
     assert acc.Scalars("test/err")[-1].step == 4
 
 
+def test_test_metrics_outside_fit_stay_in_tensorboard_when_their_file_would_sort_first(tmp_path):
+    # TensorBoard reads a directory's event files in name order, and the fit's file begins with
+    # a START event that hides every step read before it above its own: a test() writer whose
+    # file sorts first (opened in the same second with counter .10 after .9, or planted here by
+    # dating the fit's file one second ahead) would have its test/* hidden
+    import re
+    import time
+
+    cfg = toy_config(tmp_path, max_steps=4)
+    cfg["logger"] = {**TENSORBOARD}
+    t = LogsOnly(cfg)
+    t.fit()
+    board = tmp_path / "run" / "tensorboard"
+    [fit_file] = [p for p in board.iterdir() if "tfevents" in p.name and not p.name.endswith(".hparams")]
+    ahead = re.sub(r"tfevents\.\d+\.", f"tfevents.{int(time.time()) + 1}.", fit_file.name)
+    fit_file.rename(board / ahead)
+    metrics = t.test(held_out())
+    acc = EventAccumulator(str(board))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("test/err")] == [(4, pytest.approx(metrics["test/err"]))]
+    assert [e.step for e in acc.Scalars("train/loss")][-1] == 4
+    assert sorted(p.name for p in board.iterdir() if not p.name.endswith(".hparams"))[-1] != ahead  # it sorts last
+
+
 class ThreeSets(ToyTrainer):
     def build_datasets(self):
         train, val = super().build_datasets()
