@@ -17,7 +17,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 
 from ..distributed import ShardSampler
 from ..errors import SaferunError
-from ..guards.generators import rng_kind, rng_objects
+from .generators import rng_kind, rng_objects
 from .seeding import WorkerSeeder, derive_seed, get_rng_state, set_rng_state
 from .transfer import batch_size_of, move_to_device, to_host  # noqa: F401  (saferun.data's names)
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # registers the tensor reducers that _Probe replaces
 
-from .generators import MAX_DEPTH, MP_SHARED, Finding, children
+from ..data.generators import MAX_DEPTH, MP_SHARED, Finding, children
 
 _LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import SaferunError
 from .batchinfo import tensors
-from .generators import Finding, find_rng_objects, rng_kind, rng_objects, scan_rng
+from ..data.generators import Finding, find_rng_objects, rng_kind, rng_objects, scan_rng
 from .pickling import find_unpicklable
 
 __all__ = ["SENT_TO_WORKERS", "Finding", "Report", "check_batch_on_cpu", "check_loader",

@@ -35,7 +35,10 @@ def config(run_dir, strategy, batch_size=16, max_steps=4):
 
 def torchrun(cfg, plant):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        # --monitor-interval: torchrun stops the other ranks this long after the first ends
+        # (default 0.1 s); on a loaded machine that could stop the other rank before it said
+        # its line, which these tests read
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=3",
          f"--master_port={free_port()}", JOB, json.dumps(cfg), json.dumps(plant)],
         capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc.returncode, proc.stdout + proc.stderr
