@@ -238,7 +238,13 @@ def main() -> None:
     args = p.parse_args()
     if args.steps % args.log_every or args.warmup < 1 or args.warmup >= args.steps:
         p.error("--steps must be a multiple of --log-every, and 1 <= --warmup < --steps")
-    rank_main(args) if args.rank_main else launch(args)
+    if args.rank_main:
+        rank_main(args)
+        from saferun.distributed import end_process
+
+        end_process()  # a rank ends before interpreter teardown, where gloo can abort it
+    else:
+        launch(args)
 
 
 if __name__ == "__main__":

@@ -122,3 +122,6 @@ def run_in_process(cfg: dict[str, Any], second_max_steps: Optional[int] = None,
 
 if __name__ == "__main__":
     main()
+    from saferun.distributed import end_process
+
+    end_process()  # before interpreter teardown, where gloo can abort a rank

@@ -39,3 +39,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from saferun.distributed import end_process
+
+    end_process()  # before interpreter teardown, where gloo can abort a rank
