@@ -59,7 +59,7 @@ from .loop.metrics import RunningTrainMetrics
 from .loop.optimizers import NamedOptimizers
 from .loop.precision import autocast_factory, grad_scaler
 from .data.seeding import derive_seed, seed_everything
-from .loop.threads import apply_plan, plan_threads, usable_cores
+from .loop.threads import apply_plan, busy_cores_elsewhere, plan_threads, usable_cores
 from .loop.steptimer import StepTimer
 from .loop.throughput import FlopCount, Throughput
 from .data.transfer import batch_size_of, samples_in
@@ -306,7 +306,7 @@ class Trainer:
         (loop/threads.py); returns the plan in words for `_say_threads`."""
         workers = getattr(self.train_loader, "num_workers", 0)
         plan = plan_threads(self.cfg.trainer.num_threads, os.environ, usable_cores(), workers,
-                            torch.get_num_threads())
+                            torch.get_num_threads(), busy_cores_elsewhere)
         return apply_plan(plan)
 
     def _say_threads(self) -> None:

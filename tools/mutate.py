@@ -2115,6 +2115,17 @@ mutation("tensorboard: a test() writer outside fit sorts after the fit's file", 
          "        if earlier and mine and min(mine) < max(earlier):  # read first, the fit's START would",
          "        if False:  # read first, the fit's START would",
          "tests/loop/test_test_stage.py::test_test_metrics_outside_fit_stay_in_tensorboard_when_their_file_would_sort_first")
+mutation("threads: auto leaves out the cores other work keeps busy", "saferun/loop/threads.py",
+         "        facts.update(share=share - busy, busy=busy)", "        facts.update(busy=busy)",
+         "tests/unit/test_threads.py::test_auto_alone_on_the_node_leaves_out_the_cores_other_work_keeps_busy")
+mutation("threads: other work is measured only where it can change the plan", "saferun/loop/threads.py",
+         "    if busy_elsewhere is not None and local == 1 and min(share, current) > 1:",
+         "    if busy_elsewhere is not None:",
+         "tests/unit/test_threads.py::test_other_work_is_measured_only_where_it_can_change_the_plan")
+mutation("threads: the measure leaves out this process's own time", "saferun/loop/threads.py",
+         "    return max(0.0, busy / total * len(mine) - own / seconds)",
+         "    return max(0.0, busy / total * len(mine))",
+         "tests/unit/test_threads.py::test_a_process_spinning_beside_this_one_is_measured_as_a_busy_core_and_this_one_is_not")
 
 # ---------------------------------------------------------------- the runner
 

@@ -8,6 +8,10 @@ and OpenMP's threads spin while they wait for one, burning the time another proc
 `auto` gives each local process an equal share of this process's cores (`os.sched_getaffinity`,
 which a container or `taskset` narrows), less the loader workers, at least one, and never more
 than torch has already (a script's own `torch.set_num_threads(1)`, or a test harness's, stays).
+A process alone on the node also leaves out the cores other work keeps busy at set-up (on Linux,
+measured over 0.1 s from /proc/stat, this process's own time left out): a thread without a core
+waits for one at every parallel region, so beside one busy process two threads on two cores
+took 1.38x the time one took, while one thread on a quiet machine costs a few percent.
 An explicit `trainer.num_threads` wins, and so does the user's own OMP_NUM_THREADS (torch
 already took it at start-up: saferun leaves it).
 
@@ -22,8 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 log = logging.getLogger("saferun")
 
@@ -40,14 +45,17 @@ class ThreadPlan:
     cores: int  # cores this process may use
     local_processes: int  # processes of this job on the node (torchrun's LOCAL_WORLD_SIZE)
     workers: int  # loader workers computing beside the step
-    share: int  # this process's share: cores / local processes - workers, at least 1
+    share: int  # this process's share: cores / local processes - workers - busy, at least 1
+    busy: int = 0  # cores other work kept busy at set-up (measured alone on the node only)
 
 
 def plan_threads(setting: Any, environ: Mapping[str, str], cores: int, workers: int,
-                 current: int) -> ThreadPlan:
+                 current: int, busy_elsewhere: Optional[Callable[[], float]] = None) -> ThreadPlan:
     """The plan for `trainer.num_threads` = `setting` ("auto" or a positive int), given the
-    environment, the cores this process may use, the training loader's workers and the
-    intra-op threads torch has now (`current`: auto never raises it)."""
+    environment, the cores this process may use, the training loader's workers, the
+    intra-op threads torch has now (`current`: auto never raises it) and `busy_elsewhere`,
+    which measures the cores other work keeps busy (`busy_cores_elsewhere`): asked only when
+    auto could choose more than one thread for a process alone on the node."""
     local = _positive_int(environ.get("LOCAL_WORLD_SIZE")) or 1
     share = max(1, cores // local - workers)
     facts = dict(cores=cores, local_processes=local, workers=workers, share=share)
@@ -55,7 +63,40 @@ def plan_threads(setting: Any, environ: Mapping[str, str], cores: int, workers: 
         return ThreadPlan(int(setting), "trainer.num_threads", **facts)
     if _positive_int(environ.get("OMP_NUM_THREADS")):
         return ThreadPlan(None, "OMP_NUM_THREADS", **facts)
-    return ThreadPlan(min(share, current), "auto", **facts)
+    if busy_elsewhere is not None and local == 1 and min(share, current) > 1:
+        # (under torchrun the other ranks, busy starting up, would be taken for other work)
+        busy = min(round(busy_elsewhere()), share - 1)
+        facts.update(share=share - busy, busy=busy)
+    return ThreadPlan(min(facts["share"], current), "auto", **facts)
+
+
+def busy_cores_elsewhere(seconds: float = 0.1) -> float:
+    """How many of this process's cores other processes kept busy over `seconds` (Linux's
+    /proc/stat, this process's own CPU time left out); 0.0 where it cannot be read."""
+    try:
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        before, own = _cpu_times(mine), time.process_time()
+        time.sleep(seconds)
+        after, own = _cpu_times(mine), time.process_time() - own
+    except (AttributeError, OSError, ValueError):  # not Linux: nothing known of other work
+        return 0.0
+    total = sum(a[0] - b[0] for a, b in zip(after, before))
+    busy = sum(a[1] - b[1] for a, b in zip(after, before))
+    if total <= 0:
+        return 0.0
+    return max(0.0, busy / total * len(mine) - own / seconds)
+
+
+def _cpu_times(cpus: set[str]) -> list[tuple[int, int]]:
+    """(all, busy) jiffies of each of `cpus`, in /proc/stat's order."""
+    times = []
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name in cpus:
+                ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                times.append((sum(ticks), sum(ticks) - ticks[3] - ticks[4]))
+    return times
 
 
 def usable_cores() -> int:
@@ -79,7 +120,9 @@ def apply_plan(plan: ThreadPlan) -> str:
                 pass  # (said below: the inter-op count is read back)
     threads, interop = torch.get_num_threads(), torch.get_num_interop_threads()
     if plan.source == "auto":
-        why = (f"auto: {plan.cores} cores this process may use / {plan.local_processes} "
+        why = (f"auto: {plan.cores} cores this process may use"
+               + (f" - {plan.busy} busy with other work" if plan.busy else "")
+               + f" / {plan.local_processes} "
                f"process{'es' if plan.local_processes > 1 else ''} on the node - {plan.workers} "
                f"loader worker{'s' if plan.workers != 1 else ''} = {plan.share}"
                + (", no more than torch had" if plan.threads is not None and plan.threads < plan.share

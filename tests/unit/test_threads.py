@@ -12,7 +12,7 @@ import torch
 
 from saferun.errors import ConfigError
 from saferun.config import load_config
-from saferun.loop.threads import plan_threads
+from saferun.loop.threads import apply_plan, busy_cores_elsewhere, plan_threads
 from toys import ToyTrainer, toy_config
 
 
@@ -43,6 +43,56 @@ def test_the_users_omp_num_threads_wins_over_auto_and_an_explicit_value_over_bot
     assert plan_threads("auto", env, 16, 0, 16).source == "OMP_NUM_THREADS"
     assert plan_threads(5, env, 16, 0, 16).threads == 5
     assert plan_threads("auto", {"OMP_NUM_THREADS": ""}, 8, 0, 8).threads == 8  # empty: not set
+
+
+def never(*_):
+    raise AssertionError("measured where it cannot change the plan")
+
+
+@pytest.mark.parametrize("cores, busy, chosen", [
+    (2, 0.3, 2),  # a quiet machine: every core
+    (2, 0.9, 1),  # one busy process beside a 2-core job: the free core only
+    (8, 2.6, 5),  # three cores busy elsewhere
+    (4, 9.0, 1),  # more busy than there are cores: still one thread
+])
+def test_auto_alone_on_the_node_leaves_out_the_cores_other_work_keeps_busy(cores, busy, chosen):
+    plan = plan_threads("auto", {}, cores, 0, current=cores, busy_elsewhere=lambda: busy)
+    assert (plan.threads, plan.busy) == (chosen, cores - chosen)
+    assert (f"- {cores - chosen} busy with other work" in apply_plan(plan)) == (chosen < cores)
+
+
+def test_other_work_is_measured_only_where_it_can_change_the_plan():
+    assert plan_threads("auto", {}, 8, 0, current=1, busy_elsewhere=never).threads == 1
+    assert plan_threads("auto", {}, 2, 1, current=2, busy_elsewhere=never).threads == 1  # a worker
+    # under torchrun the other ranks, busy starting up, are not other work
+    assert plan_threads("auto", {"LOCAL_WORLD_SIZE": "2"}, 8, 0, 8, busy_elsewhere=never).threads == 4
+    assert plan_threads("auto", {"OMP_NUM_THREADS": "2"}, 8, 0, 8, busy_elsewhere=never).threads is None
+    assert plan_threads(3, {}, 8, 0, 8, busy_elsewhere=never).threads == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.exists("/proc/stat"), reason="Linux with two cores")
+def test_a_process_spinning_beside_this_one_is_measured_as_a_busy_core_and_this_one_is_not():
+    import threading
+    import time
+
+    before = busy_cores_elsewhere(0.3)  # whatever else the machine is doing
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        assert busy_cores_elsewhere(0.3) >= min(before + 0.6, 1.6)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    stop = threading.Event()
+    mine = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])  # spins here
+    mine.start()
+    try:
+        time.sleep(0.1)
+        assert busy_cores_elsewhere(0.3) <= max(before, 0.0) + 0.5  # this process's own: not counted
+    finally:
+        stop.set()
+        mine.join()
 
 
 @pytest.mark.parametrize("bad", ["two", 0, -1, 1.5, True])
