@@ -204,3 +204,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for case in json.loads(sys.argv[1]):
         run(case)
+    from saferun.distributed import end_process
+
+    end_process()  # before interpreter teardown, where gloo can abort a rank

@@ -121,3 +121,6 @@ def main() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main()
+    from saferun.distributed import end_process
+
+    end_process()  # before interpreter teardown, where gloo can abort a rank
