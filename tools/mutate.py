@@ -1554,7 +1554,7 @@ mutation("threads: auto leaves the cores of the loader workers", THREADS,
          f"{THREADT}::test_auto_gives_each_process_its_share_of_the_cores",
          f"{THREADT}::test_auto_counts_the_loader_workers")
 mutation("threads: auto never raises the threads torch has", THREADS,
-         "ThreadPlan(min(share, current),", "ThreadPlan(share,",
+         'ThreadPlan(min(facts["share"], current),', 'ThreadPlan(facts["share"],',
          f"{THREADT}::test_auto_never_raises_the_threads_torch_has")
 mutation("threads: the user's OMP_NUM_THREADS wins over auto", THREADS,
          'if _positive_int(environ.get("OMP_NUM_THREADS")):', "if False:",
