@@ -3,6 +3,7 @@ shared machine are noise; benchmarks/run.py and docs/benchmarks.md are where spe
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def test_a_threads_benchmark_run_uses_its_arms_thread_count(tmp_path, monkeypatc
 
     got = threads.one_run("digits", "1", 2, 2, str(tmp_path / "run"))
     assert got["plan"].startswith("1 intra-op") and "trainer.num_threads" in got["plan"], got
-    assert got["seconds"] > 0 and got["val_loss"] is not None
+    assert got["val_loss"] is not None and math.isfinite(got["val_loss"])  # it trained (no timing)
 
 
 @pytest.mark.slow  # 8 fresh `saferun run` processes, 4 of them beside a busy process
