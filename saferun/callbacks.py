@@ -121,9 +121,12 @@ class StepOutput:
     skipped: bool = False
     """The update was dropped (a guard's skip policy): the step was non-finite or a spike."""
     spike: Optional[torch.Tensor] = None
-    """With guards.spikes on: 0-dim bool device tensor, True if the loss or grad norm spiked."""
+    """With guards.spikes on and a skip policy (guards.spikes or guards.nonfinite =skip): 0-dim
+    bool device tensor, True if the loss or grad norm spiked. None otherwise: the raise and
+    rollback policies compare a log interval's steps at its log point (and before a save), all
+    at once, and report the first spike there (train/spikes counts them)."""
     loss_spike: Optional[torch.Tensor] = None
-    """With guards.spikes on: True if this process's own loss spiked. Under torchrun the gradient
+    """Set with `spike`: True if this process's own loss spiked. Under torchrun the gradient
     norm is the same on every rank, so this says on which rank a spike started."""
 
 

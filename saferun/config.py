@@ -263,10 +263,11 @@ class GuardsConfig:
     """Name the trainable parameters that received no gradient in any of the first 20 steps
     (a routed expert without one on some steps is not named)."""
     spikes: str = "off"
-    """Loss spikes and gradient explosions (each step compared on the device, before the update,
-    with a limit from robust median/MAD statistics of the recent steps, refreshed every log
-    interval and at least four times per spike_window): raise, skip (one host sync per step),
-    rollback or off. About 9 small device ops per step (guards=strict turns it on)."""
+    """Loss spikes and gradient explosions (each step compared on the device with a limit from
+    robust median/MAD statistics of the recent steps, refreshed every log interval and at least
+    four times per spike_window): raise or rollback (the steps compared at the log point and
+    before a save, all at once: nothing per step), skip (each step before its update: about 5
+    small device ops and one host sync per step) or off. guards=strict turns on raise."""
     spike_window: int = 100
     spike_threshold: float = 6.0
     """A spike is above median + threshold * 1.4826 * MAD of the last spike_window steps."""

@@ -283,6 +283,8 @@ class Trainer:
         self._batches = BatchStream(self.train_loader, t, self.cfg.seed, self.state,
                                     self._check_first_batch, data)
         self._guard = BadStepPolicy(self, self._running, self.train_loader, self._checkpointer.newest)
+        if self._guard.spikes is not None and not self._guard.spikes_each_step:
+            self._running.spike_flagger = self._guard.flag_steps  # compared at log points
         self._timer = StepTimer(self.device, t.log_every_n_steps, phases=not several)
         self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm,
                                        self._strategy.meshes, self._timer)

@@ -539,10 +539,32 @@ mutation("unused parameters named", T,
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
 # ---------------------------------------------------------------- spikes
-mutation("spikes detected", UPD,
-         "        spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)",
+mutation("spikes detected at their step (a skip policy)", UPD,
+         "        spike, loss_spike = guard.spike(loss, norm) if guard.spikes_each_step else (None, None)",
          "        spike, loss_spike = None, None",
+         f"{GUARDS}::test_a_loss_spike_can_be_skipped")
+mutation("spikes compared at log points (raise, rollback)", T,
+         "            self._running.spike_flagger = self._guard.flag_steps  # compared at log points",
+         "            pass",
          f"{GUARDS}::test_a_loss_spike_raises_naming_the_step")
+mutation("spikes: a step's flag only where a skip policy needs it then", BADSTEP,
+         "        self.spikes_each_step = self.spikes is not None and self.skips",
+         "        self.spikes_each_step = self.spikes is not None",
+         "tests/loop/test_loop_cost.py::test_strict_guards_dispatch_no_torch_operator_on_a_plain_step")
+mutation("spikes: the kept steps flagged before a save and a read", "saferun/loop/metrics.py",
+         "(so a resumed run logs the same means).\"\"\"\n        self.catch_up()\n",
+         "(so a resumed run logs the same means).\"\"\"\n",
+         f"{GUARDS}::test_a_resume_from_between_log_points_compares_the_same_steps_as_one_run",
+         also=(("        self.catch_up()\n        if self.loss_spikes:", "        if self.loss_spikes:"),
+               (CKPTR, "        p.running.catch_up()  # the steps'", "        pass  # the steps'")))
+mutation("spikes: a window's steps from before the guard was on are unflagged", "saferun/loop/metrics.py",
+         "    return flags if missing <= 0 else torch.cat(",
+         "    return flags if True else torch.cat(",
+         f"{GUARDS}::test_turning_the_spike_guard_on_at_a_resume_between_log_points_checks_the_later_steps")
+mutation("spikes: update_many compares each value with the limit update would", "saferun/guards/spikes.py",
+         "            take = min(self._due, n - i)  # the values `update` compares with this limit",
+         "            take = n - i",
+         "tests/guards/test_spikes.py::test_update_many_flags_and_keeps_exactly_what_one_update_per_value_does")
 mutation("spikes raise at log points", BADSTEP,
          '        return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips',
          "        return True",

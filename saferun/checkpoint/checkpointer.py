@@ -110,6 +110,7 @@ class Checkpointer:
         # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
         # run's, not the ones this process was seeded with.
         rng = p.batches.resume_rng if p.batches.resume_rng is not None else get_rng_state()
+        p.running.catch_up()  # the steps' spike flags first: the detectors' state includes them
         mine = move_to_device({"rng": rng, "running": p.running.state_dict(),
                                # spike detectors: each rank sees its own loss
                                "spikes": {k: d.state_dict() for k, d in (p.spikes or {}).items()},

@@ -86,6 +86,10 @@ class BadStepPolicy:
             self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup,
                                             refresh_every=every)
                            for k in ("loss", "grad_norm")}
+        # A skip policy decides at each step, so it needs each step's flag then; raise and
+        # rollback act at log points and saves, so the steps are compared there, all at once
+        # (`flag_steps`): no operator per step.
+        self.spikes_each_step = self.spikes is not None and self.skips
         self._rollbacks = 0
         self._skips_in_a_row, self._last_skipped = 0, -1
         self._checked: set[str] = set()  # the checkpoints this process checked finite at save
@@ -97,6 +101,14 @@ class BadStepPolicy:
         assert self.spikes is not None
         loss_spike = self.spikes["loss"].update(loss)
         return loss_spike | self.spikes["grad_norm"].update(grad_norm), loss_spike
+
+    def flag_steps(self, losses: list[torch.Tensor], grad_norms: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spike` for several steps in order, at once (the log window's catch-up when no skip
+        policy is on, `RunningTrainMetrics.catch_up`): 1-D flags, the same as step by step."""
+        assert self.spikes is not None
+        loss_spike = self.spikes["loss"].update_many(torch.stack(losses))
+        return loss_spike | self.spikes["grad_norm"].update_many(torch.stack(grad_norms)), loss_spike
 
     def bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
                 spike: Optional[torch.Tensor]) -> bool:

@@ -22,6 +22,11 @@ every value is checked at its own update, against statistics at most
 `refresh_every` updates old; with `refresh_every=1` the statistics are those
 of all the values before it. The result is a 0-dim bool tensor for the loop to
 act on or to read at a log step.
+
+`update_many(values)` does the same for several values in order, in one
+comparison per refresh: a policy that acts at log points (raise, rollback)
+compares a log interval's steps there, with the flags and state that one
+`update` per step would give.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ class SpikeDetector:
         self._count: Optional[torch.Tensor] = None  # int64 0-dim: values accepted so far
         self._limit: Optional[torch.Tensor] = None  # float32 0-dim; +inf until warmed up
         self._pending: list[torch.Tensor] = []  # values compared with _limit, not yet in the window
-        # (with NaN and +Inf as -Inf)
+        # (with NaN and +Inf as -Inf; 0-dim from `update`, 1-D from `update_many`)
         self._updates = 0  # values seen (host side: no sync to decide when to refresh)
         self._due = warmup  # updates until the next refresh
         self.last_limit: Optional[torch.Tensor] = None
@@ -94,6 +99,32 @@ class SpikeDetector:
         self.last_limit = limit
         return v > limit
 
+    def update_many(self, values: torch.Tensor) -> torch.Tensor:
+        """`update` for each of `values` in order (1-D; 0-dim bool flags, stacked): the same
+        flags and state as one `update` per value, with three operators per refresh instead
+        of two per value. The loop's catch-up at a log point, when no policy acts on a spike
+        at its own step (the raise and rollback policies)."""
+        values = values.detach().reshape(-1).to(torch.float32)
+        flags, n, i = [], values.numel(), 0
+        while i < n:
+            if self._due == 0:
+                self.refresh()
+            limit = self._limit
+            if limit is None or limit.device != values.device:
+                limit = self._state(values.device)[2]
+            take = min(self._due, n - i)  # the values `update` compares with this limit
+            v = torch.nan_to_num(values[i:i + take], nan=_NEG_INF, posinf=_NEG_INF,
+                                 neginf=_NEG_INF)
+            self._pending.append(v)
+            flags.append(v > limit)
+            self._updates += take
+            self._due -= take
+            self.last_limit = limit
+            i += take
+        if not flags:
+            return torch.zeros(0, dtype=torch.bool, device=values.device)
+        return flags[0] if len(flags) == 1 else torch.cat(flags)
+
     def refresh(self) -> None:
         """Add the kept values to the window, recompute the limit on the device (no sync)."""
         # While the window fills, each value moves the statistics much: refresh at every update.
@@ -116,8 +147,10 @@ class SpikeDetector:
     def _fold(self, ring: torch.Tensor, count: torch.Tensor, limit: torch.Tensor) -> None:
         """Write the pending values that were not spikes into the window's oldest slots, in order
         (`ring`: the window and its scratch slot)."""
-        v = torch.stack(self._pending)
-        self._pending = []
+        pending, self._pending = self._pending, []
+        # one value per `update`, several per `update_many`
+        v = torch.stack(pending) if all(p.dim() == 0 for p in pending) else \
+            torch.cat([p.reshape(-1) for p in pending])
         accept = (v <= limit) & (v > _NEG_INF)  # not a spike, and finite (-Inf: not finite)
         rank = accept.cumsum(0)  # 1, 2, ... among the accepted
         total = rank[-1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,14 +22,20 @@ class RunningTrainMetrics:
     """
 
     def __init__(self) -> None:
+        # the spike guard's `flag_steps` when it compares the steps at log points (no skip
+        # policy): `catch_up` flags the steps kept since it last ran, before anything reads them
+        self.spike_flagger: Optional[Callable[[list[torch.Tensor], list[torch.Tensor]],
+                                              tuple[torch.Tensor, torch.Tensor]]] = None
         self.reset()
 
     def reset(self) -> None:
+        self._flagged = 0  # the kept steps the spike flags cover
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
         self.logs: list[Mapping[str, torch.Tensor]] = []
         self.batches: list[Any] = []  # per step: (epoch, [sample indices per micro-batch]) or None
-        self.spikes: list[torch.Tensor] = []  # per step, when the spike guard is on
+        # when the spike guard is on: a flag per step, or (`catch_up`) a 1-D run of them
+        self.spikes: list[torch.Tensor] = []
         self.loss_spikes: list[torch.Tensor] = []  # the same, for this rank's loss alone
         self.folded = Folded()  # self.log(..., reduce=min/max/sum/last) since the last log point
         self.media: list[Media] = []  # self.log_image/histogram/text, to write at the log point
@@ -62,8 +68,19 @@ class RunningTrainMetrics:
             self.loss_spikes.append(output.loss_spike)
         self.batches.append(batches)
 
+    def catch_up(self) -> None:
+        """Flag the steps kept since the last catch-up (with a `spike_flagger`): called by
+        everything that reads the flags, and before a checkpoint takes the detectors' state."""
+        n = len(self.losses) - self._flagged
+        if n > 0 and self.spike_flagger is not None:
+            spike, loss_spike = self.spike_flagger(self.losses[-n:], self.grad_norms[-n:])
+            self.spikes.append(spike)
+            self.loss_spikes.append(loss_spike)
+        self._flagged = len(self.losses)
+
     def state_dict(self) -> dict[str, Any]:
         """The values collected since the last log point (so a resumed run logs the same means)."""
+        self.catch_up()
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
                 "logs": [dict(d) for d in self.logs], "batches": list(self.batches),
                 "spikes": list(self.spikes), "loss_spikes": list(self.loss_spikes),
@@ -75,6 +92,7 @@ class RunningTrainMetrics:
         self.losses, self.grad_norms = list(state["losses"]), list(state["grad_norms"])
         self.logs, self.batches = [dict(d) for d in state["logs"]], list(state["batches"])
         self.spikes, self.loss_spikes = list(state["spikes"]), list(state.get("loss_spikes", []))
+        self._flagged = len(self.losses)  # (saved after a catch-up: every kept step is flagged)
         self.samples, self.skipped = state["samples"], state["skipped"]
         self.folded.load_state_dict(state.get("folded", {}))  # (absent: saferun before self.log)
         self.media = [Media(**m) for m in state.get("media", [])]
@@ -106,8 +124,9 @@ class RunningTrainMetrics:
         names += list(extra)
         columns += [v.detach().float() for v in extra.values()]
         averaged = len(columns)
+        self.catch_up()
         if self.spikes:
-            sums["train/spikes"] = torch.stack(self.spikes).float().sum()
+            sums["train/spikes"] = _flags(self.spikes, len(self.losses)).float().sum()
         if world_size > 1 and columns:  # samples from every rank, made on the device: no copy
             sums["samples"] = torch.full((), float(self.samples), device=columns[0].device)
         names += list(sums)
@@ -146,10 +165,11 @@ class RunningTrainMetrics:
         losses = ~torch.isfinite(torch.stack(self.losses).float())
         grads = ~torch.isfinite(torch.stack(self.grad_norms).float()) if check_grads else losses & False
         rows = [losses, grads] if check_nonfinite else [losses & False] * 2  # off: spikes only
-        if len(self.loss_spikes) == len(self.losses):
-            rows.append(torch.stack(self.loss_spikes))
+        self.catch_up()
+        if self.loss_spikes:
+            rows.append(_flags(self.loss_spikes, len(self.losses)))
         if self.spikes:
-            rows.append(torch.stack(self.spikes))
+            rows.append(_flags(self.spikes, len(self.losses)))
         # per (row, step): world_size - the lowest rank that flagged it (0: none), via max
         codes = distributed.all_reduce(torch.stack(rows).int() * (ranks.world_size - ranks.rank),
                                        op="max")
@@ -237,6 +257,16 @@ def scalar_dict(out: object, where: str) -> dict[str, torch.Tensor]:
             )
         checked[str(k)] = v
     return checked
+
+
+def _flags(parts: list[torch.Tensor], steps: int) -> torch.Tensor:
+    """The spike flags of the kept `steps` as one 1-D tensor, from per-step flags and runs of
+    them; steps before the guard was on (a resume that turned it on mid-window) are False."""
+    flags = torch.stack(parts) if all(p.dim() == 0 for p in parts) else \
+        torch.cat([p.reshape(-1) for p in parts])
+    missing = steps - flags.numel()
+    return flags if missing <= 0 else torch.cat(
+        [torch.zeros(missing, dtype=torch.bool, device=flags.device), flags])
 
 
 def _mean(values: list[torch.Tensor]) -> torch.Tensor:

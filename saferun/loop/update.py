@@ -44,7 +44,8 @@ class OptimizerUpdate:
                  schedule: Any, loss: torch.Tensor
                  ) -> tuple[torch.Tensor, bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(gradient norm before clipping, skipped, spiked, the loss spiked): the two spike
-        flags on the device, None without guards.spikes. A skip policy reads one value per
+        flags on the device, None without a skip policy (guards.spikes=raise and rollback
+        compare the steps at the log point). A skip policy reads one value per
         step from the device (agreed over ranks); otherwise nothing is read."""
         scaler, guard = self.scaler, self.guard
         if self.scaling:
@@ -57,7 +58,8 @@ class OptimizerUpdate:
         timer = self._timer
         if timer.on:
             timer.lap("optimizer")
-        spike, loss_spike = guard.spike(loss, norm) if guard.spikes else (None, None)  # device
+        # (device flags; without a skip policy the log point compares the steps, all at once)
+        spike, loss_spike = guard.spike(loss, norm) if guard.spikes_each_step else (None, None)
         skipped = guard.skips and guard.bad_now(loss, norm, spike)
         if timer.on:
             timer.lap("guards")

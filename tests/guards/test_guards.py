@@ -316,6 +316,59 @@ def test_spike_detector_state_survives_checkpoint_and_resume(tmp_path):
         assert torch.equal(state["values"], at_the_end[key]["values"])
 
 
+def detectors(trainer):
+    return trainer.state_dict()["per_rank"][0]["spikes"]
+
+
+def resumed_from_step_25(cfg, tmp_path, trainer=ToyTrainer, **guards):
+    """A run to step 40 that saved at step 25, between two log points (every 10), branched
+    from that checkpoint into another run directory with `guards` changed."""
+    cfg = {**cfg, "trainer": {**cfg["trainer"], "save_every_n_steps": 25,
+                              "run_dir": str(tmp_path / "run")}}
+    ToyTrainer(cfg).fit()
+    step25 = tmp_path / "run" / "checkpoints" / "step-00000025"
+    assert step25.is_dir()
+    branch = {**cfg, "resume": str(step25), "force_resume": bool(guards),
+              "trainer": {**cfg["trainer"], "run_dir": str(tmp_path / "branch")},
+              "guards": {**cfg["guards"], **guards}}
+    return trainer(branch)
+
+
+def test_a_resume_from_between_log_points_compares_the_same_steps_as_one_run(tmp_path):
+    # raise compares a log interval's steps at its log point (issue 35); a checkpoint between
+    # two log points takes the kept steps' flags and the detectors with them: the resumed run
+    # ends with the uninterrupted run's detectors, bit for bit, and finds a spike at its step
+    cfg = spike_config(tmp_path, "raise")
+    whole = ToyTrainer({**cfg, "trainer": {**cfg["trainer"], "run_dir": str(tmp_path / "whole")}})
+    whole.fit()
+    resumed = resumed_from_step_25(cfg, tmp_path)
+    resumed.fit()
+    for key, state in detectors(whole).items():
+        got = detectors(resumed)[key]
+        assert all(torch.equal(got[k].nan_to_num(-7.0), state[k].nan_to_num(-7.0)) for k in state), key
+    assert int(detectors(whole)["loss"]["updates"]) == 40
+    with pytest.raises(NonFiniteError, match=r"loss spike or gradient explosion.*at step 30:"):
+        resumed_from_step_25(cfg, tmp_path / "again", SpikesAt).fit()
+
+
+class SpikesAt29(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * 1000 if self.state.step + 1 == 29 else loss
+
+
+def test_turning_the_spike_guard_on_at_a_resume_between_log_points_checks_the_later_steps(tmp_path):
+    # a course change (force_resume): the checkpoint at step 25 was written with
+    # guards.spikes=off, so the five steps it keeps for the next log point have no flags. The
+    # resumed run flags its own steps and reads the window as one: the spike at step 29 (after
+    # a 3-step warm-up) is reported as such, where the window's flags and losses used to
+    # differ in length
+    cfg = spike_config(tmp_path, "off")
+    resumed = resumed_from_step_25(cfg, tmp_path, SpikesAt29, spikes="raise", spike_warmup=3)
+    with pytest.raises(NonFiniteError, match=r"loss spike or gradient explosion.*at step 29:"):
+        resumed.fit()
+
+
 def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):
     assert saferun.Config().guards.spikes == "off"
     cfg = spike_config(tmp_path, "raise", val_every_n_steps=10)

@@ -177,3 +177,46 @@ def test_a_state_saved_before_the_limit_was_kept_still_loads():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="spike detector"):
         SpikeDetector(**kwargs)
+
+
+def state_equal(a: SpikeDetector, b: SpikeDetector) -> bool:
+    """Bit for bit, the window's empty (NaN) slots included."""
+    x, y = a.state_dict(), b.state_dict()
+    return x.keys() == y.keys() and all(
+        x[k].dtype == y[k].dtype and torch.equal(torch.nan_to_num(x[k], nan=-7.0),
+                                                 torch.nan_to_num(y[k], nan=-7.0)) for k in x)
+
+
+@pytest.mark.parametrize("refresh_every", [1, 7, 25])
+@pytest.mark.parametrize("chunk", [1, 13, 100, 400])
+def test_update_many_flags_and_keeps_exactly_what_one_update_per_value_does(refresh_every, chunk):
+    """The raise and rollback policies compare a log interval's values at its log point in one
+    `update_many` (issue 35): the same flags, bit for bit the same state, wherever the chunks
+    fall against the warm-up, the filling window and the refreshes (the planted series holds
+    spikes, a NaN and an Inf)."""
+    values = planted_series()
+    one = SpikeDetector(window=100, warmup=20, refresh_every=refresh_every)
+    many = SpikeDetector(window=100, warmup=20, refresh_every=refresh_every)
+    expected = flags(one, values)
+    got: list[bool] = []
+    alongside = SpikeDetector(window=100, warmup=20, refresh_every=refresh_every)
+    for start in range(0, len(values), chunk):
+        got += many.update_many(torch.tensor(values[start:start + chunk])).tolist()
+        flags(alongside, values[start:start + chunk])
+        assert state_equal(many, alongside), f"state after value {start + chunk}"
+    assert got == expected
+    assert [i for i, f in enumerate(got) if f] == PLANTED_FLAGGED
+    assert torch.equal(many.last_limit, one.last_limit)
+
+
+def test_update_many_and_update_interleave_and_an_empty_batch_changes_nothing():
+    values = noisy(90, seed=4)
+    values[60] = 9.0
+    one, mixed = SpikeDetector(window=32, warmup=8, refresh_every=5), \
+        SpikeDetector(window=32, warmup=8, refresh_every=5)
+    expected = flags(one, values)
+    got = mixed.update_many(torch.tensor(values[:41])).tolist() + flags(mixed, values[41:58])
+    assert mixed.update_many(torch.zeros(0)).tolist() == []
+    got += mixed.update_many(torch.tensor(values[58:])).tolist()
+    assert got == expected and got[60]
+    assert state_equal(one, mixed)
