@@ -181,8 +181,14 @@ class TensorBoardLogger(Callback):
             return
         self._at(step)
         self._last_scalars.update(metrics)
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # One event holding every scalar of the log point, as add_scalar writes each (a
+        # simple_value): one entry in the writer's queue instead of one per metric, whose
+        # bounded queue (10) otherwise makes a log point wait for the writer thread.
+        self._writer.file_writer.add_summary(Summary(value=[
+            Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]),
+            step)
 
     def _at(self, step: int) -> None:
         if step != self._last_step:
