@@ -89,7 +89,9 @@ def test_a_process_spinning_beside_this_one_is_measured_as_a_busy_core_and_this_
     mine.start()
     try:
         time.sleep(0.1)
-        assert busy_cores_elsewhere(0.3) <= max(before, 0.0) + 0.5  # this process's own: not counted
+        # this process's own spinning thread is not counted (it would add a whole core); the
+        # margin takes the 10 ms ticks of /proc/stat and a shared VM's stolen time
+        assert busy_cores_elsewhere(0.3) <= max(before, 0.0) + 0.7
     finally:
         stop.set()
         mine.join()
