@@ -786,7 +786,7 @@ mutation("under torchrun the ranks agree on the logged keys", "saferun/loop/metr
 mutation("a resumed TensorBoard file sorts after the earlier ones", LOGGERS,
          "        if earlier and mine and min(mine) < max(earlier):\n",
          "        if False:\n",
-         f"{RESUME}::test_a_resumed_writer_opened_within_the_earlier_writers_second_still_hides_its_steps")
+         f"{RESUME}::test_a_resumed_writer_whose_file_would_sort_before_the_earlier_ones_shows_each_step_once")
 mutation("a rollback hides later TensorBoard steps", LOGGERS,
          "        if self._writer is not None:  # a rollback mid-run: hide what came after the checkpoint\n",
          "        if False:\n",

@@ -406,22 +406,51 @@ def test_resuming_a_finished_run_does_not_redo_its_final_validation(tmp_path):
     assert_same(final_state(run_dir), state)
 
 
-def test_a_resumed_writer_opened_within_the_earlier_writers_second_still_hides_its_steps(tmp_path):
-    # TensorBoard reads event files in name order; a name starts with the second it was opened,
-    # then host, pid and a counter, so a resume within that second can sort first (pid 1000 <
-    # 999, .10 < .9) and the purge would come before the steps it must hide. Planted: the
-    # earlier run's file is renamed into the next second, where the resumed writer's sorts first.
+@pytest.fixture(scope="module")
+def validated_straight(tmp_path_factory):
+    from toys import SelfSignalling
+
+    run_dir = tmp_path_factory.mktemp("validated") / "straight"
+    SelfSignalling(validating_config(run_dir)).fit()
+    return tensorboard_events(run_dir)
+
+
+# resume=auto: from the checkpoint the failure at step 19 saved (step 18, logged and validated
+# before it); resume=PATH: back to step 12, its course's events up to 12 copied under their
+# names, then this run's.
+@pytest.mark.parametrize("resume", ["auto", pytest.param("step-00000012", marks=pytest.mark.slow)])
+def test_a_resumed_writer_whose_file_would_sort_before_the_earlier_ones_shows_each_step_once(
+        tmp_path, validated_straight, resume):
+    # TensorBoard reads event files in name order, and a name starts with the second it was
+    # opened, then host, pid and a counter: a resume within the earlier writer's second can sort
+    # first (pid 1000 < 999, .10 < .9). Read first, the resumed run's steps would then be
+    # purged by the earlier file's own START (step 0), and the steps it logged after the
+    # earlier run stopped would be lost. Planted: the earlier run's file is renamed seconds
+    # ahead, where the resumed writer's file sorts first.
+    from saferun.errors import ExplainedRuntimeError
     from toys import SelfSignalling
 
     run_dir = tmp_path / "run"
-    SelfSignalling(validating_config(run_dir)).fit()
-    curves = val_curves(run_dir)
+    with pytest.raises(ExplainedRuntimeError, match="planted failure"):
+        SelfSignalling(validating_config(run_dir), fail_at=19).fit()
     (earlier,) = [p for p in (run_dir / "tensorboard").iterdir() if not p.name.endswith(".hparams")]
+    assert tensorboard_events(run_dir)[1]["val/loss"] == [6, 12, 18]  # then the failure at 19
     parts = earlier.name.split(".")
-    parts[3] = "%010d" % (time.time() + 2)
-    earlier.rename(earlier.with_name(".".join(parts)))
-    SelfSignalling(validating_config(run_dir, resume="auto")).fit()
-    assert val_curves(run_dir) == curves
+    parts[3] = "%010d" % (time.time() + 3)
+    planted = ".".join(parts)
+    earlier.rename(earlier.with_name(planted))
+    path = resume if resume == "auto" else str(run_dir / "checkpoints" / resume)
+    SelfSignalling(validating_config(run_dir, resume=path)).fit()
+
+    scalars, steps = tensorboard_events(run_dir)
+    assert all(len(set(s)) == len(s) for s in steps.values()), steps
+    straight = validated_straight[0]
+    # the uninterrupted run's curves: every tag, every step; values but the timings' (perf/)
+    assert {t: v if not t.startswith("perf/") else [s for s, _ in v] for t, v in scalars.items()} == \
+        {t: v if not t.startswith("perf/") else [s for s, _ in v] for t, v in straight.items()}
+    assert scalars["train/loss"][-1][0] == 20 and [s for s, _ in scalars["val/loss"]] == [6, 12, 18, 20]
+    files = sorted(p.name for p in (run_dir / "tensorboard").iterdir() if not p.name.endswith(".hparams"))
+    assert len(files) == 2 and files[0] == planted, files  # the resumed run's file sorts last
 
 
 def test_a_run_whose_shielded_workers_outlive_fit_still_exits(tmp_path):
