@@ -228,6 +228,9 @@ mutation("several optimizers: every optimizer (and scheduler) restored from a ch
          "        pass", f"{OPTS}::test_resume_restores_every_optimizer_by_name_and_refuses_renamed_ones")
 mutation("several optimizers: a step must update each one", MANUAL,
          "        if missing:\n", "        if False:\n", f"{OPTS}::test_wrong_use_is_refused_with_what_to_do")
+mutation("several optimizers: the spike guard refused", "saferun/loop/optimizers.py",
+         '        "guards.spikes": (g.spikes != "off",', '        "guards.spikes": (False,',
+         f"{OPTS}::test_the_spike_guard_is_refused_with_several_optimizers")
 ERRS, CHECKS = "tests/loop/test_optimize_errors.py", "saferun/loop/manual_checks.py"
 mutation("several optimizers: an error in training_step is explained", MANUAL,
          '            record(exc, phase="training", batch=batch)', '            pass',
@@ -557,6 +560,9 @@ mutation("spikes: the kept steps flagged before a save and a read", "saferun/loo
          f"{GUARDS}::test_a_resume_from_between_log_points_compares_the_same_steps_as_one_run",
          also=(("        self.catch_up()\n        if self.loss_spikes:", "        if self.loss_spikes:"),
                (CKPTR, "        p.running.catch_up()  # the steps'", "        pass  # the steps'")))
+mutation("spikes: a check between log points flags the steps before it", "saferun/loop/metrics.py",
+         "        self.catch_up()\n        if self.loss_spikes:", "        if self.loss_spikes:",
+         f"{GUARDS}::test_a_spike_before_a_validation_between_log_points_rolls_back_as_per_step_flags_did")
 mutation("spikes: a window's steps from before the guard was on are unflagged", "saferun/loop/metrics.py",
          "    return flags if missing <= 0 else torch.cat(",
          "    return flags if True else torch.cat(",

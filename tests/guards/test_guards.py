@@ -234,19 +234,23 @@ def test_a_loss_spike_can_be_skipped(tmp_path):
     assert t.scheduler.last_epoch == 39  # its update and its schedule step were dropped
 
 
+class SpikesOnce(ToyTrainer):
+    """The loss is multiplied by 1000 at step `at`, once: not again after a rollback."""
+
+    at = 30
+    spiked = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step + 1 == self.at and not self.spiked:
+            self.spiked = True
+            return loss * 1000
+        return loss
+
+
 def test_a_spike_rolls_back_to_a_checkpoint_made_for_it_before_the_first_save(tmp_path, caplog):
     # guards.spikes=rollback, like guards.nonfinite=rollback, keeps a checkpoint from the start:
     # before, a spike before the first save raised "there is no checkpoint to roll back to"
-    class SpikesOnce(ToyTrainer):
-        spiked = False
-
-        def training_step(self, batch):
-            loss = super().training_step(batch)
-            if self.state.step + 1 == 30 and not self.spiked:
-                self.spiked = True
-                return loss * 1000
-            return loss
-
     t = SpikesOnce(spike_config(tmp_path, "rollback"))
     with caplog.at_level(logging.WARNING, logger="saferun"):
         t.fit()
@@ -367,6 +371,49 @@ def test_turning_the_spike_guard_on_at_a_resume_between_log_points_checks_the_la
     resumed = resumed_from_step_25(cfg, tmp_path, SpikesAt29, spikes="raise", spike_warmup=3)
     with pytest.raises(NonFiniteError, match=r"loss spike or gradient explosion.*at step 29:"):
         resumed.fit()
+
+
+class Curves(saferun.Callback):
+    """Every log point's and validation's metrics, with their step, as logged."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, view, metrics):
+        self.seen.append(("train", view.step, dict(metrics)))
+
+    def on_validation_end(self, view, metrics):
+        self.seen.append(("val", view.step, dict(metrics)))
+
+
+def test_a_spike_before_a_validation_between_log_points_rolls_back_as_per_step_flags_did(tmp_path):
+    # rollback compares a log interval's steps at its log point and at each check before it: the
+    # validation at step 28 (every 7; log points every 10) finds the spike at 27 and rolls back
+    # before it validates the spiked model, as when each step was flagged (kept under
+    # guards.nonfinite=skip): the same validations, curves and detectors after the run
+    class SpikesOnceAt27(SpikesOnce):
+        at = 27
+
+    runs = {}
+    for nonfinite in ("raise", "skip"):  # at the checks; at each step
+        cfg = spike_config(tmp_path / nonfinite, "rollback", max_steps=50, val_every_n_steps=7,
+                           save_every_n_steps=25)
+        cfg["guards"]["nonfinite"] = nonfinite
+        curves = Curves()
+        trainer = SpikesOnceAt27(cfg, callbacks=[curves])
+        trainer.fit()
+        runs[nonfinite] = (curves.seen, detectors(trainer), trainer.state.step)
+    (seen, kept, step), (expected, expected_kept, _) = runs["raise"], runs["skip"]
+    assert step == 50
+    assert [(kind, at) for kind, at, _ in seen if kind == "val"][:5] == \
+        [("val", 7), ("val", 14), ("val", 21), ("val", 28), ("val", 35)]  # 28: after the rollback
+    for (kind, at, metrics), (kind2, at2, metrics2) in zip(seen, expected, strict=True):
+        assert (kind, at) == (kind2, at2)
+        assert {k: v for k, v in metrics.items() if not k.startswith("perf/")} == \
+            {k: v for k, v in metrics2.items() if not k.startswith("perf/")}, (kind, at)
+    for key, state in expected_kept.items():
+        assert all(torch.equal(kept[key][k].nan_to_num(-7.0), state[k].nan_to_num(-7.0))
+                   for k in state), key
 
 
 def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):

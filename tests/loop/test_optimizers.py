@@ -298,6 +298,17 @@ def test_settings_that_cannot_be_right_are_refused_with_the_reason(tmp_path, set
         TwoOptimizers(config(tmp_path, **setting)).setup()
 
 
+@pytest.mark.parametrize("policy", ["raise", "rollback", "skip"])
+def test_the_spike_guard_is_refused_with_several_optimizers(tmp_path, policy):
+    # its statistics are of one loss and one gradient norm; every policy is refused, raise and
+    # rollback too, which now compare the steps at log points rather than in the update
+    cfg = config(tmp_path)
+    cfg["guards"] = {"spikes": policy}
+    with pytest.raises(ConfigError, match=rf"guards.spikes is {policy}: .* set guards.spikes=off "
+                                          rf"\(build_optimizer returned several optimizers\)"):
+        TwoOptimizers(cfg).setup()
+
+
 class Renamed(TwoOptimizers):
     def build_optimizer(self, params):
         named = super().build_optimizer(params)
