@@ -368,7 +368,7 @@ class Trainer:
                             control = _merge(control, self._log())
                     validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
                     control = self._end_step(control, validated, bool(micro_batches))
-                    if (control and control.stop) or state.step >= limit:
+                    if (control and control.stop) or (state.step >= limit and self._last_log_point()):
                         break
                     if state.step == timer.before and not timer.on:  # the next step is timed
                         timer.start(state.step)  # from here: its wait for data
@@ -385,6 +385,15 @@ class Trainer:
         finally:
             self._checkpointer.end_run()
         return dict(state.metrics)
+
+    def _last_log_point(self) -> bool:
+        """At the step limit: the log point of the steps since the last one, now. False if it
+        rolled back (a spike or a NaN among them): the run trains on to the limit, as after a
+        rollback at an earlier log point."""
+        step = self.state.step
+        if self._running.steps:
+            self._log()
+        return self.state.step == step
 
     def _end_of_loop(self, validated: bool) -> None:
         """After the last step: its log point, the final validation unless the loop has just

@@ -174,8 +174,8 @@ mutation("fp16 refused on the CPU", "saferun/precision.py",
          '    if precision == "fp16" and device.type != "cuda":', "    if False:",
          f"{STEP}::test_fp16_on_cpu_is_refused_with_the_alternative")
 mutation("max_steps (one step too many)", T,
-         "                    if (control and control.stop) or state.step >= limit:",
-         "                    if (control and control.stop) or state.step > limit:",
+         "                    if (control and control.stop) or (state.step >= limit and self._last_log_point()):",
+         "                    if (control and control.stop) or (state.step > limit and self._last_log_point()):",
          "tests/test_event_order.py::test_two_epochs_with_logging_validation_and_checkpoints",
          also=(("while state.step < limit and (t.max_epochs",
                 "while state.step <= limit and (t.max_epochs"),
@@ -571,6 +571,9 @@ mutation("spikes: update_many compares each value with the limit update would", 
          "            take = min(self._due, n - i)  # the values `update` compares with this limit",
          "            take = n - i",
          "tests/guards/test_spikes.py::test_update_many_flags_and_keeps_exactly_what_one_update_per_value_does")
+mutation("a rollback at the run's last log point trains on to the limit", T,
+         "        return self.state.step == step\n", "        return True\n",
+         f"{GUARDS}::test_a_spike_in_the_steps_after_the_last_log_point_rolls_back_and_trains_on_to_max_steps")
 mutation("spikes raise at log points", BADSTEP,
          '        return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips',
          "        return True",
@@ -685,8 +688,8 @@ mutation("Control(evaluate=True) validates", T,
          "validated = self._validation_due(epoch_end)",
          "tests/test_event_order.py::test_evaluate_request_runs_validation_after_that_step")
 mutation("Control(stop=True) stops", T,
-         "                    if (control and control.stop) or state.step >= limit:",
-         "                    if state.step >= limit:",
+         "                    if (control and control.stop) or (state.step >= limit and self._last_log_point()):",
+         "                    if state.step >= limit and self._last_log_point():",
          "tests/test_event_order.py::test_stop_mid_epoch_still_logs_validates_and_ends")
 mutation("TensorBoard gets validation metrics", "saferun/loggers/__init__.py",
          "    def on_validation_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:\n"

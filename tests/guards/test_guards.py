@@ -416,6 +416,39 @@ def test_a_spike_before_a_validation_between_log_points_rolls_back_as_per_step_f
                    for k in state), key
 
 
+def test_a_spike_in_the_steps_after_the_last_log_point_rolls_back_and_trains_on_to_max_steps(tmp_path):
+    # max_steps=37, log points every 10: the run's end checks steps 31 to 37. The spike at 33
+    # rolls back to the checkpoint of step 25 there, and the run trains on to step 37, as when a
+    # check inside the loop finds it (the reference: a validation at step 37). It used to end at
+    # step 25, its model.pt that step's, while the warning said that training continues
+    class SpikesOnceAt33(SpikesOnce):
+        at = 33
+
+    runs = {}
+    for checked_at in (1000, 37):  # at the run's end; by the validation at step 37
+        cfg = spike_config(tmp_path / str(checked_at), "rollback", max_steps=37,
+                           save_every_n_steps=25, val_every_n_steps=checked_at)
+        curves = Curves()
+        trainer = SpikesOnceAt33(cfg, callbacks=[curves])
+        trainer.fit()
+        runs[checked_at] = (trainer, curves.seen)
+    (ended, seen), (checked, expected) = runs[1000], runs[37]
+    assert ended.spiked and checked.spiked
+    assert ended.state.step == checked.state.step == 37
+    # the same log points and validations (at step 37 the reference validates before its log
+    # point), each with the same values
+    seen, expected = sorted(seen, key=lambda e: e[:2]), sorted(expected, key=lambda e: e[:2])
+    assert [(kind, at) for kind, at, _ in seen] == [(kind, at) for kind, at, _ in expected]
+    assert [at for kind, at, _ in seen if kind == "train"] == [10, 20, 30, 30, 37]  # rolled back
+    for (_, _, metrics), (_, _, metrics2) in zip(seen, expected):
+        assert {k: v for k, v in metrics.items() if not k.startswith("perf/")} == \
+            {k: v for k, v in metrics2.items() if not k.startswith("perf/")}
+    a, b = weights(ended), weights(checked)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    found = load_latest(tmp_path / "1000" / "run" / "checkpoints")
+    assert found is not None and found[1]["loop"]["step"] == 37
+
+
 def test_spike_guard_off_by_default_and_raise_adds_no_per_step_sync(tmp_path):
     assert saferun.Config().guards.spikes == "off"
     cfg = spike_config(tmp_path, "raise", val_every_n_steps=10)
