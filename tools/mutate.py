@@ -574,6 +574,9 @@ mutation("spikes: update_many compares each value with the limit update would", 
 mutation("a rollback at the run's last log point trains on to the limit", T,
          "        return self.state.step == step\n", "        return True\n",
          f"{GUARDS}::test_a_spike_in_the_steps_after_the_last_log_point_rolls_back_and_trains_on_to_max_steps")
+mutation("spikes: a resume with another spike_window refused naming the key", CKPTR,
+         "                _check_spike_window(spikes[key], detector.window)\n", "",
+         f"{GUARDS}::test_a_resume_with_another_spike_window_is_refused_naming_the_key")
 mutation("spikes raise at log points", BADSTEP,
          '        return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips',
          "        return True",

@@ -163,6 +163,7 @@ class Checkpointer:
         spikes = mine["spikes"]
         for key, detector in (p.spikes or {}).items():
             if key in spikes:
+                _check_spike_window(spikes[key], detector.window)
                 detector.load_state_dict(move_to_device(spikes[key], o.device))
         p.batches.resume(mine["rng"], mine["epoch_start"])
 
@@ -558,6 +559,17 @@ class Checkpointer:
                 return path, skipped
             skipped.append(f"{path.name} (not finite: {bad})")
         return None, skipped
+
+
+def _check_spike_window(saved: Mapping[str, Any], window: int) -> None:
+    """The spike statistics of a checkpoint are of its guards.spike_window steps: they cannot be
+    resized, not even under force_resume."""
+    steps = saved["values"].numel()
+    if steps != window:
+        raise ConfigError(
+            f"cannot resume with guards.spike_window={window}: the checkpoint's spike statistics "
+            f"are of the last {steps} steps and cannot be resized (not even with force_resume). "
+            f"Resume with guards.spike_window={steps}.")
 
 
 # what users of other tools write for "the newest checkpoint"

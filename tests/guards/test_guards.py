@@ -355,6 +355,20 @@ def test_a_resume_from_between_log_points_compares_the_same_steps_as_one_run(tmp
         resumed_from_step_25(cfg, tmp_path / "again", SpikesAt).fit()
 
 
+@pytest.mark.parametrize("policy, force", [("raise", False), ("rollback", True)])
+def test_a_resume_with_another_spike_window_is_refused_naming_the_key(tmp_path, policy, force):
+    # the checkpoint's statistics are of 20 steps: under raise the key is not an exactness key,
+    # and force_resume lets rollback through, but the statistics cannot be resized. Refused
+    # naming guards.spike_window and its saved value (it was a ValueError about "the window")
+    cfg = spike_config(tmp_path, policy, max_steps=30, save_every_n_steps=25)
+    ToyTrainer(cfg).fit()
+    cfg = {**spike_config(tmp_path, policy, max_steps=40), "resume": "auto", "force_resume": force}
+    cfg["guards"]["spike_window"] = 30
+    with pytest.raises(saferun.ConfigError, match=r"guards.spike_window=30.*20 steps.*"
+                                                  r"guards.spike_window=20"):
+        ToyTrainer(cfg).fit()
+
+
 class SpikesAt29(ToyTrainer):
     def training_step(self, batch):
         loss = super().training_step(batch)
