@@ -4,6 +4,7 @@
     python benchmarks/loop_window.py --count           # counts per step: no timing
     python benchmarks/loop_window.py --quick           # a smoke run (seconds)
     python benchmarks/loop_window.py --count --workload cnn --steps 400   # the CNN's counts
+    python benchmarks/loop_window.py --instructions    # instructions per step (valgrind)
 
 `step_micro.py` times `train_step` alone; this times everything around it too: the batch stream,
 the per-step bookkeeping, the callbacks, the log points, the stop checks and the checkpoint
@@ -26,6 +27,13 @@ round, with the absolute microseconds per step it adds.
 the same window: Python function calls and C calls (`sys.setprofile`), generation-0 garbage
 collections per 1000 steps (about one per 700 container objects left allocated: a proxy for
 objects built per step), and host syncs (saferun's `HostSyncCounter`, in a separate run).
+`--instructions` counts the machine instructions each variant executes per step of a window
+(steps 201-400 by default: two log points, no checkpoint), every thread's, under valgrind's
+callgrind with instrumentation switched on at the window's first step and off at its last
+(`callgrind_control`; the rest of the run is not counted). The count is the same on a quiet and
+on a loaded machine, so it measures a change of the loop's work where wall-clock rounds cannot
+tell 1 % from noise; it weighs every instruction alike (a cache miss costs nothing in it).
+
 `Window(..., "calls", kept=True)` also counts the container objects a plain step leaves alive,
 exactly (the collector paused over the window instead of counting its collections;
 tests/loop/test_loop_cost.py holds a budget for it).
@@ -37,6 +45,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -82,6 +91,10 @@ class Window:
                 self.kept_counts.append(gc.get_count()[0])
             if self.step == self.end:
                 gc.enable()
+        if self.mode == "instructions" and self.step in (self.start, self.end):
+            subprocess.run(["callgrind_control", "--instr=" + ("on" if self.step == self.start
+                                                              else "off"), str(os.getpid())],
+                           check=True, capture_output=True)
         if self.step == self.start:
             self.t0 = time.perf_counter_ns()
             if self.mode == "calls":
@@ -106,7 +119,7 @@ class Window:
     def result(self) -> dict[str, Any]:
         n = self.end - self.start
         out: dict[str, Any] = {"steps": self.step, "window": [self.start + 1, self.end]}
-        if self.mode == "time":
+        if self.mode in ("time", "instructions"):  # (instructions: valgrind's report has them)
             out["us_per_step"] = (self.t1 - self.t0) / 1e3 / n
         elif self.mode == "calls":
             c = self.call_counts  # c[i]: at the end of step start + i
@@ -257,6 +270,30 @@ def spawn(variant: str, mode: str, steps: int, start: int, workload: str = "mlp"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def instructions(steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
+    """Instructions per step of the window, per variant: each run once under callgrind (the
+    count does not vary from run to run beyond a few hundredths of a percent)."""
+    out: dict[str, Any] = {}
+    for v in VARIANTS:
+        with tempfile.TemporaryDirectory() as d:
+            log = os.path.join(d, "callgrind.log")
+            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={log}",
+                   f"--callgrind-out-file={os.path.join(d, 'callgrind.out')}", sys.executable,
+                   os.path.abspath(__file__), "--child", v, "--mode", "instructions",
+                   "--steps", str(steps), "--start", str(start), "--workload", workload]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+            with open(log) as f:
+                report = f.read()
+        found = re.search(r"Collected : (\d+)", report)
+        if proc.returncode != 0 or found is None:
+            sys.exit(f"{v} under callgrind failed:\n{proc.stdout}\n{proc.stderr}\n{report}")
+        out[v] = {"instructions_per_step": int(found.group(1)) / (steps - start)}
+    for v in VARIANTS:
+        out[v]["ratio"] = out[v]["instructions_per_step"] / out["hand"]["instructions_per_step"]
+    return out
+
+
 def timed(rounds: int, steps: int, start: int, say: Callable[[str], None],
           workload: str = "mlp") -> dict[str, Any]:
     """`rounds` rounds of every variant, the order rotating; ratios to the round's hand loop."""
@@ -300,26 +337,38 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--start", type=int, default=200, help="the window starts after this step")
     p.add_argument("--count", action="store_true", help="counts per step instead of times")
+    p.add_argument("--instructions", action="store_true",
+                   help="instructions per step under valgrind (window: steps 201-400 unless "
+                        "--steps says otherwise)")
     p.add_argument("--workload", default="mlp", choices=("mlp", "cnn"),
                    help="the job's model and data (benchmarks/common.py); the same loop")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 150 steps (window 51-150), one round, and the counts")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="time", choices=("time", "calls", "device"), help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="time", choices=("time", "calls", "device", "instructions"),
+                   help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.mode, a.steps, a.start, a.workload)))
         return {}
     if a.quick:
         a.rounds, a.steps, a.start = 1, 150, 50
+    if a.instructions and "--steps" not in (argv if argv is not None else sys.argv):
+        a.steps = 400  # (about 35 s per variant of the window under callgrind, on the MLP)
     if a.steps - a.start < LOG_EVERY or a.start < 2:
         p.error(f"the window (steps {a.start + 1}-{a.steps}) must hold a log interval "
                 f"({LOG_EVERY} steps) and start after step 1")
     results: dict[str, Any] = {"workload": a.workload, "steps": a.steps,
                                "window": [a.start + 1, a.steps], "threads": 1,
                                "python": sys.version.split()[0]}
-    if a.count or a.quick:
+    if a.instructions:
+        results["instructions"] = instructions(a.steps, a.start, a.workload)
+        print(f"instructions per step, steps {a.start + 1}-{a.steps}:")
+        for v, c in results["instructions"].items():
+            print(f"  {v:8s} {c['instructions_per_step']:12,.0f}  ({c['ratio']:.4f}x, "
+                  f"{c['instructions_per_step'] - results['instructions']['hand']['instructions_per_step']:+,.0f})")
+    elif a.count or a.quick:
         results["per_step"] = counted(a.steps, a.start, a.workload)
         print(f"per step, steps {a.start + 1}-{a.steps}:")
         for v, c in results["per_step"].items():
@@ -329,7 +378,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   f"{c['plain_step_torch_ops']:.0f})  gc0/1000 steps {c['gc0_per_1000_steps']:5.1f}"
                   f"  syncs/step {c['syncs_per_step']:.3f}, between log points "
                   f"{c['syncs_between_log_points']}")
-    if not a.count:
+    if not a.count and not a.instructions:
         results["timed"] = timed(a.rounds, a.steps, a.start, print, a.workload)
         for v, s in results["timed"]["summary"].items():
             print(f"  {v:8s} {s['median_us_per_step']:8.1f} us/step  median ratio "

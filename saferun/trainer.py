@@ -65,7 +65,7 @@ from .loop.throughput import FlopCount, Throughput
 from .data.transfer import batch_size_of, samples_in
 from .loop import averaging, stateful
 from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
-from .loop.update import OptimizerUpdate, ParamNorm
+from .loop.update import OptimizerUpdate, ParamNorm, grad_accumulators
 from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
                          trainable_parameters)
 from . import distributed
@@ -351,6 +351,7 @@ class Trainer:
         self._say_threads()
         try:
             self._start_training()
+            accumulators = grad_accumulators(self._params)  # held until fit() returns (why: there)
             cbs.on_fit_start(self.view)
             with self._stop_signals:
                 control, validated = self._owed_step_end()  # resumed from a stop in validation
@@ -373,6 +374,7 @@ class Trainer:
                     if state.step == timer.before and not timer.on:  # the next step is timed
                         timer.start(state.step)  # from here: its wait for data
                 self._end_of_loop(validated)
+            del accumulators
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank

@@ -76,6 +76,28 @@ class OptimizerUpdate:
         return norm, skipped, spike, loss_spike
 
 
+def grad_accumulators(params: Sequence[nn.Parameter]) -> list[Any]:
+    """Each plain trainable parameter's gradient accumulator (the autograd node that adds into
+    `.grad`), to be held for as long as the loop runs.
+
+    Autograd keeps an accumulator only while something refers to it: held by nobody, it dies
+    with each step's graph after backward and the next forward builds it again. A hand-written
+    loop keeps them by accident (its `loss` variable holds the last graph until the next step
+    replaces it); saferun lets the step's graph go at once, so it holds them on purpose. Beyond
+    the six rebuilt nodes per step of a small model, a parameter without that second owner
+    pays a Python reference handoff in every optimizer op on it: together about 40,000
+    instructions per step (docs/benchmarks.md). Sharded and tensor-parallel parameters (tensor
+    subclasses) are left alone."""
+    held = []
+    with torch.enable_grad():
+        for p in params:
+            if type(p) is nn.Parameter and p.requires_grad and p.grad_fn is None:
+                node = p.view_as(p).grad_fn
+                if node is not None and node.next_functions:
+                    held.append(node.next_functions[0][0])
+    return held
+
+
 class ParamNorm:
     """guards.check_params at log points (a step guard, guards/step_guards.py): the total norm
     of the trainable parameters as train/param_norm, read with the window's metrics; a

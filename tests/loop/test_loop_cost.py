@@ -111,3 +111,35 @@ def test_a_default_step_calls_no_guard_or_context_it_does_not_need(tmp_path):
     assert "model_audit.py" not in files and "loss_audit.py" not in files
     assert ("modes.py", "after_backward") in probe.called  # guards.declared_modes is on
 
+
+
+class _AccumulatorHooks(saferun.Callback):
+    """After step 2, a pre-hook on each parameter's gradient accumulator, holding none of them:
+    the hooks fire at later steps only if those steps' backwards reuse the same accumulators."""
+
+    def __init__(self) -> None:
+        self.model = None
+        self.fired = 0
+
+    def on_train_step_end(self, view, output):
+        if view.step == 2:
+            for p in self.model.parameters():
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+                node.register_prehook(self._count)
+
+    def _count(self, grad_outputs):
+        self.fired += 1
+
+
+def test_the_gradient_accumulators_live_across_steps(tmp_path):
+    # A hand-written loop keeps each parameter's accumulator node alive by accident (its `loss`
+    # holds the last graph); without saferun holding them, every step builds them again and
+    # every optimizer op on a parameter hands its Python reference over (loop/update.py).
+    probe = _AccumulatorHooks()
+    trainer = ToyTrainer(toy_config(tmp_path, max_steps=6), callbacks=[probe])
+    trainer.setup()
+    probe.model = trainer.model
+    trainer.fit()
+    params = len(list(trainer.model.parameters()))
+    assert params >= 2
+    assert probe.fired == params * 4, (probe.fired, params)  # steps 3 to 6, each parameter
