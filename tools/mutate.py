@@ -1569,6 +1569,13 @@ mutation("issue 31: the error says whether the newest checkpoint was checked", B
 
 # issues 35/37: speed
 COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step"
+mutation("loop cost: fit() holds the gradient accumulators", T,
+         "            accumulators = grad_accumulators(self._params)",
+         "            accumulators = grad_accumulators([])",
+         "tests/loop/test_loop_cost.py::test_the_gradient_accumulators_live_across_steps")
+mutation("loop cost: grad_accumulators finds each parameter's accumulator", UPD,
+         "                    held.append(node.next_functions[0][0])", "                    pass",
+         "tests/loop/test_loop_cost.py::test_the_gradient_accumulators_live_across_steps")
 mutation("loop cost: nothing built per step for a step that logged only means", T,
          "self._running.add(output, where, self._logbook.take_step())",
          "self._running.add(output, where, self._logbook.take())", COST)
