@@ -5,6 +5,7 @@ shared machine are noise; benchmarks/run.py and docs/benchmarks.md are where spe
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -133,6 +134,24 @@ def test_loop_window_benchmark_quick_run_reports_times_and_counts(tmp_path):
     assert counts["hand"]["syncs_per_step"] == pytest.approx(1 / 100)
     # the same model and optimizer: saferun adds no torch operator to a plain step
     assert counts["saferun"]["plain_step_torch_ops"] <= counts["hand"]["plain_step_torch_ops"]
+
+
+@pytest.mark.slow  # three runs under valgrind (a minute or two each, mostly imports)
+@pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
+                    reason="needs valgrind's callgrind")
+def test_loop_window_counts_instructions_per_step_under_callgrind(tmp_path):
+    out = tmp_path / "instructions.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "loop_window.py"), "--instructions",
+           "--steps", "104", "--start", "100", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())["instructions"]
+    assert set(r) == {"hand", "saferun", "strict"} and r["hand"]["ratio"] == 1.0
+    # the window's four steps only: a step of this MLP is millions of instructions, a whole
+    # counted run (imports, setup) would be billions
+    for v, c in r.items():
+        assert 1e6 < c["instructions_per_step"] < 1e8, (v, c)
+    assert r["saferun"]["ratio"] > 1.0  # (its window opens before step 100's log point)
 
 
 def test_a_threads_benchmark_run_uses_its_arms_thread_count(tmp_path, monkeypatch):
