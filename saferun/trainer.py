@@ -351,7 +351,6 @@ class Trainer:
         self._say_threads()
         try:
             self._start_training()
-            accumulators = grad_accumulators(self._params)  # held until fit() returns (why: there)
             cbs.on_fit_start(self.view)
             with self._stop_signals:
                 control, validated = self._owed_step_end()  # resumed from a stop in validation
@@ -374,7 +373,6 @@ class Trainer:
                     if state.step == timer.before and not timer.on:  # the next step is timed
                         timer.start(state.step)  # from here: its wait for data
                 self._end_of_loop(validated)
-            del accumulators
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
@@ -399,9 +397,15 @@ class Trainer:
 
     def _end_of_loop(self, validated: bool) -> None:
         """After the last step: its log point, the final validation unless the loop has just
-        validated, and the final save."""
+        validated, and the final save. A run that ends before a bad step it rolled back from
+        says so: nothing was left to train (the epochs' data had run out, or a callback asked
+        to stop), so the run's last step is the checkpoint's."""
         if self._running.steps:
             self._log()
+        if self._guard.rolled_back_from > self.state.step:
+            log.warning("The run ends at step %d, the checkpoint it rolled back to from step %d: "
+                        "nothing was left to train after it (the epochs' data had run out, or a "
+                        "callback asked to stop).", self.state.step, self._guard.rolled_back_from)
         if not validated:
             self._validate_and_report(Control(stop=True))  # the loop has ended
         # Always saved: the final validation may have changed callback state since the last save.
@@ -650,6 +654,8 @@ class Trainer:
         self._frame.first_steps(*first, *audits)
         self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)
         self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
+        # each parameter's gradient accumulator, held from here on (why: loop/update.py)
+        self._accumulators = grad_accumulators(self._params)
 
     def _model_audit(self) -> ModelAudit:
         """guards.model_audit's state audit, set up (its warnings said) for this fit's first steps."""

@@ -574,6 +574,10 @@ mutation("spikes: update_many compares each value with the limit update would", 
 mutation("a rollback at the run's last log point trains on to the limit", T,
          "        return self.state.step == step\n", "        return True\n",
          f"{GUARDS}::test_a_spike_in_the_steps_after_the_last_log_point_rolls_back_and_trains_on_to_max_steps")
+mutation("a rollback the run ends before says that the run ends at the checkpoint", T,
+         "        if self._guard.rolled_back_from > self.state.step:",
+         "        if False:",
+         "tests/guards/test_nonfinite.py::test_a_rollback_after_the_last_epochs_last_step_says_the_run_ends_there")
 mutation("spikes: a resume with another spike_window refused naming the key", CKPTR,
          "                _check_spike_window(spikes[key], detector.window)\n", "",
          f"{GUARDS}::test_a_resume_with_another_spike_window_is_refused_naming_the_key")
@@ -1570,8 +1574,8 @@ mutation("issue 31: the error says whether the newest checkpoint was checked", B
 # issues 35/37: speed
 COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step"
 mutation("loop cost: fit() holds the gradient accumulators", T,
-         "            accumulators = grad_accumulators(self._params)",
-         "            accumulators = grad_accumulators([])",
+         "        self._accumulators = grad_accumulators(self._params)",
+         "        self._accumulators = grad_accumulators([])",
          "tests/loop/test_loop_cost.py::test_the_gradient_accumulators_live_across_steps")
 mutation("loop cost: grad_accumulators finds each parameter's accumulator", UPD,
          "                    held.append(node.next_functions[0][0])", "                    pass",

@@ -78,6 +78,7 @@ class BadStepPolicy:
                                  or self.spike_policy.needs_checkpoint or g.anomaly_replay)
         # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
         self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
+        self.rolled_back_from = 0  # the bad step of this process's latest rollback (0: none)
         self.spikes: Optional[dict[str, SpikeDetector]] = None
         if self.spike_policy.checked:
             # Each step is compared with a limit on the device; the statistics behind it are
@@ -311,9 +312,11 @@ class BadStepPolicy:
             raise NonFiniteError(f"{bad.report} Cannot roll back: there is no clean checkpoint to "
                                  f"roll back to{why}. Lower optim.lr, set trainer.max_grad_norm, "
                                  f"or check the data.")
+        self.rolled_back_from = bad.step
         passed = f"; skipped, newer but not clean: {', '.join(skipped)}" if skipped else ""
-        log.warning("%s Rolled back to %s (step %d), the newest clean checkpoint%s; training "
-                    "continues with the data after step %d.", bad.report, path,
+        log.warning("%s Rolled back to %s (step %d), the newest clean checkpoint%s; the run "
+                    "goes on with the data after step %d (the batches up to it are not trained "
+                    "on again), if it has steps left.", bad.report, path,
                     self._trainer.state.step, passed, bad.step)
 
 

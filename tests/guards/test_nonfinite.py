@@ -166,6 +166,39 @@ def test_rollback_restores_the_last_checkpoint_and_goes_on(tmp_path, caplog):
     assert metrics["train/loss"] == metrics["train/loss"]  # finite, not NaN
 
 
+class NanOnceAt16(ToyTrainer):
+    """A NaN loss at step 16 (once): with max_epochs=2 of 8 steps, the last step of the run."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.step + 1 == 16 and not getattr(self, "poisoned", False):
+            self.poisoned = True
+            return loss + float("nan")
+        return loss
+
+
+def test_a_rollback_after_the_last_epochs_last_step_says_the_run_ends_there(tmp_path, caplog):
+    # max_epochs=2 (8 steps each), log points every 5: the epoch's end (its validation) checks
+    # step 16, finds the NaN and rolls back to step 15's checkpoint. The epochs' data has run
+    # out, so the run ends at step 15; the warning used to say that training continues with the
+    # data after step 16, and nothing said that the run ended before it
+    cfg = toy_config(tmp_path, max_steps=None, max_epochs=2, log_every_n_steps=5,
+                     save_every_n_steps=5)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = NanOnceAt16(cfg)
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    assert t.poisoned and t.state.step == 15
+    said = [r.getMessage() for r in caplog.records]
+    rolled = [m for m in said if "Rolled back" in m]
+    assert len(rolled) == 1 and "(step 15)" in rolled[0] and "if it has steps left" in rolled[0]
+    assert not any("training continues" in m for m in said)
+    ends = [m for m in said if m.startswith("The run ends at step 15")]
+    assert len(ends) == 1 and "from step 16" in ends[0] and "data had run out" in ends[0], said
+    final = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    assert load_checkpoint(final)["loop"]["step"] == 15
+
+
 def test_rollback_without_recovery_gives_up(tmp_path):
     cfg = toy_config(tmp_path, max_steps=40, log_every_n_steps=2)
     cfg["guards"] = {"nonfinite": "rollback", "max_consecutive": 2}
