@@ -33,6 +33,7 @@ ROWS = {  # row: what it is (the Trainer's part it covers)
     "plateau": "torch's ReduceLROnPlateau (trainer.sched_metric)",
     "ema": "trainer.ema (model_ema.pt, the checkpoint's average)",
     "checkpoint": "the loop's own state: model, optimizer, scaler, step, data position",
+    "spikes": "guards.spikes' detectors (each rank's window, count, limit and refresh count)",
     "optuna study": "hydra/sweeper=optuna's study (optuna.db)",
     "sweep summary": "the sweep's summary.txt and optimization_results.yaml",
 }
@@ -80,7 +81,8 @@ DEFAULT = {
     ("checkpoint", "nonfinite_rollback"), ("mlflow", "nonfinite_rollback"), ("mlflow media", "nonfinite_rollback"),
     ("mlflow media", "course_same_dir"), ("checkpoint", "nonfinite_param"),
     ("checkpoint", "nonfinite_param_rollback"), ("ema", "two_ranks"), ("early stopping", "sigkill"),
-    ("optuna study", "sweep_continued"), ("sweep summary", "sweep_continued")}
+    ("optuna study", "sweep_continued"), ("sweep summary", "sweep_continued"),
+    ("spikes", "sigkill_in_validation"), ("spikes", "two_ranks"), ("spikes", "nonfinite_rollback")}
 
 _MLFLOW_ROLLBACK = Known(None, "new defect (not in issue 31): after guards.nonfinite=rollback MLflow keeps "
                                "what the rollback undid (step 10 twice in its history, the abandoned "

@@ -32,8 +32,8 @@ COSINE = {"_target_": "saferun.schedules.warmup_cosine", "warmup_steps": 2,
 def config(run_dir: Any, *, sched: str = "cosine", trackers: bool = True, ranks: int = 1,
            **trainer: Any) -> dict[str, Any]:
     """Every component on: metrics.jsonl, TensorBoard, MLflow (the default SQLite store beside
-    the run directory), W&B offline, save_best, EarlyStopping, trainer.ema and a schedule
-    (cosine: length-dependent; plateau: ReduceLROnPlateau on val/loss)."""
+    the run directory), W&B offline, save_best, EarlyStopping, trainer.ema, the spike guard and
+    a schedule (cosine: length-dependent; plateau: ReduceLROnPlateau on val/loss)."""
     t = dict(max_steps=MAX_STEPS, batch_size=32 // ranks, shuffle=False, log_every_n_steps=LOG_EVERY,
              val_every_n_steps=3, save_every_n_steps=4, run_dir=str(run_dir), progress_bar=False,
              save_best="val/loss", save_best_mode="min", ema={"decay": 0.9})
@@ -44,7 +44,11 @@ def config(run_dir: Any, *, sched: str = "cosine", trackers: bool = True, ranks:
                               "jsonl": {"_target_": "saferun.loggers.MetricsJsonl"}}
     if trackers:
         logger.update(mlflow={"experiment": "grid"}, wandb={"project": "grid"})
-    return {"name": "grid", "trainer": t,
+    # the spike guard compares every step (raise, checked at log points and saves) with a
+    # window of 6 and a limit far above any loss here: its detectors' state evolves from step 2
+    # on, and nothing is flagged
+    guards = {"spikes": "raise", "spike_window": 6, "spike_warmup": 2, "spike_threshold": 1e6}
+    return {"name": "grid", "trainer": t, "guards": guards,
             "optim": {"_target_": "torch.optim.SGD", "lr": 0.2, "momentum": 0.9},
             "sched": copy.deepcopy(PLATEAU if sched == "plateau" else COSINE),
             "callbacks": {"early": {"_target_": "saferun.stopping.EarlyStopping",

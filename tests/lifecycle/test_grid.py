@@ -90,6 +90,8 @@ def view(row: str, run_dir: Path) -> Any:
                 "param_groups": [g["lr"] for g in state["optimizer"]["param_groups"]]}
     if row == "ema":
         return {"checkpoint": state["ema"], "model_ema.pt": rb.weights(run_dir / "model_ema.pt")}
+    if row == "spikes":  # each rank's detectors: [{"loss": state, "grad_norm": state}]
+        return [r["spikes"] for r in state["per_rank"]]
     if row == "checkpoint":
         loop = state["loop"]
         return {"model": state["model"], "optimizer": state["optimizer"], "scaler": state["scaler"],
@@ -211,6 +213,16 @@ def check_reference(row: str, runs: Runs, ref: Outcome) -> None:
         assert_same(got["model_ema.pt"], average, "model_ema.pt vs the final checkpoint's average")
         final = rb.weights(d / "model.pt")
         assert final is not None and not any(torch.equal(final[k], v) for k, v in average.items())
+    elif row == "spikes":  # every step compared and kept (finite, none a spike): 12 in each
+        (detectors,) = view(row, d)
+        assert set(detectors) == {"loss", "grad_norm"}
+        for key, state in detectors.items():
+            assert int(state["count"]) == int(state["updates"]) == 12, (key, state)
+            assert state["values"].shape == (6,) and bool(torch.isfinite(state["values"]).all())
+            assert math.isfinite(float(state["limit"]))  # warmed up (from step 2)
+        losses = [v for _, v in logged["train/loss"]]  # the last log point's mean, of steps 11, 12
+        assert float(detectors["loss"]["values"].min()) <= losses[-1] <= \
+            float(detectors["loss"]["values"].max())
     elif row == "checkpoint":
         got = view(row, d)
         assert got["loop"]["step"] == 12
@@ -235,6 +247,11 @@ def per_rank(row: str, held: Any) -> Any:
         return {k: [e[0] for e in v] if k.endswith("/logits") else v for k, v in held.items()}
     if row == "mlflow media":
         return {k: len(v) if k.endswith("/logits") else v for k, v in held.items()}
+    if row == "spikes":  # a rank's loss detector sees its half's loss; the gradient norm's sees
+        # the averaged gradients' norm, the same on every rank: that one compares
+        norms = [rank["grad_norm"] for rank in held]
+        assert all(not differences(n, norms[0], rel=1e-4) for n in norms), "ranks' detectors differ"
+        return norms[0]
     return held
 
 
@@ -331,6 +348,13 @@ def check_bad_step(row: str, got: Outcome, promise_finite: bool) -> None:
         for key, points in logged.items():
             steps = [step for step, _ in points]
             assert steps and steps == sorted(set(steps)), f"{key} logged at steps {steps}"
+    elif row == "spikes":  # in every checkpoint saved: no NaN or Inf entered a window (an empty
+        # slot is NaN), and no more values were kept than compared
+        for step in rb.saved_steps(d):
+            for rank in rb.load_checkpoint_at(d, step)["per_rank"]:
+                for key, state in rank["spikes"].items():
+                    assert not bool(torch.isinf(state["values"]).any()), (step, key, state["values"])
+                    assert 0 < int(state["count"]) <= int(state["updates"]), (step, key, state)
     elif promise_finite and row in ("checkpoint", "ema"):  # every checkpoint saved
         parts = ("model", "optimizer") if row == "checkpoint" else ("ema",)
         bad = [s for s in rb.saved_steps(d)

@@ -27,7 +27,7 @@ PARTS = {
     "callbacks": "callback classes: see CALLBACKS",
     "strategy": "no state of its own: gathers and formats the others (the two_ranks event)",
     "stop_signals": "no state of its own: a stop's save (the sigterm event)",
-    "spikes": "no row yet: the spike detectors' resume is tests/guards/test_spikes.py's",
+    "spikes": "spikes",
 }
 # every saferun Callback class that keeps state (state_dict) or writes a run's files
 CALLBACKS = {
