@@ -175,7 +175,7 @@ def two_ranks(runs: Runs, run_dir: Path) -> Outcome:
 def nonfinite(policy: str, plant: str = "nan_at", step: int = BAD_STEP) -> Callable[[Runs, Path], Outcome]:
     def event(runs: Runs, run_dir: Path) -> Outcome:
         cfg = config(run_dir)
-        cfg["guards"] = {"nonfinite": policy}
+        cfg["guards"]["nonfinite"] = policy  # (the spike guard stays on)
         good = {"last good log point": step - 1 if plant == "nan_at" else step}
         try:
             return Outcome(run_dir, job=run_in_process(cfg, **{plant: step}), notes=good)
