@@ -75,6 +75,7 @@ course finds none and starts a new run (linked to the checkpoint's, for a course
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -82,6 +83,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 import torch
 
 from .errors import SaferunError
+
+log = logging.getLogger("saferun")
 
 if TYPE_CHECKING:
     from .state import LoopState
@@ -363,12 +366,23 @@ class CallbackList(Callback):
             cb.on_exception(view, exc)
 
     def state_dict(self) -> dict[str, Any]:
-        return {_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)}
+        """Each callback's state, keyed "n:ClassName" (the n-th callback of that class), so that
+        a resume with a callback added or removed elsewhere in the list gives each its own."""
+        return {key: cb.state_dict() for key, cb in zip(_keys(self.callbacks), self.callbacks)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for i, cb in enumerate(self.callbacks):
-            if _key(i, cb) in state:
-                cb.load_state_dict(state[_key(i, cb)])
+        """Give each callback the state saved for its class and place among that class's; a
+        saved state no callback of this run takes is said (it is dropped)."""
+        saved = _by_class(state)  # (also reads earlier checkpoints: keyed by the index in the list)
+        keys = _keys(self.callbacks)
+        for key, cb in zip(keys, self.callbacks):
+            if key in saved:
+                cb.load_state_dict(saved[key])
+        dropped = sorted(k.split(":", 1)[1] for k, v in saved.items() if k not in keys and v)
+        if dropped:
+            log.warning("The checkpoint holds the state of callbacks this run does not have (%s): "
+                        "it is dropped. Resume with the same callbacks to continue them.",
+                        ", ".join(dropped))
 
 
 def _implements(cb: Any, event: str) -> bool:
@@ -384,5 +398,29 @@ def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:
     return a | b
 
 
-def _key(index: int, cb: Callback) -> str:
-    return f"{index}:{type(cb).__name__}"
+def _keys(callbacks: Sequence[Any]) -> list[str]:
+    """"n:ClassName" for each callback: the n-th of its class in the list."""
+    seen: dict[str, int] = {}
+    keys = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        keys.append(f"{seen.get(name, 0)}:{name}")
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
+
+def _by_class(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Saved callback states under "n:ClassName" keys. Checkpoints of earlier saferun keyed
+    them by the position in the whole list ("3:EarlyStopping"); in key order, the n-th state
+    of a class is the n-th callback of that class either way."""
+    def position(key: str) -> tuple[int, str]:
+        index, _, name = key.partition(":")
+        return (int(index) if index.isdigit() else 0, name)
+
+    seen: dict[str, int] = {}
+    out = {}
+    for key in sorted(state, key=position):
+        name = position(key)[1]
+        out[f"{seen.get(name, 0)}:{name}"] = state[key]
+        seen[name] = seen.get(name, 0) + 1
+    return out

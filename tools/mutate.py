@@ -574,6 +574,13 @@ mutation("spikes: update_many compares each value with the limit update would", 
 mutation("a rollback at the run's last log point trains on to the limit", T,
          "        return self.state.step == step\n", "        return True\n",
          f"{GUARDS}::test_a_spike_in_the_steps_after_the_last_log_point_rolls_back_and_trains_on_to_max_steps")
+mutation("callback states keyed by class and place among that class, not the list's index",
+         "saferun/callbacks.py", '        keys.append(f"{seen.get(name, 0)}:{name}")',
+         '        keys.append(f"{len(keys)}:{name}")',
+         "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
+mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
+         "        if dropped:\n", "        if False:\n",
+         "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
 mutation("a rollback the run ends before says that the run ends at the checkpoint", T,
          "        if self._guard.rolled_back_from > self.state.step:",
          "        if False:",

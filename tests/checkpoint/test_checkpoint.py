@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+import saferun
+
 from saferun.checkpoint import (CheckpointError, check_plain, list_checkpoints, load_checkpoint,
                                 load_latest, save_checkpoint)
 from saferun.stopping import EarlyStopping
@@ -184,6 +186,40 @@ def test_callback_state_round_trips_through_a_checkpoint(tmp_path):
     t = ToyTrainer(cfg, callbacks=[fresh])
     t.load_state_dict(load_latest(tmp_path / "run" / "checkpoints")[1])
     assert (fresh.best, fresh.bad_validations) == (stopper.best, stopper.bad_validations)
+
+
+class _Probe(saferun.Callback):
+    """A callback with no state of its own, added or removed at a resume."""
+
+
+def test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state(
+        tmp_path, caplog):
+    # The states were keyed by the position in the whole list: a callback added in front at a
+    # resume shifted the others, and EarlyStopping (and the loggers: the TensorBoard steps of
+    # the checkpoint, MLflow's run) silently started over
+    stopper = EarlyStopping(monitor="val/acc", mode="max", patience=4)
+    ToyTrainer(toy_config(tmp_path, max_steps=8, val_every_n_steps=2),
+               callbacks=[stopper, EarlyStopping(monitor="val/loss", patience=9)]).fit()
+    saved = load_latest(tmp_path / "run" / "checkpoints")[1]
+    assert saved["callbacks"]["1:EarlyStopping"]["best"] is not None
+    for front in ([_Probe()], [_Probe(), _Probe()], []):
+        again = [EarlyStopping(monitor="val/acc", mode="max", patience=4),
+                 EarlyStopping(monitor="val/loss", patience=9)]
+        t = ToyTrainer(toy_config(tmp_path, max_steps=8), callbacks=front + again)
+        t.load_state_dict(saved)
+        assert (again[0].best, again[0].bad_validations) == (stopper.best, stopper.bad_validations)
+        assert again[1].best == saved["callbacks"]["1:EarlyStopping"]["best"]
+    # the keys of earlier checkpoints (the list's index: a probe in front made EarlyStopping 1 and 2)
+    old = {**saved, "callbacks": {f"{i + 1}:{k.split(':', 1)[1]}": v
+                                  for i, (k, v) in enumerate(saved["callbacks"].items())}}
+    assert "1:EarlyStopping" in old["callbacks"] and "2:EarlyStopping" in old["callbacks"]
+    again = [EarlyStopping(monitor="val/acc", mode="max", patience=4)]
+    t = ToyTrainer(toy_config(tmp_path, max_steps=8), callbacks=again)
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.load_state_dict(old)
+    assert again[0].best == stopper.best
+    said = [r.getMessage() for r in caplog.records if "does not have" in r.getMessage()]
+    assert len(said) == 1 and "EarlyStopping" in said[0] and "dropped" in said[0], said
 
 
 def test_resuming_a_finished_run_trains_no_further(tmp_path):
