@@ -581,6 +581,9 @@ mutation("callback states keyed by class and place among that class, not the lis
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
          "        if dropped:\n", "        if False:\n",
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
+mutation("a resume with another number of CPU threads is said", CKPTR,
+         '        _say_other_threads(state.get("provenance", {}).get("threads"), o.device)\n', "",
+         "tests/checkpoint/test_resume.py::test_a_resume_with_another_number_of_threads_says_it_may_round_differently")
 mutation("a rollback the run ends before says that the run ends at the checkpoint", T,
          "        if self._guard.rolled_back_from > self.state.step:",
          "        if False:",

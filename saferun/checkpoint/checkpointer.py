@@ -131,7 +131,8 @@ class Checkpointer:
             "callbacks": p.callbacks.state_dict(),
             "config": dataclasses.asdict(o.cfg),
             "provenance": {"saferun": __version__, "torch": str(torch.__version__),
-                           "python": platform.python_version()},
+                           "python": platform.python_version(),
+                           "threads": torch.get_num_threads()},  # (CPU sums round by them)
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -145,6 +146,7 @@ class Checkpointer:
         if state["scaler"]:
             p.scaler.load_state_dict(state["scaler"])
         o.state.load_state_dict(state["loop"])
+        _say_other_threads(state.get("provenance", {}).get("threads"), o.device)
         self.best = self._best_record(state["loop"]["best"]) if self._same_best(state) else None
         saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)  # (before: data = ranks)
         if saved != tuple(p.strategy.layout) and formatted.reshards:
@@ -606,3 +608,17 @@ def saved_best_mode(trainer: Mapping[str, Any]) -> Optional[str]:
         return None
     return metric_mode(trainer["save_best"], trainer.get("save_best_mode"), "trainer.save_best",
                        "trainer.save_best_mode={mode}")
+
+
+def _say_other_threads(saved: Optional[int], device: torch.device) -> None:
+    """A resume on the CPU with another number of compute threads than the checkpoint's run
+    continues the same run, but its float sums split differently and round differently: say
+    so, and how to get the bit-for-bit resume (trainer.num_threads=auto plans the threads from
+    the cores free when a run starts, which another load at the resume changes)."""
+    threads = torch.get_num_threads()
+    if saved is None or saved == threads or device.type != "cpu":
+        return
+    log.warning("Resumed with %d compute threads; the checkpoint's run used %d "
+                "(trainer.num_threads=auto plans them from the cores free at start-up). The run "
+                "continues, but its CPU sums may round differently from an uninterrupted run's: "
+                "for a bit-for-bit resume, set trainer.num_threads=%d.", threads, saved, saved)

@@ -1,6 +1,7 @@
 """Exact resume after SIGKILL, preemption by SIGTERM/SIGINT, and config checks on resume."""
 
 import json
+import logging
 import os
 import re
 import signal
@@ -609,3 +610,24 @@ def test_a_resume_that_finds_no_checkpoint_says_what_is_there_and_what_resume_ac
     file = tmp_path / "weights.pt"
     file.write_bytes(b"x")
     assert "is a file" in refusal(str(file))
+
+
+def test_a_resume_with_another_number_of_threads_says_it_may_round_differently(tmp_path, caplog):
+    # trainer.num_threads=auto plans from the cores free at start-up: a resume under another
+    # load can get another count, whose CPU sums round differently from the uninterrupted run's
+    ToyTrainer(toy_config(tmp_path, max_steps=4, num_threads=1)).fit()
+    said = {}
+    for threads, max_steps in ((1, 6), (2, 8)):
+        cfg = toy_config(tmp_path, max_steps=max_steps, num_threads=threads)
+        cfg["resume"] = "auto"
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="saferun"):
+                ToyTrainer(cfg).fit()
+        finally:
+            torch.set_num_threads(1)  # (this process's: conftest's)
+        said[threads] = [r.getMessage() for r in caplog.records if "compute threads" in r.getMessage()]
+    assert said[1] == []  # the same count: nothing to say
+    (message,) = said[2]  # the checkpoint of step 6 was written with 1
+    assert "Resumed with 2 compute threads; the checkpoint's run used 1" in message
+    assert "trainer.num_threads=1" in message
