@@ -578,6 +578,10 @@ mutation("callback states keyed by class and place among that class, not the lis
          "saferun/callbacks.py", '        keys.append(f"{seen.get(name, 0)}:{name}")',
          '        keys.append(f"{len(keys)}:{name}")',
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
+mutation("callback states keyed by state_key too: two EarlyStopping swapped keep their own",
+         "saferun/callbacks.py", '        own = None if bare else getattr(cb, "state_key", None)',
+         "        own = None",
+         "tests/checkpoint/test_checkpoint.py::test_two_early_stoppings_swapped_at_a_resume_each_continue_their_own_metric")
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
          "        if dropped:\n", "        if False:\n",
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
