@@ -66,8 +66,8 @@ from .data.transfer import batch_size_of, samples_in
 from .loop import averaging, stateful
 from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.update import OptimizerUpdate, ParamNorm, grad_accumulators
-from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
-                         trainable_parameters)
+from .loop.steps import (accumulate, check_same_parameters, explained, loss_and_logs,
+                         resolve_device, trainable_parameters)
 from . import distributed
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
@@ -255,6 +255,7 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, data.world_size,
                        self.val_loader)
         self._params = trainable_parameters(model)
+        self._built_with = {id(p) for p in model.parameters()}  # (a second fit(): still these)
         self.optimizer = self.build_optimizer(self._params)
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
         self._habits = StepHabits()  # no backward or optimizer step inside training_step
@@ -587,6 +588,8 @@ class Trainer:
         if misplaced:  # trainer.fit(model, loader), Lightning's habit: before anything is built
             raise fit_arguments(self, misplaced)
         self.setup()
+        if not self._strategy.sharded:  # (fsdp swaps the parameters it gathers)
+            check_same_parameters(self.model, self._built_with)
 
     def _after_fit(self, metrics: dict[str, float]) -> None:
         self._logbook.closed = "after_fit"  # after the last log point: logging is refused there

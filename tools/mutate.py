@@ -582,6 +582,10 @@ mutation("callback states keyed by state_key too: two EarlyStopping swapped keep
          "saferun/callbacks.py", '        own = None if bare else getattr(cb, "state_key", None)',
          "        own = None",
          "tests/checkpoint/test_checkpoint.py::test_two_early_stoppings_swapped_at_a_resume_each_continue_their_own_metric")
+mutation("a second fit() refuses a parameter replaced since the optimizer was built",
+         "saferun/loop/steps.py", "    if new:\n        raise SaferunError(\n            f\"fit(): the model's",
+         "    if False:\n        raise SaferunError(\n            f\"fit(): the model's",
+         "tests/loop/test_loop_edges.py::test_a_second_fit_after_a_parameter_was_replaced_is_refused_naming_it")
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
          "        if dropped:\n", "        if False:\n",
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
