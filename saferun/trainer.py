@@ -373,7 +373,7 @@ class Trainer:
                         break
                     if state.step == timer.before and not timer.on:  # the next step is timed
                         timer.start(state.step)  # from here: its wait for data
-                self._end_of_loop(validated)
+                self._end_of_loop()
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
@@ -396,9 +396,9 @@ class Trainer:
             self._log()
         return self.state.step == step
 
-    def _end_of_loop(self, validated: bool) -> None:
+    def _end_of_loop(self) -> None:
         """After the last step: its log point, the final validation unless the loop has just
-        validated, and the final save. A run that ends before a bad step it rolled back from
+        validated these weights, and the final save. A run that ends before a bad step it rolled back from
         says so: nothing was left to train (the epochs' data had run out, or a callback asked
         to stop), so the run's last step is the checkpoint's."""
         if self._running.steps:
@@ -407,7 +407,9 @@ class Trainer:
             log.warning("The run ends at step %d, the checkpoint it rolled back to from step %d: "
                         "nothing was left to train after it (the epochs' data had run out, or a "
                         "callback asked to stop).", self.state.step, self._guard.rolled_back_from)
-        if not validated:
+        # (not the loop's flag: a validation that rolled back validated nothing, and the weights
+        # rolled back to are validated now unless their checkpoint's step was)
+        if self.state.validated_at != self.state.step:
             self._validate_and_report(Control(stop=True))  # the loop has ended
         # Always saved: the final validation may have changed callback state since the last save.
         step = self.state.step
@@ -657,6 +659,7 @@ class Trainer:
         self._frame.first_steps(*first, *audits)
         self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)
         self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
+        self._guard.rolled_back_from = 0  # (a second fit(): the first's rollback is not this one's)
         # each parameter's gradient accumulator, held from here on (why: loop/update.py)
         self._accumulators = grad_accumulators(self._params)
 

@@ -586,6 +586,13 @@ mutation("a second fit() refuses a parameter replaced since the optimizer was bu
          "saferun/loop/steps.py", "    if new:\n        raise SaferunError(\n            f\"fit(): the model's",
          "    if False:\n        raise SaferunError(\n            f\"fit(): the model's",
          "tests/loop/test_loop_edges.py::test_a_second_fit_after_a_parameter_was_replaced_is_refused_naming_it")
+mutation("a run that ends at the checkpoint it rolled back to validates those weights", T,
+         "        if self.state.validated_at != self.state.step:\n",
+         "        if False:\n",
+         "tests/guards/test_nonfinite.py::test_a_run_that_ends_at_the_checkpoint_it_rolled_back_to_validates_those_weights")
+mutation("each fit() says only its own rollback at the end", T,
+         "        self._guard.rolled_back_from = 0  #", "        pass  #",
+         "tests/guards/test_nonfinite.py::test_a_second_fit_after_a_run_ended_before_its_rollback_does_not_say_it_again")
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
          "        if dropped:\n", "        if False:\n",
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
