@@ -376,9 +376,10 @@ class CallbackList(Callback):
         in the list gives each its own."""
         return {key: cb.state_dict() for key, cb in zip(_keys(self.callbacks), self.callbacks)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], say_dropped: bool = True) -> None:
         """Give each callback the state saved for its class, its `state_key` and its place among
-        those; a saved state no callback of this run takes is said (it is dropped)."""
+        those; a saved state no callback of this run takes is said (it is dropped), unless not
+        `say_dropped` (under torchrun the other ranks: the loggers are rank 0's alone)."""
         saved = _by_class(state)  # (also reads earlier checkpoints: keyed by the index in the list)
         taken = set()
         for key, bare, cb in zip(_keys(self.callbacks), _keys(self.callbacks, bare=True),
@@ -389,7 +390,7 @@ class CallbackList(Callback):
                 taken.add(key)
                 cb.load_state_dict(saved[key])
         dropped = sorted(k.split(":", 1)[1] for k, v in saved.items() if k not in taken and v)
-        if dropped:
+        if dropped and say_dropped:
             log.warning("The checkpoint holds the state of callbacks this run does not have (%s): "
                         "it is dropped. Resume with the same callbacks to continue them.",
                         ", ".join(dropped))

@@ -593,8 +593,11 @@ mutation("a run that ends at the checkpoint it rolled back to validates those we
 mutation("each fit() says only its own rollback at the end", T,
          "        self._guard.rolled_back_from = 0  #", "        pass  #",
          "tests/guards/test_nonfinite.py::test_a_second_fit_after_a_run_ended_before_its_rollback_does_not_say_it_again")
+mutation("under torchrun only rank 0 says dropped callback states (the loggers are its alone)",
+         "saferun/callbacks.py", "        if dropped and say_dropped:\n", "        if dropped:\n",
+         "tests/parallel/test_torchrun.py::test_a_resume_with_the_same_loggers_says_nothing_of_dropped_callback_states")
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
-         "        if dropped:\n", "        if False:\n",
+         "        if dropped and say_dropped:\n", "        if False:\n",
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
 mutation("a rollback the run ends before says that the run ends at the checkpoint", T,
          "        if self._guard.rolled_back_from > self.state.step:",
