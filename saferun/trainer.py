@@ -385,6 +385,9 @@ class Trainer:
             raise error from (None if isinstance(error, Preempted) else exc)
         finally:
             self._checkpointer.end_run()
+            # Let the accumulators go: the garbage collector cannot see through them, and a
+            # parameter's hook that refers to this Trainer would keep it alive for good
+            self._accumulators: list[Any] = []
         return dict(state.metrics)
 
     def _last_log_point(self) -> bool:

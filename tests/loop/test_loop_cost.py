@@ -143,3 +143,30 @@ def test_the_gradient_accumulators_live_across_steps(tmp_path):
     params = len(list(trainer.model.parameters()))
     assert params >= 2
     assert probe.fired == params * 4, (probe.fired, params)  # steps 3 to 6, each parameter
+
+
+class _HookedOnItself(ToyTrainer):
+    """A gradient hook on each parameter that refers to the Trainer (a task's own scaling)."""
+
+    def build_model(self):
+        model = super().build_model()
+        for p in model.parameters():
+            p.register_hook(lambda g: g * (self.cfg.trainer.batch_size / 32))
+        return model
+
+
+def test_a_finished_trainer_whose_hooks_refer_to_it_is_freed(tmp_path):
+    # The held accumulators (C++ nodes, which the garbage collector cannot see into) hold the
+    # parameters, whose hooks hold the Trainer: held past fit(), every such Trainer stayed in
+    # memory with its model, optimizer and loaders (a sweep in one process, a notebook)
+    import gc
+    import weakref
+
+    def run(where):
+        t = _HookedOnItself(toy_config(where, max_steps=3))
+        t.fit()
+        return weakref.ref(t), weakref.ref(t.model)
+
+    refs = run(tmp_path / "a") + run(tmp_path / "b")
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
