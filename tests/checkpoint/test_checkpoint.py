@@ -40,7 +40,7 @@ def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
     assert state["scheduler"]["last_epoch"] == 4
     assert state["config"]["trainer"]["precision"] == "bf16"
     assert state["provenance"]["torch"] == str(torch.__version__)
-    assert state["callbacks"]["0:EarlyStopping"]["best"] == t.state.metrics["val/loss"]
+    assert state["callbacks"]["0:EarlyStopping(monitor='val/loss')"]["best"] == t.state.metrics["val/loss"]
     manifest = json.loads((run / "checkpoints" / "step-00000004" / "manifest.json").read_text())
     assert manifest["step"] == 4 and len(manifest["files"]["state.pt"]["sha256"]) == 64
     # the final weights, loadable without saferun
