@@ -206,6 +206,11 @@ class Callback(Protocol):
     """Entries of the run directory this callback owns (names, e.g. "wandb"): they move aside
     with the course that wrote them (a fresh start, a change of course)."""
 
+    state_key: Optional[str] = None
+    """What tells this callback's saved state from that of others of its class, when its state
+    belongs to its configuration (EarlyStopping: "monitor='val/loss'"). A resume gives each
+    callback the state saved under its class, this key and its place among those."""
+
     def on_fresh_start(self, view: TrainerView, aside: Optional[str]) -> None:
         """fit() starts from step 0 (no checkpoint resumed); an earlier run's files, this
         callback's `run_files` among them, were moved into the folder `aside` (None: there were
@@ -366,20 +371,26 @@ class CallbackList(Callback):
             cb.on_exception(view, exc)
 
     def state_dict(self) -> dict[str, Any]:
-        """Each callback's state, keyed "n:ClassName" (the n-th callback of that class), so that
-        a resume with a callback added or removed elsewhere in the list gives each its own."""
+        """Each callback's state, keyed "n:ClassName(state_key)" (the n-th callback of that
+        class and state_key), so that a resume with a callback added, removed or moved elsewhere
+        in the list gives each its own."""
         return {key: cb.state_dict() for key, cb in zip(_keys(self.callbacks), self.callbacks)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Give each callback the state saved for its class and place among that class's; a
-        saved state no callback of this run takes is said (it is dropped)."""
+    def load_state_dict(self, state: Mapping[str, Any], say_dropped: bool = True) -> None:
+        """Give each callback the state saved for its class, its `state_key` and its place among
+        those; a saved state no callback of this run takes is said (it is dropped), unless not
+        `say_dropped` (under torchrun the other ranks: the loggers are rank 0's alone)."""
         saved = _by_class(state)  # (also reads earlier checkpoints: keyed by the index in the list)
-        keys = _keys(self.callbacks)
-        for key, cb in zip(keys, self.callbacks):
-            if key in saved:
+        taken = set()
+        for key, bare, cb in zip(_keys(self.callbacks), _keys(self.callbacks, bare=True),
+                                 self.callbacks):
+            # (a checkpoint from before state_key: the class and place among the class)
+            key = key if key in saved else bare
+            if key in saved and key not in taken:
+                taken.add(key)
                 cb.load_state_dict(saved[key])
-        dropped = sorted(k.split(":", 1)[1] for k, v in saved.items() if k not in keys and v)
-        if dropped:
+        dropped = sorted(k.split(":", 1)[1] for k, v in saved.items() if k not in taken and v)
+        if dropped and say_dropped:
             log.warning("The checkpoint holds the state of callbacks this run does not have (%s): "
                         "it is dropped. Resume with the same callbacks to continue them.",
                         ", ".join(dropped))
@@ -398,12 +409,14 @@ def _merge(a: Optional[Control], b: Optional[Control]) -> Optional[Control]:
     return a | b
 
 
-def _keys(callbacks: Sequence[Any]) -> list[str]:
-    """"n:ClassName" for each callback: the n-th of its class in the list."""
+def _keys(callbacks: Sequence[Any], bare: bool = False) -> list[str]:
+    """"n:ClassName(state_key)" for each callback: the n-th of its class and state_key in the
+    list ("n:ClassName" with no state_key, or `bare`: as checkpoints before state_key had)."""
     seen: dict[str, int] = {}
     keys = []
     for cb in callbacks:
-        name = type(cb).__name__
+        own = None if bare else getattr(cb, "state_key", None)
+        name = f"{type(cb).__name__}({own})" if own else type(cb).__name__
         keys.append(f"{seen.get(name, 0)}:{name}")
         seen[name] = seen.get(name, 0) + 1
     return keys

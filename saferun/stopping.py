@@ -39,6 +39,7 @@ class EarlyStopping(Callback):
                                 'EarlyStopping(mode="{mode}")')
         self._unsaid = mode is None  # an inferred direction is said once, at the first fit
         self.restore_best = restore_best
+        self.state_key = f"monitor={monitor!r}"  # swapped with another at a resume: each its own
         self.best: Optional[float] = None
         self.bad_validations = 0
 

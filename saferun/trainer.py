@@ -66,8 +66,8 @@ from .data.transfer import batch_size_of, samples_in
 from .loop import averaging, stateful
 from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
 from .loop.update import OptimizerUpdate, ParamNorm, grad_accumulators
-from .loop.steps import (accumulate, explained, loss_and_logs, resolve_device,
-                         trainable_parameters)
+from .loop.steps import (accumulate, check_same_parameters, explained, loss_and_logs,
+                         resolve_device, trainable_parameters)
 from . import distributed
 from .parallel.strategy import strategy_for
 from .preemption import Preempted, StopRequested, StopSignals, stop_exit
@@ -255,6 +255,7 @@ class Trainer:
         setup_warnings(model, self._frozen, t, self.train_loader, data.world_size,
                        self.val_loader)
         self._params = trainable_parameters(model)
+        self._built_with = {id(p) for p in model.parameters()}  # (a second fit(): still these)
         self.optimizer = self.build_optimizer(self._params)
         check_step_signatures(self)  # training_step(batch), not (batch, batch_idx)
         self._habits = StepHabits()  # no backward or optimizer step inside training_step
@@ -372,7 +373,7 @@ class Trainer:
                         break
                     if state.step == timer.before and not timer.on:  # the next step is timed
                         timer.start(state.step)  # from here: its wait for data
-                self._end_of_loop(validated)
+                self._end_of_loop()
             self._fitted = (t.max_steps, t.max_epochs)  # a second fit() must raise one
             cbs.on_fit_end(self.view, dict(state.metrics))
             if self.ranks.is_main or self._strategy.sharded:  # fsdp: a forward needs every rank
@@ -384,6 +385,9 @@ class Trainer:
             raise error from (None if isinstance(error, Preempted) else exc)
         finally:
             self._checkpointer.end_run()
+            # Let the accumulators go: the garbage collector cannot see through them, and a
+            # parameter's hook that refers to this Trainer would keep it alive for good
+            self._accumulators: list[Any] = []
         return dict(state.metrics)
 
     def _last_log_point(self) -> bool:
@@ -395,9 +399,9 @@ class Trainer:
             self._log()
         return self.state.step == step
 
-    def _end_of_loop(self, validated: bool) -> None:
+    def _end_of_loop(self) -> None:
         """After the last step: its log point, the final validation unless the loop has just
-        validated, and the final save. A run that ends before a bad step it rolled back from
+        validated these weights, and the final save. A run that ends before a bad step it rolled back from
         says so: nothing was left to train (the epochs' data had run out, or a callback asked
         to stop), so the run's last step is the checkpoint's."""
         if self._running.steps:
@@ -406,7 +410,9 @@ class Trainer:
             log.warning("The run ends at step %d, the checkpoint it rolled back to from step %d: "
                         "nothing was left to train after it (the epochs' data had run out, or a "
                         "callback asked to stop).", self.state.step, self._guard.rolled_back_from)
-        if not validated:
+        # (not the loop's flag: a validation that rolled back validated nothing, and the weights
+        # rolled back to are validated now unless their checkpoint's step was)
+        if self.state.validated_at != self.state.step:
             self._validate_and_report(Control(stop=True))  # the loop has ended
         # Always saved: the final validation may have changed callback state since the last save.
         step = self.state.step
@@ -587,6 +593,8 @@ class Trainer:
         if misplaced:  # trainer.fit(model, loader), Lightning's habit: before anything is built
             raise fit_arguments(self, misplaced)
         self.setup()
+        if not self._strategy.sharded:  # (fsdp swaps the parameters it gathers)
+            check_same_parameters(self.model, self._built_with)
 
     def _after_fit(self, metrics: dict[str, float]) -> None:
         self._logbook.closed = "after_fit"  # after the last log point: logging is refused there
@@ -654,6 +662,7 @@ class Trainer:
         self._frame.first_steps(*first, *audits)
         self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)
         self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
+        self._guard.rolled_back_from = 0  # (a second fit(): the first's rollback is not this one's)
         # each parameter's gradient accumulator, held from here on (why: loop/update.py)
         self._accumulators = grad_accumulators(self._params)
 

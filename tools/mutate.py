@@ -578,8 +578,29 @@ mutation("callback states keyed by class and place among that class, not the lis
          "saferun/callbacks.py", '        keys.append(f"{seen.get(name, 0)}:{name}")',
          '        keys.append(f"{len(keys)}:{name}")',
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
+mutation("callback states keyed by state_key too: two EarlyStopping swapped keep their own",
+         "saferun/callbacks.py", '        own = None if bare else getattr(cb, "state_key", None)',
+         "        own = None",
+         "tests/checkpoint/test_checkpoint.py::test_two_early_stoppings_swapped_at_a_resume_each_continue_their_own_metric")
+mutation("a second fit() refuses a parameter replaced since the optimizer was built",
+         "saferun/loop/steps.py", "    if new:\n        raise SaferunError(\n            f\"fit(): the model's",
+         "    if False:\n        raise SaferunError(\n            f\"fit(): the model's",
+         "tests/loop/test_loop_edges.py::test_a_second_fit_after_a_parameter_was_replaced_is_refused_naming_it")
+mutation("a run that ends at the checkpoint it rolled back to validates those weights", T,
+         "        if self.state.validated_at != self.state.step:\n",
+         "        if False:\n",
+         "tests/guards/test_nonfinite.py::test_a_run_that_ends_at_the_checkpoint_it_rolled_back_to_validates_those_weights")
+mutation("each fit() says only its own rollback at the end", T,
+         "        self._guard.rolled_back_from = 0  #", "        pass  #",
+         "tests/guards/test_nonfinite.py::test_a_second_fit_after_a_run_ended_before_its_rollback_does_not_say_it_again")
+mutation("under torchrun only rank 0 says dropped callback states (the loggers are its alone)",
+         "saferun/callbacks.py", "        if dropped and say_dropped:\n", "        if dropped:\n",
+         "tests/parallel/test_torchrun.py::test_a_resume_with_the_same_loggers_says_nothing_of_dropped_callback_states")
+mutation("fit() lets the gradient accumulators go when it returns", T,
+         "            self._accumulators: list[Any] = []\n", "            pass\n",
+         "tests/loop/test_loop_cost.py::test_a_finished_trainer_whose_hooks_refer_to_it_is_freed")
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
-         "        if dropped:\n", "        if False:\n",
+         "        if dropped and say_dropped:\n", "        if False:\n",
          "tests/checkpoint/test_checkpoint.py::test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_state")
 mutation("a resume with another number of CPU threads is said", CKPTR,
          '        _say_other_threads(state.get("provenance", {}).get("threads"), o.device)\n', "",

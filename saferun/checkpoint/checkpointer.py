@@ -151,7 +151,7 @@ class Checkpointer:
         saved = tuple(state.get("layout") or (len(state["per_rank"]),) * 2)  # (before: data = ranks)
         if saved != tuple(p.strategy.layout) and formatted.reshards:
             self._resharded(saved)
-            p.callbacks.load_state_dict(state["callbacks"])
+            p.callbacks.load_state_dict(state["callbacks"], say_dropped=o.ranks.is_main)
             return
         if saved != tuple(p.strategy.layout):
             raise CheckpointError(
@@ -161,7 +161,7 @@ class Checkpointer:
                 f"Resume with the same number of processes (and the same trainer.parallel).")
         mine = state["per_rank"][o.ranks.rank]
         p.running.load_state_dict(move_to_device(mine["running"], o.device))
-        p.callbacks.load_state_dict(state["callbacks"])
+        p.callbacks.load_state_dict(state["callbacks"], say_dropped=o.ranks.is_main)
         spikes = mine["spikes"]
         for key, detector in (p.spikes or {}).items():
             if key in spikes:

@@ -144,6 +144,21 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def check_same_parameters(model: nn.Module, built: set[int]) -> None:
+    """Refuse a fit() on a model that holds a parameter it did not hold when the optimizer was
+    built (`built`: their ids): `module.weight = nn.Parameter(...)` between two fit() calls.
+    The optimizer would never update the new one, and train the others, silently."""
+    new = [name for name, p in model.named_parameters() if id(p) not in built]
+    if new:
+        raise SaferunError(
+            f"fit(): the model's {', '.join(repr(n) for n in new[:3])}"
+            f"{f' ({len(new)} in all)' if len(new) > 3 else ''} is not the parameter the "
+            f"optimizer was built with (it was replaced since, e.g. module.weight = "
+            f"nn.Parameter(...)): the optimizer would never update it. Put new values into the "
+            f"existing parameter instead (with torch.no_grad(): module.weight.copy_(values)), "
+            f"or build a new Trainer for the changed model.")
+
+
 def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module,
                            name: Optional[str] = None) -> None:
     """Warn (once, at setup) if the optimizer also holds frozen parameters: harmless while they

@@ -78,7 +78,7 @@ class OptimizerUpdate:
 
 def grad_accumulators(params: Sequence[nn.Parameter]) -> list[Any]:
     """Each plain trainable parameter's gradient accumulator (the autograd node that adds into
-    `.grad`), for the Trainer to hold (from the start of training on).
+    `.grad`), for the Trainer to hold from the start of training until fit() returns.
 
     Autograd keeps an accumulator only while something refers to it: held by nobody, it dies
     with each step's graph after backward and the next forward builds it again. A hand-written

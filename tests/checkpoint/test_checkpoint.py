@@ -40,7 +40,7 @@ def test_a_checkpoint_holds_the_whole_training_state(tmp_path):
     assert state["scheduler"]["last_epoch"] == 4
     assert state["config"]["trainer"]["precision"] == "bf16"
     assert state["provenance"]["torch"] == str(torch.__version__)
-    assert state["callbacks"]["0:EarlyStopping"]["best"] == t.state.metrics["val/loss"]
+    assert state["callbacks"]["0:EarlyStopping(monitor='val/loss')"]["best"] == t.state.metrics["val/loss"]
     manifest = json.loads((run / "checkpoints" / "step-00000004" / "manifest.json").read_text())
     assert manifest["step"] == 4 and len(manifest["files"]["state.pt"]["sha256"]) == 64
     # the final weights, loadable without saferun
@@ -201,16 +201,18 @@ def test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_s
     ToyTrainer(toy_config(tmp_path, max_steps=8, val_every_n_steps=2),
                callbacks=[stopper, EarlyStopping(monitor="val/loss", patience=9)]).fit()
     saved = load_latest(tmp_path / "run" / "checkpoints")[1]
-    assert saved["callbacks"]["1:EarlyStopping"]["best"] is not None
+    on_loss = "0:EarlyStopping(monitor='val/loss')"
+    assert saved["callbacks"][on_loss]["best"] is not None
     for front in ([_Probe()], [_Probe(), _Probe()], []):
         again = [EarlyStopping(monitor="val/acc", mode="max", patience=4),
                  EarlyStopping(monitor="val/loss", patience=9)]
         t = ToyTrainer(toy_config(tmp_path, max_steps=8), callbacks=front + again)
         t.load_state_dict(saved)
         assert (again[0].best, again[0].bad_validations) == (stopper.best, stopper.bad_validations)
-        assert again[1].best == saved["callbacks"]["1:EarlyStopping"]["best"]
-    # the keys of earlier checkpoints (the list's index: a probe in front made EarlyStopping 1 and 2)
-    old = {**saved, "callbacks": {f"{i + 1}:{k.split(':', 1)[1]}": v
+        assert again[1].best == saved["callbacks"][on_loss]["best"]
+    # the keys of earlier checkpoints (the list's index and the class: a probe in front made
+    # EarlyStopping 1 and 2)
+    old = {**saved, "callbacks": {f"{i + 1}:{k.split(':', 1)[1].split('(')[0]}": v
                                   for i, (k, v) in enumerate(saved["callbacks"].items())}}
     assert "1:EarlyStopping" in old["callbacks"] and "2:EarlyStopping" in old["callbacks"]
     again = [EarlyStopping(monitor="val/acc", mode="max", patience=4)]
@@ -220,6 +222,39 @@ def test_a_resume_with_a_callback_added_or_removed_gives_each_callback_its_own_s
     assert again[0].best == stopper.best
     said = [r.getMessage() for r in caplog.records if "does not have" in r.getMessage()]
     assert len(said) == 1 and "EarlyStopping" in said[0] and "dropped" in said[0], said
+
+
+class _WithError(ToyTrainer):
+    """Validation also reports val/err (1 - acc): a second metric that is lower-is-better."""
+
+    def validation_step(self, batch):
+        out = super().validation_step(batch)
+        return {**out, "err": 1 - out["acc"]}
+
+
+def _stoppers(order):
+    made = {"val/loss": EarlyStopping(monitor="val/loss", patience=50),
+            "val/err": EarlyStopping(monitor="val/err", mode="min", patience=50)}
+    return [made[m] for m in order], made
+
+
+def test_two_early_stoppings_swapped_at_a_resume_each_continue_their_own_metric(tmp_path):
+    # Keyed by class and place among that class, two EarlyStopping swapped in order at a resume
+    # took each other's state: the one on val/err compared with val/loss's best (a same-mode
+    # pair is not refused) and stopped the run early, or never, silently. A user reorders a
+    # callback list without a thought; each must continue the metric it watches.
+    cfg = dict(max_steps=12, val_every_n_steps=2, save_every_n_steps=4)
+    reference, by_metric = _stoppers(["val/loss", "val/err"])
+    _WithError(toy_config(tmp_path / "ref", **cfg), callbacks=reference).fit()
+    first, _ = _stoppers(["val/loss", "val/err"])
+    _WithError(toy_config(tmp_path, **{**cfg, "max_steps": 6}), callbacks=first).fit()
+    resumed, mine = _stoppers(["val/err", "val/loss"])
+    again = toy_config(tmp_path, **cfg)
+    again["resume"] = "auto"
+    _WithError(again, callbacks=resumed).fit()
+    assert {m: cb.state_dict() for m, cb in mine.items()} == \
+        {m: cb.state_dict() for m, cb in by_metric.items()}
+    assert by_metric["val/loss"].best != by_metric["val/err"].best  # (the swap would show)
 
 
 def test_resuming_a_finished_run_trains_no_further(tmp_path):

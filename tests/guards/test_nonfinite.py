@@ -199,6 +199,49 @@ def test_a_rollback_after_the_last_epochs_last_step_says_the_run_ends_there(tmp_
     assert load_checkpoint(final)["loop"]["step"] == 15
 
 
+def test_a_run_that_ends_at_the_checkpoint_it_rolled_back_to_validates_those_weights(tmp_path):
+    # The epoch's end validates step 16; that validation finds the NaN and rolls back to step
+    # 15 instead. The loop counted the step as validated, so the run ended without validating
+    # the weights it ends with: fit() returned step 8's val/loss as the final one (a sweep
+    # ranks by it), silently. It must equal a clean run that ends at step 15.
+    cfg = toy_config(tmp_path, max_steps=None, max_epochs=2, log_every_n_steps=5,
+                     save_every_n_steps=5)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = NanOnceAt16(cfg)
+    metrics = t.fit()
+    assert t.poisoned and t.state.step == 15
+    clean = toy_config(tmp_path / "clean", max_steps=15, max_epochs=2, log_every_n_steps=5,
+                       save_every_n_steps=5)
+    straight = ToyTrainer(clean)
+    reference = straight.fit()
+    a, b = weights(t), weights(straight)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+    assert val and val == {k: v for k, v in reference.items() if k.startswith("val/")}
+    final = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    assert load_checkpoint(final)["loop"]["validated_at"] == 15
+
+
+def test_a_second_fit_after_a_run_ended_before_its_rollback_does_not_say_it_again(tmp_path,
+                                                                                 caplog):
+    # rolled back from step 16 to step 10 (the newest clean checkpoint), the run ended at 10;
+    # a second fit to step 12 rolls back from nothing, yet was told it ended at "the checkpoint
+    # it rolled back to from step 16"
+    cfg = toy_config(tmp_path, max_steps=None, max_epochs=2, log_every_n_steps=10,
+                     save_every_n_steps=10)
+    cfg["guards"] = {"nonfinite": "rollback"}
+    t = NanOnceAt16(cfg)
+    t.fit()
+    assert t.state.step == 10
+    t.cfg.trainer.max_epochs, t.cfg.trainer.max_steps = 3, 12
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="saferun"):
+        t.fit()
+    assert t.state.step == 12
+    said = [r.getMessage() for r in caplog.records]
+    assert not any(m.startswith("The run ends at step") for m in said), said
+
+
 def test_rollback_without_recovery_gives_up(tmp_path):
     cfg = toy_config(tmp_path, max_steps=40, log_every_n_steps=2)
     cfg["guards"] = {"nonfinite": "rollback", "max_consecutive": 2}

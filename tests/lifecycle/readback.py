@@ -155,7 +155,8 @@ def weights(path: Path) -> Optional[dict[str, torch.Tensor]]:
 
 
 def callback_state(state: dict[str, Any], name: str) -> Any:
-    (key,) = [k for k in state["callbacks"] if k.endswith(":" + name)]
+    # "n:Class" or "n:Class(state_key)" (EarlyStopping: its monitor)
+    (key,) = [k for k in state["callbacks"] if k.split(":", 1)[1].split("(")[0] == name]
     return state["callbacks"][key]
 
 

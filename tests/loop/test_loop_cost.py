@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import saferun
 from toys import ToyTrainer, toy_config
@@ -143,3 +144,75 @@ def test_the_gradient_accumulators_live_across_steps(tmp_path):
     params = len(list(trainer.model.parameters()))
     assert params >= 2
     assert probe.fired == params * 4, (probe.fired, params)  # steps 3 to 6, each parameter
+
+
+class _HookedOnItself(ToyTrainer):
+    """A gradient hook on each parameter that refers to the Trainer (a task's own scaling)."""
+
+    def build_model(self):
+        model = super().build_model()
+        for p in model.parameters():
+            p.register_hook(lambda g: g * (self.cfg.trainer.batch_size / 32))
+        return model
+
+
+def test_a_finished_trainer_whose_hooks_refer_to_it_is_freed(tmp_path):
+    # The held accumulators (C++ nodes, which the garbage collector cannot see into) hold the
+    # parameters, whose hooks hold the Trainer: held past fit(), every such Trainer stayed in
+    # memory with its model, optimizer and loaders (a sweep in one process, a notebook)
+    import gc
+    import weakref
+
+    def run(where):
+        t = _HookedOnItself(toy_config(where, max_steps=3))
+        t.fit()
+        return weakref.ref(t), weakref.ref(t.model)
+
+    refs = run(tmp_path / "a") + run(tmp_path / "b")
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+
+
+def _trained(where, holder, monkeypatch, **trainer):
+    """A run of 4 steps, then a second fit() to 8, with gradient hooks registered before the
+    first fit and after it; (weights, optimizer state, how often each hook kind fired)."""
+    import saferun.trainer as trainer_module
+
+    if not holder:
+        monkeypatch.setattr(trainer_module, "grad_accumulators", lambda params: [])
+    fired = {"before": 0, "after": 0, "accumulated": 0}
+
+    def count(kind, scale=1.0):
+        def hook(g):
+            fired[kind] += 1
+            return g * scale
+        return hook
+
+    def count_accumulated(p):
+        fired["accumulated"] += 1
+
+    t = ToyTrainer(toy_config(where, max_steps=4, **trainer))
+    t.setup()
+    for p in t.model.parameters():
+        p.register_hook(count("before", 0.5))
+        p.register_post_accumulate_grad_hook(count_accumulated)
+    t.fit()
+    for p in t.model.parameters():
+        p.register_hook(count("after", 2.0))
+    t.cfg.trainer.max_steps = 8
+    t.fit()
+    monkeypatch.undo()
+    return {k: v.clone() for k, v in t.model.state_dict().items()}, str(t.optimizer.state_dict()), fired
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_the_held_accumulators_change_no_gradient_weight_or_hook(tmp_path, monkeypatch, accumulate):
+    # fit() holds each parameter's gradient accumulator (loop/update.py); the user's tensor
+    # hooks, registered before fit() and between two fits, must fire and scale as without it
+    held = _trained(tmp_path / "held", True, monkeypatch, accumulate=accumulate)
+    plain = _trained(tmp_path / "plain", False, monkeypatch, accumulate=accumulate)
+    assert held[0].keys() == plain[0].keys() and all(torch.equal(held[0][k], plain[0][k]) for k in held[0])
+    assert held[1] == plain[1]
+    assert held[2] == plain[2]
+    if accumulate == 1:  # Net: two Linear layers and a BatchNorm, a weight and a bias each
+        assert held[2] == {"before": 6 * 8, "after": 6 * 4, "accumulated": 6 * 8}

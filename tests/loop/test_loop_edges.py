@@ -52,6 +52,28 @@ def test_a_second_fit_with_nothing_left_is_refused_saying_how_to_continue(tmp_pa
     assert_same(whole_state(t), before)
 
 
+def test_a_second_fit_after_a_parameter_was_replaced_is_refused_naming_it(tmp_path):
+    # module.weight = nn.Parameter(...) between two fits: the optimizer (and the gradient
+    # accumulators fit() holds) still had the old one, so the second fit trained every other
+    # parameter and left the new one at its values, silently
+    t = ToyTrainer(toy_config(tmp_path, max_steps=4))
+    t.fit()
+    built_with = t.model.head.weight
+    t.model.head.weight = nn.Parameter(t.model.head.weight.detach() * 0.5)
+    t.cfg.trainer.max_steps = 8
+    before = whole_state(t)
+    with pytest.raises(SaferunError, match=r"'head.weight' is not the parameter the optimizer "
+                       r"was built with.*copy_.*new Trainer"):
+        t.fit()
+    assert_same(whole_state(t), before)
+    with torch.no_grad():  # the way the message says: in place, and the second fit trains it
+        t.model.head.weight = built_with
+        t.model.head.weight.mul_(0.5)
+    changed = t.model.head.weight.detach().clone()
+    t.fit()
+    assert t.state.step == 8 and not torch.equal(t.model.head.weight, changed)
+
+
 # ---------------------------------------------------------------- max_epochs and max_steps
 
 class Tiny(ToyTrainer):

@@ -152,6 +152,23 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_resume_with_the_same_loggers_says_nothing_of_dropped_callback_states(tmp_path):
+    # the loggers run on rank 0 only, so rank 1 found their saved states (MetricsJsonl,
+    # TensorBoardLogger) unclaimed and warned at every resume that they were dropped, telling
+    # the user to resume with the callbacks they had resumed with
+    run_dir = tmp_path / "run"
+    cfg = plain_config(run_dir, batch_size=16, tensorboard=True)
+    cfg["logger"] = {**cfg["logger"], "jsonl": {}}
+    cfg["trainer"]["max_steps"] = 4
+    assert torchrun(cfg).returncode == 0
+    cfg["trainer"]["max_steps"], cfg["resume"] = 6, "auto"
+    resumed = torchrun(cfg)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert "step-00000004: step 4, epoch" in out, out  # resumed (from the first run's last)
+    assert "does not have" not in out, out
+
+
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     proc = torchrun(augmented_config(run_dir), {"signal_at": 4, "signum": int(signal.SIGTERM),
