@@ -384,11 +384,15 @@ class Trainer:
                 raise
             raise error from (None if isinstance(error, Preempted) else exc)
         finally:
-            self._checkpointer.end_run()
-            # Let the accumulators go: the garbage collector cannot see through them, and a
-            # parameter's hook that refers to this Trainer would keep it alive for good
-            self._accumulators: list[Any] = []
+            self._end_fit()
         return dict(state.metrics)
+
+    def _end_fit(self) -> None:
+        """However fit() ends: the checkpointer's run ends, and the gradient accumulators are
+        let go (the garbage collector cannot see through them: a parameter's hook that refers
+        to this Trainer would keep it alive for good)."""
+        self._checkpointer.end_run()
+        self._accumulators: list[Any] = []
 
     def _last_log_point(self) -> bool:
         """At the step limit: the log point of the steps since the last one, now. False if it

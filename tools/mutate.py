@@ -597,7 +597,7 @@ mutation("under torchrun only rank 0 says dropped callback states (the loggers a
          "saferun/callbacks.py", "        if dropped and say_dropped:\n", "        if dropped:\n",
          "tests/parallel/test_torchrun.py::test_a_resume_with_the_same_loggers_says_nothing_of_dropped_callback_states")
 mutation("fit() lets the gradient accumulators go when it returns", T,
-         "            self._accumulators: list[Any] = []\n", "            pass\n",
+         "        self._accumulators: list[Any] = []", "        pass",
          "tests/loop/test_loop_cost.py::test_a_finished_trainer_whose_hooks_refer_to_it_is_freed")
 mutation("a saved callback state no callback takes is said", "saferun/callbacks.py",
          "        if dropped and say_dropped:\n", "        if False:\n",
