@@ -152,6 +152,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.slow  # two torchrun runs; the dropped-state rule's default test: tests/checkpoint
 def test_a_resume_with_the_same_loggers_says_nothing_of_dropped_callback_states(tmp_path):
     # the loggers run on rank 0 only, so rank 1 found their saved states (MetricsJsonl,
     # TensorBoardLogger) unclaimed and warned at every resume that they were dropped, telling
