@@ -405,9 +405,9 @@ class Trainer:
 
     def _end_of_loop(self) -> None:
         """After the last step: its log point, the final validation unless the loop has just
-        validated these weights, and the final save. A run that ends before a bad step it rolled back from
-        says so: nothing was left to train (the epochs' data had run out, or a callback asked
-        to stop), so the run's last step is the checkpoint's."""
+        validated these weights, and the final save. A run that ends before a bad step it
+        rolled back from says so: nothing was left to train (the epochs' data had run out, or a
+        callback asked to stop), so the run's last step is the checkpoint's."""
         if self._running.steps:
             self._log()
         if self._guard.rolled_back_from > self.state.step:

@@ -85,8 +85,8 @@ def grad_accumulators(params: Sequence[nn.Parameter]) -> list[Any]:
     loop keeps them by accident (its `loss` variable holds the last graph until the next step
     replaces it); saferun lets the step's graph go at once, so it holds them on purpose. Beyond
     the six rebuilt nodes per step of a small model, a parameter without that second owner
-    pays a Python reference handoff in every optimizer op on it: together about 40,000
-    instructions per step (docs/benchmarks.md). Sharded and tensor-parallel parameters (tensor
+    pays a Python reference handoff in every optimizer op on it: together about 35,000
+    instructions per step on the benchmark MLP (docs/benchmarks.md). Sharded and tensor-parallel parameters (tensor
     subclasses) are left alone."""
     held = []
     with torch.enable_grad():
