@@ -103,13 +103,13 @@ class BadStepPolicy:
         loss_spike = self.spikes["loss"].update(loss)
         return loss_spike | self.spikes["grad_norm"].update(grad_norm), loss_spike
 
-    def flag_steps(self, losses: list[torch.Tensor], grad_norms: list[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def flag_steps(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`spike` for several steps in order, at once (the log window's catch-up when no skip
-        policy is on, `RunningTrainMetrics.catch_up`): 1-D flags, the same as step by step."""
+        policy is on, `RunningTrainMetrics.catch_up`): `values` holds a (loss, gradient norm)
+        row per step; 1-D flags, the same as step by step."""
         assert self.spikes is not None
-        loss_spike = self.spikes["loss"].update_many(torch.stack(losses))
-        return loss_spike | self.spikes["grad_norm"].update_many(torch.stack(grad_norms)), loss_spike
+        loss_spike = self.spikes["loss"].update_many(values[:, 0])
+        return loss_spike | self.spikes["grad_norm"].update_many(values[:, 1]), loss_spike
 
     def bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
                 spike: Optional[torch.Tensor]) -> bool:
@@ -170,7 +170,7 @@ class BadStepPolicy:
         if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:
             return self.find_bad()  # (raises if the window's steps were good)
         spikes_at_checks = self.spike_policy.checked and not self.spike_policy.skips
-        if not (self.nonfinite_policy.checked or spikes_at_checks) or not self._running.losses:
+        if not (self.nonfinite_policy.checked or spikes_at_checks) or not self._running.kept:
             return None
         if self._running.first_bad(self.nonfinite_policy.checked, self.grads_checked, tr.ranks) is None:
             return None
@@ -233,7 +233,7 @@ class BadStepPolicy:
         tr, g = self._trainer, self._g
         running = self._running
         found = (running.first_bad(self.nonfinite_policy.checked, self.grads_checked, tr.ranks)
-                 if running.losses else None)
+                 if running.kept else None)
         if found is None:  # the losses and gradients were finite: guards.check_params fired
             raise NonFiniteError(
                 f"the parameters are not finite at step {tr.state.step}: "
@@ -243,8 +243,8 @@ class BadStepPolicy:
         bad_step = tr.state.step - running.steps + 1 + first
         # the values and samples of the rank where it started, on every rank (torchrun)
         # which of the step's logged values were not finite (several optimizers: loss/<name>)
-        logs = running.logs[first] if len(running.logs) == len(running.losses) else {}
-        mine = ([*torch.stack([running.losses[first], running.grad_norms[first]]).tolist(),
+        logs = running.logs[first] if len(running.logs) == running.kept else {}
+        mine = ([*running.values[first].tolist(),
                  running.batches[first], [k for k, v in logs.items() if not math.isfinite(v)]]
                 if rank == tr.ranks.rank else None)
         loss, norm, where, bad_logs = distributed.broadcast(mine, src=rank)

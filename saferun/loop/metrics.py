@@ -17,21 +17,23 @@ from .logbook import Folded
 class RunningTrainMetrics:
     """Collects each step's loss, grad norm, logged scalars and sample indices until a log point.
 
-    Appending a device tensor to a list costs no sync; `read()` averages
-    everything with device ops and copies the results to the host at once.
+    The loss and gradient norm of each step are written into one preallocated device tensor
+    (one operator, no sync, nothing kept per step: holding each step's two tensors until the
+    log point cost more than the write, in the allocator and at the log point's stack);
+    `read()` averages everything with device ops and copies the results to the host at once.
     """
 
     def __init__(self) -> None:
         # the spike guard's `flag_steps` when it compares the steps at log points (no skip
         # policy): `catch_up` flags the steps kept since it last ran, before anything reads them
-        self.spike_flagger: Optional[Callable[[list[torch.Tensor], list[torch.Tensor]],
-                                              tuple[torch.Tensor, torch.Tensor]]] = None
+        self.spike_flagger: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
+        self._values: Optional[torch.Tensor] = None  # (capacity, 2) float32: loss, grad norm
+        self._rows: list[torch.Tensor] = []  # its rows, written with stack(out=)
         self.reset()
 
     def reset(self) -> None:
         self._flagged = 0  # the kept steps the spike flags cover
-        self.losses: list[torch.Tensor] = []
-        self.grad_norms: list[torch.Tensor] = []
+        self.kept = 0  # the steps whose loss and gradient norm are kept (not skipped)
         self.logs: list[Mapping[str, torch.Tensor]] = []
         self.batches: list[Any] = []  # per step: (epoch, [sample indices per micro-batch]) or None
         # when the spike guard is on: a flag per step, or (`catch_up`) a 1-D run of them
@@ -45,7 +47,25 @@ class RunningTrainMetrics:
 
     @property
     def steps(self) -> int:
-        return len(self.losses) + self.skipped
+        return self.kept + self.skipped
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The kept steps' (loss, gradient norm), one row per step: a (kept, 2) float32 view
+        (valid until the next `reset`)."""
+        if self._values is None:
+            return torch.zeros(0, 2)
+        return self._values[:self.kept]
+
+    @property
+    def losses(self) -> torch.Tensor:
+        """The kept steps' losses, 1-D float32 (a copy)."""
+        return self.values[:, 0].contiguous()
+
+    @property
+    def grad_norms(self) -> torch.Tensor:
+        """The kept steps' gradient norms, 1-D float32 (a copy)."""
+        return self.values[:, 1].contiguous()
 
     def add(self, output: StepOutput, batches: Any = None,
             logged: Optional[tuple[Folded, list[Media]]] = None) -> None:
@@ -58,8 +78,10 @@ class RunningTrainMetrics:
         if logged is not None:
             self.folded.merge(logged[0])
             self.media += logged[1]
-        self.losses.append(output.loss)
-        self.grad_norms.append(output.grad_norm)
+        if self.kept == len(self._rows):
+            self._grow(output.loss.device, self.kept + 1)
+        torch.stack((output.loss, output.grad_norm), out=self._rows[self.kept])
+        self.kept += 1
         if output.logs:
             self.logs.append(output.logs)
         if output.spike is not None:
@@ -68,20 +90,29 @@ class RunningTrainMetrics:
             self.loss_spikes.append(output.loss_spike)
         self.batches.append(batches)
 
+    def _grow(self, device: torch.device, steps: int) -> None:
+        """Room for at least `steps` steps (twice as many as before; at least 128): the rows kept
+        are copied over."""
+        old = self._values
+        self._values = torch.zeros(max(128, 2 * len(self._rows), steps), 2, device=device)
+        if old is not None:
+            self._values[:len(old)] = old
+        self._rows = list(self._values.unbind())
+
     def catch_up(self) -> None:
         """Flag the steps kept since the last catch-up (with a `spike_flagger`): called by
         everything that reads the flags, and before a checkpoint takes the detectors' state."""
-        n = len(self.losses) - self._flagged
-        if n > 0 and self.spike_flagger is not None:
-            spike, loss_spike = self.spike_flagger(self.losses[-n:], self.grad_norms[-n:])
+        if self.kept > self._flagged and self.spike_flagger is not None:
+            spike, loss_spike = self.spike_flagger(self.values[self._flagged:])
             self.spikes.append(spike)
             self.loss_spikes.append(loss_spike)
-        self._flagged = len(self.losses)
+        self._flagged = self.kept
 
     def state_dict(self) -> dict[str, Any]:
         """The values collected since the last log point (so a resumed run logs the same means)."""
         self.catch_up()
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
+        values = self.values.clone()  # (the layout of saferun before the buffer: a tensor a step)
+        return {"losses": list(values[:, 0].unbind()), "grad_norms": list(values[:, 1].unbind()),
                 "logs": [dict(d) for d in self.logs], "batches": list(self.batches),
                 "spikes": list(self.spikes), "loss_spikes": list(self.loss_spikes),
                 "samples": self.samples, "skipped": self.skipped,
@@ -89,10 +120,17 @@ class RunningTrainMetrics:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.reset()
-        self.losses, self.grad_norms = list(state["losses"]), list(state["grad_norms"])
+        losses, grad_norms = list(state["losses"]), list(state["grad_norms"])
+        if losses:
+            self._values, self._rows = None, []
+            self._grow(losses[0].device, len(losses))
+            assert self._values is not None
+            self._values[:len(losses)] = torch.stack([torch.stack(losses).float(),
+                                                      torch.stack(grad_norms).float()], 1)
+        self.kept = len(losses)
         self.logs, self.batches = [dict(d) for d in state["logs"]], list(state["batches"])
         self.spikes, self.loss_spikes = list(state["spikes"]), list(state.get("loss_spikes", []))
-        self._flagged = len(self.losses)  # (saved after a catch-up: every kept step is flagged)
+        self._flagged = self.kept  # (saved after a catch-up: every kept step is flagged)
         self.samples, self.skipped = state["samples"], state["skipped"]
         self.folded.load_state_dict(state.get("folded", {}))  # (absent: saferun before self.log)
         self.media = [Media(**m) for m in state.get("media", [])]
@@ -109,9 +147,9 @@ class RunningTrainMetrics:
             keys = distributed.union(keys, data.group)
         names, columns = [], []
         sums = dict(totals)
-        if self.losses:
+        if self.kept:
             names += ["train/loss", "train/grad_norm"]
-            columns += [_mean(self.losses), _mean(self.grad_norms)]
+            columns += [self.losses.mean(), self.grad_norms.mean()]
             reported = {k: [d[k].float() for d in self.logs if k in d] for k in keys}
             if not ranked:  # the mean over the steps that reported it
                 names += [f"train/{k}" for k in keys]
@@ -126,7 +164,7 @@ class RunningTrainMetrics:
         averaged = len(columns)
         self.catch_up()
         if self.spikes:
-            sums["train/spikes"] = _flags(self.spikes, len(self.losses)).float().sum()
+            sums["train/spikes"] = _flags(self.spikes, self.kept).float().sum()
         if world_size > 1 and columns:  # samples from every rank, made on the device: no copy
             sums["samples"] = torch.full((), float(self.samples), device=columns[0].device)
         names += list(sums)
@@ -144,7 +182,7 @@ class RunningTrainMetrics:
         names += list(folded)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         metrics = dict(zip(names, values))
-        for k in keys if ranked and self.losses else ():
+        for k in keys if ranked and self.kept else ():
             count = metrics.pop(f"count/{k}")
             metrics[f"train/{k}"] /= count  # > 0: some rank reported it
         samples = metrics.pop("samples", float(self.samples))
@@ -162,14 +200,14 @@ class RunningTrainMetrics:
         gradient norm, averaged over ranks, is the same everywhere, so a rank whose own loss
         was non-finite or spiked comes first; then the lowest rank. One collective, one read.
         """
-        losses = ~torch.isfinite(torch.stack(self.losses).float())
-        grads = ~torch.isfinite(torch.stack(self.grad_norms).float()) if check_grads else losses & False
+        losses = ~torch.isfinite(self.losses)
+        grads = ~torch.isfinite(self.grad_norms) if check_grads else losses & False
         rows = [losses, grads] if check_nonfinite else [losses & False] * 2  # off: spikes only
         self.catch_up()
         if self.loss_spikes:
-            rows.append(_flags(self.loss_spikes, len(self.losses)))
+            rows.append(_flags(self.loss_spikes, self.kept))
         if self.spikes:
-            rows.append(_flags(self.spikes, len(self.losses)))
+            rows.append(_flags(self.spikes, self.kept))
         # per (row, step): world_size - the lowest rank that flagged it (0: none), via max
         codes = distributed.all_reduce(torch.stack(rows).int() * (ranks.world_size - ranks.rank),
                                        op="max")
@@ -267,7 +305,3 @@ def _flags(parts: list[torch.Tensor], steps: int) -> torch.Tensor:
     missing = steps - flags.numel()
     return flags if missing <= 0 else torch.cat(
         [torch.zeros(missing, dtype=torch.bool, device=flags.device), flags])
-
-
-def _mean(values: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(values).float().mean()

@@ -46,6 +46,17 @@ def test_a_flat_tuple_or_list_of_tensors_is_moved_and_keeps_its_type():  # the s
         assert all(t.device == META and t.dtype == b.dtype for t, b in zip(moved, batch))
 
 
+def test_a_batch_already_on_the_cpu_is_not_moved_and_one_that_is_not_still_is():
+    # (on the CPU the step skips the .to() calls, each of which would return the tensor itself)
+    cpu = torch.device("cpu")
+    x, y = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    for batch in ((x, y), [x, y]):
+        moved = move_to_device(batch, cpu)
+        assert type(moved) is type(batch) and moved[0] is x and moved[1] is y
+    with pytest.raises(saferun.SaferunError, match=r"cannot move batch\[1\] .* to cpu"):
+        move_to_device([x, torch.ones(2, device=META)], cpu)  # not on the CPU: moved (here refused)
+
+
 def test_object_with_its_own_to_is_moved_with_it():
     class Graph:
         def __init__(self, nodes):
