@@ -330,6 +330,21 @@ def test_a_state_saved_mid_refresh_resumes_exactly_in_either_layout(saved_by):
     assert expected[:, 0].any() and expected[:, 1].any()
     assert same_states(both.state_dict(), uninterrupted.state_dict())
     assert same_states(states_of(apart), uninterrupted.state_dict())
+    # each series' window a tensor of its own: a view of the two-series window saves all of it
+    assert all(state["values"].untyped_storage().nbytes() == 32 * 4
+               for state in both.state_dict().values())
+
+
+def test_two_series_compare_and_refresh_without_a_host_sync():
+    d = SpikeDetector(window=16, warmup=4, refresh_every=3, series=SERIES)
+    x = pair_series(5, 60)
+    x[-1, 1] = 30.0
+    with HostSyncCounter() as counter:
+        out = [d.update(v) for v in x[:30]] + list(d.update_many(x[30:]))
+        d.state_dict()
+    assert counter.count == 0, counter.sites
+    assert out[-1].tolist() == [False, True] and d.last_limit is not None
+    assert d.last_limit.shape == (2,)
 
 
 def test_two_series_cost_the_operators_of_one():
