@@ -239,6 +239,8 @@ class SpikeDetector:
             self._updates, self._due = int(states[0]["updates"]), int(states[0]["due"])
         else:  # saved before the limit was kept (every update recomputed it): recompute it now
             self._limit = torch.full(self._shape, _INF, device=values.device)
+            # (several series: the smallest count, so that a window still filling refreshes
+            # at each update, as its own detector would)
             self._updates = min(int(one["count"]) for one in states)
             self.refresh()
 

@@ -169,6 +169,20 @@ def test_a_state_saved_before_the_limit_was_kept_still_loads():
     resumed = SpikeDetector(window=16, warmup=4)
     resumed.load_state_dict(old)
     assert flags(resumed, [2.0, 30.0]) == flags(d, [2.0, 30.0]) == [False, True]
+    g = SpikeDetector(window=16, warmup=4)  # two such states load into a detector of two series
+    flags(g, noisy(20, level=5.0, seed=9))
+    saved = {"loss": old, "grad_norm": {k: g.state_dict()[k] for k in old}}
+    both = SpikeDetector(window=16, warmup=4, series=("loss", "grad_norm"))
+    both.load_state_dict(saved)
+    apart = [SpikeDetector(window=16, warmup=4), SpikeDetector(window=16, warmup=4)]
+    for d, name in zip(apart, saved):
+        d.load_state_dict(saved[name])
+    values = torch.tensor([[30.0, 5.0], [2.0, 50.0], [2.1, 5.1]])
+    got = both.update_many(values)
+    assert torch.equal(got, torch.stack([d.update_many(values[:, i]) for i, d in enumerate(apart)], 1))
+    assert got.tolist() == [[True, False], [False, True], [False, False]]
+    assert all(same_state(both.state_dict()[name], d.state_dict())
+               for name, d in zip(saved, apart))
 
 
 @pytest.mark.parametrize("kwargs", [{"window": 0}, {"window": 5, "warmup": 6}, {"warmup": 0},
@@ -181,7 +195,11 @@ def test_bad_settings_are_refused(kwargs):
 
 def state_equal(a: SpikeDetector, b: SpikeDetector) -> bool:
     """Bit for bit, the window's empty (NaN) slots included."""
-    x, y = a.state_dict(), b.state_dict()
+    return same_state(a.state_dict(), b.state_dict())
+
+
+def same_state(x: dict, y: dict) -> bool:
+    """Two state_dicts bit for bit (dtypes and shapes too), the empty (NaN) slots included."""
     return x.keys() == y.keys() and all(
         x[k].dtype == y[k].dtype and torch.equal(torch.nan_to_num(x[k], nan=-7.0),
                                                  torch.nan_to_num(y[k], nan=-7.0)) for k in x)
@@ -239,13 +257,6 @@ def pair_series(seed: int, n: int = 300) -> torch.Tensor:
     which = torch.randint(0, 3, (int(bad.sum()),), generator=g)
     x[bad] = torch.tensor([float("nan"), float("inf"), float("-inf")])[which]
     return x
-
-
-def same_state(a: dict, b: dict) -> bool:
-    """Bit for bit, dtypes and shapes too, the window's empty (NaN) slots included."""
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and torch.equal(torch.nan_to_num(a[k], nan=-7.0),
-                                                 torch.nan_to_num(b[k], nan=-7.0)) for k in a)
 
 
 def states_of(detectors: list[SpikeDetector]) -> dict:
