@@ -67,7 +67,7 @@ class StatefulParts:
     scaler: Any  # GradScaler
     ema: Any  # trainer.ema's WeightAverage, or None
     running: Any  # RunningTrainMetrics: the log window not yet logged
-    spikes: Any  # the spike detector (each rank's own; a series per key saved), or None
+    spikes: Any  # the spike detector (each rank's own; saved as a state per series), or None
     batches: Any  # BatchStream: the data position and the RNG states to restore
     callbacks: Any  # CallbackList
     strategy: Any  # the parallel strategy: gathers each rank's state, agrees on stops, and
