@@ -5,6 +5,7 @@
     python benchmarks/loop_window.py --quick           # a smoke run (seconds)
     python benchmarks/loop_window.py --count --workload cnn --steps 400   # the CNN's counts
     python benchmarks/loop_window.py --instructions    # instructions per step (valgrind)
+    python benchmarks/loop_window.py --instructions --variants strict   # one variant's (3 min)
 
 `step_micro.py` times `train_step` alone; this times everything around it too: the batch stream,
 the per-step bookkeeping, the callbacks, the log points, the stop checks and the checkpoint
@@ -270,11 +271,13 @@ def spawn(variant: str, mode: str, steps: int, start: int, workload: str = "mlp"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def instructions(steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
+def instructions(steps: int, start: int, workload: str = "mlp",
+                 variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Instructions per step of the window, per variant: each run once under callgrind (the
-    count does not vary from run to run beyond a few hundredths of a percent)."""
+    count does not vary from run to run beyond a few hundredths of a percent); the ratio to
+    the hand loop where it ran too."""
     out: dict[str, Any] = {}
-    for v in VARIANTS:
+    for v in variants:
         with tempfile.TemporaryDirectory() as d:
             log = os.path.join(d, "callgrind.log")
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={log}",
@@ -289,7 +292,7 @@ def instructions(steps: int, start: int, workload: str = "mlp") -> dict[str, Any
         if proc.returncode != 0 or found is None:
             sys.exit(f"{v} under callgrind failed:\n{proc.stdout}\n{proc.stderr}\n{report}")
         out[v] = {"instructions_per_step": int(found.group(1)) / (steps - start)}
-    for v in VARIANTS:
+    for v in variants if "hand" in out else ():
         out[v]["ratio"] = out[v]["instructions_per_step"] / out["hand"]["instructions_per_step"]
     return out
 
@@ -340,6 +343,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--instructions", action="store_true",
                    help="instructions per step under valgrind (window: steps 201-400 unless "
                         "--steps says otherwise)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="with --instructions: which of hand,saferun,strict to run (comma-separated)")
     p.add_argument("--workload", default="mlp", choices=("mlp", "cnn"),
                    help="the job's model and data (benchmarks/common.py); the same loop")
     p.add_argument("--quick", action="store_true",
@@ -362,12 +367,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     results: dict[str, Any] = {"workload": a.workload, "steps": a.steps,
                                "window": [a.start + 1, a.steps], "threads": 1,
                                "python": sys.version.split()[0]}
+    variants = tuple(v for v in a.variants.split(",") if v)
+    if not variants or set(variants) - set(VARIANTS):
+        p.error(f"--variants takes some of {','.join(VARIANTS)}; got {a.variants!r}")
     if a.instructions:
-        results["instructions"] = instructions(a.steps, a.start, a.workload)
+        results["instructions"] = counts = instructions(a.steps, a.start, a.workload, variants)
         print(f"instructions per step, steps {a.start + 1}-{a.steps}:")
-        for v, c in results["instructions"].items():
-            print(f"  {v:8s} {c['instructions_per_step']:12,.0f}  ({c['ratio']:.4f}x, "
-                  f"{c['instructions_per_step'] - results['instructions']['hand']['instructions_per_step']:+,.0f})")
+        for v, c in counts.items():
+            n = c["instructions_per_step"]
+            to_hand = (f"  ({c['ratio']:.4f}x, {n - counts['hand']['instructions_per_step']:+,.0f})"
+                       if "hand" in counts else "")
+            print(f"  {v:8s} {n:12,.0f}{to_hand}")
     elif a.count or a.quick:
         results["per_step"] = counted(a.steps, a.start, a.workload)
         print(f"per step, steps {a.start + 1}-{a.steps}:")

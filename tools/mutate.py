@@ -386,7 +386,7 @@ mutation("callback state saved", CKPTR,
          '            "callbacks": p.callbacks.state_dict(),', '            "callbacks": {},',
          f"{CKPT}::test_callback_state_round_trips_through_a_checkpoint")
 mutation("spike detector state saved", CKPTR,
-         '"spikes": {k: d.state_dict() for k, d in (p.spikes or {}).items()},',
+         '"spikes": p.spikes.state_dict() if p.spikes is not None else {},',
          '"spikes": {},',
          f"{GUARDS}::test_spike_detector_state_survives_checkpoint_and_resume")
 mutation("weights_only=True", "saferun/checkpoint.py",
@@ -610,7 +610,7 @@ mutation("a rollback the run ends before says that the run ends at the checkpoin
          "        if False:",
          "tests/guards/test_nonfinite.py::test_a_rollback_after_the_last_epochs_last_step_says_the_run_ends_there")
 mutation("spikes: a resume with another spike_window refused naming the key", CKPTR,
-         "                _check_spike_window(spikes[key], detector.window)\n", "",
+         "                _check_spike_window(saved, p.spikes.window)\n", "                pass\n",
          f"{GUARDS}::test_a_resume_with_another_spike_window_is_refused_naming_the_key")
 mutation("spikes raise at log points", BADSTEP,
          '        return metrics.get("train/spikes", 0.0) == 0.0 or self.spike_policy.skips',
@@ -1079,22 +1079,36 @@ mutation("save_best's record naming PATH names this directory's copy", CKPTR,
 # ---------------------------------------------------------------- guard-cost (issue 27)
 SPIKES_T = "tests/guards/test_spikes.py"
 mutation("spikes never enter the window (refreshed statistics)", "saferun/guards/spikes.py",
-         "        accept = (v <= limit) & (v > _NEG_INF)  # not a spike, and finite (-Inf: not finite)",
-         "        accept = v > _NEG_INF",
+         "        accept = v <= limit  # not a spike, and finite (NaN: not finite)",
+         "        accept = ~v.isnan()",
          f"{SPIKES_T}::test_spikes_do_not_enter_the_window_so_a_second_one_is_flagged_too")
 mutation("spikes: non-finite values are not spikes (per-step comparison)", "saferun/guards/spikes.py",
-         "        v = torch.nan_to_num(v, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)\n",
+         "        v = torch.nan_to_num(v, nan=_NAN, posinf=_NAN, neginf=_NAN)\n",
          "",
          f"{SPIKES_T}::test_non_finite_values_are_neither_spikes_nor_kept")
+mutation("spikes: non-finite values are not spikes (log-point comparison)", "saferun/guards/spikes.py",
+         "        values = torch.nan_to_num(values, nan=_NAN, posinf=_NAN, neginf=_NAN)\n",
+         "",
+         f"{SPIKES_T}::test_update_many_flags_and_keeps_exactly_what_one_update_per_value_does")
 mutation("spikes: statistics refreshed after warmup and while the window fills", "saferun/guards/spikes.py",
          "        self._due = 1 if self._updates < self.window else self.refresh_every",
          "        self._due = self.refresh_every",
          f"{SPIKES_T}::test_statistics_refresh_at_each_update_until_the_window_is_full_then_every_refresh_every",
          "tests/parallel/test_torchrun.py::test_a_spike_on_rank_1_is_reported_with_its_values_and_checkpointed_per_rank")
 mutation("spikes: the limit and update count are saved with the state", "saferun/guards/spikes.py",
-         '            self._updates, self._due = int(state["updates"]), int(state["due"])',
+         '            self._updates, self._due = int(states[0]["updates"]), int(states[0]["due"])',
          "            self._updates, self._due = 0, self.warmup",
          f"{SPIKES_T}::test_state_saved_between_refreshes_resumes_with_identical_decisions")
+mutation("spikes: several series load only a state that holds each of them", "saferun/guards/spikes.py",
+         "        if missing:\n", "        if False:\n",
+         f"{SPIKES_T}::test_several_series_refuse_values_and_states_that_do_not_fit")
+mutation("spikes: several series load only states updated together", "saferun/guards/spikes.py",
+         '        if kept and len({(int(one["updates"]), int(one["due"])) for one in states}) > 1:',
+         "        if False:",
+         f"{SPIKES_T}::test_several_series_refuse_values_and_states_that_do_not_fit")
+mutation("spikes: values that are not one per series refused", "saferun/guards/spikes.py",
+         "        if not good:\n", "        if False:\n",
+         f"{SPIKES_T}::test_several_series_refuse_values_and_states_that_do_not_fit")
 mutation("check_params: saves between log points check the parameters", BADSTEP,
          "        if g.check_params and first_nonfinite(tr.model.named_parameters()) is not None:",
          "        if False:",

@@ -5,7 +5,7 @@ whole in state.pt, or sharded per rank).
 
 It is given the Trainer's public state (the `Owner` protocol: config, the loop's `LoopState`,
 ranks) and, at each save and restore, the run's stateful parts by name (`StatefulParts`:
-model, optimizer, scheduler, scaler, weight average, running metrics, spike detectors, batch
+model, optimizer, scheduler, scaler, weight average, running metrics, spike detector, batch
 stream, callbacks, strategy): it assembles and restores those and touches nothing else of the
 Trainer. The whole training state is `assemble()` / `restore()` (`Trainer.state_dict()` /
 `load_state_dict()` delegate to them; every rank takes part under torchrun). The loop checks
@@ -67,7 +67,7 @@ class StatefulParts:
     scaler: Any  # GradScaler
     ema: Any  # trainer.ema's WeightAverage, or None
     running: Any  # RunningTrainMetrics: the log window not yet logged
-    spikes: Optional[dict[str, Any]]  # the spike detectors (each rank's own), or None
+    spikes: Any  # the spike detector (each rank's own; saved as a state per series), or None
     batches: Any  # BatchStream: the data position and the RNG states to restore
     callbacks: Any  # CallbackList
     strategy: Any  # the parallel strategy: gathers each rank's state, agrees on stops, and
@@ -110,10 +110,10 @@ class Checkpointer:
         # Resumed but not trained yet (a finished run resumed): the loaded RNG states are the
         # run's, not the ones this process was seeded with.
         rng = p.batches.resume_rng if p.batches.resume_rng is not None else get_rng_state()
-        p.running.catch_up()  # the steps' spike flags first: the detectors' state includes them
+        p.running.catch_up()  # the steps' spike flags first: the detector's state includes them
         mine = move_to_device({"rng": rng, "running": p.running.state_dict(),
-                               # spike detectors: each rank sees its own loss
-                               "spikes": {k: d.state_dict() for k, d in (p.spikes or {}).items()},
+                               # the spike detector: each rank sees its own loss
+                               "spikes": p.spikes.state_dict() if p.spikes is not None else {},
                                "epoch_start": epoch_start}, torch.device("cpu"))
         per_rank = p.strategy.gather(mine)
         return {
@@ -162,11 +162,11 @@ class Checkpointer:
         mine = state["per_rank"][o.ranks.rank]
         p.running.load_state_dict(move_to_device(mine["running"], o.device))
         p.callbacks.load_state_dict(state["callbacks"], say_dropped=o.ranks.is_main)
-        spikes = mine["spikes"]
-        for key, detector in (p.spikes or {}).items():
-            if key in spikes:
-                _check_spike_window(spikes[key], detector.window)
-                detector.load_state_dict(move_to_device(spikes[key], o.device))
+        spikes = mine["spikes"]  # {"loss": state, "grad_norm": state}, or {} (saved without)
+        if p.spikes is not None and spikes:
+            for saved in spikes.values():
+                _check_spike_window(saved, p.spikes.window)
+            p.spikes.load_state_dict(move_to_device(spikes, o.device))
         p.batches.resume(mine["rng"], mine["epoch_start"])
 
     def _resharded(self, saved: tuple[int, ...]) -> None:

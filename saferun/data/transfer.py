@@ -16,6 +16,7 @@ from ..errors import SaferunError
 _TENSOR = {torch.Tensor}  # a batch's element types, for the hot path's check (no generator)
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})  # leaves kept as they are
 _IS_CPU = attrgetter("is_cpu")
+_function_modes = torch._C._is_torch_function_mode_enabled
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -29,8 +30,11 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     place in the batch.
     """
     if type(batch) in (list, tuple) and set(map(type, batch)) == _TENSOR:
-        if device.type == "cpu" and all(map(_IS_CPU, batch)):
-            return batch  # (each .to() would return the tensor itself, at ~5,000 instructions)
+        # On the CPU each .to() returns the tensor itself (about 5,000 instructions): skipped,
+        # unless a torch function mode is on to see the moves (saferun's host-sync counter
+        # treats a moved tensor as on the device, as it would be on a GPU).
+        if device.type == "cpu" and not _function_modes() and all(map(_IS_CPU, batch)):
+            return batch
         try:  # the common (inputs, targets) batch, without building a path per element
             moved = list(map(methodcaller("to", device, non_blocking=non_blocking), batch))
             return moved if type(batch) is list else tuple(moved)

@@ -15,7 +15,7 @@ Checkpointer (`rolling_back`, `unclean`, `rolled_back` say what the guard owns o
 count, the check of each checkpoint, the report). The guard is handed what it works with: the
 log window's running metrics, the training loader (a bad batch's inputs are looked at) and the
 run's newest checkpoint as the Checkpointer names it (`newest`); of the Trainer it reads only
-public state (`LoopOwner`). Everything else it owns (the spike detectors, the buffer snapshot,
+public state (`LoopOwner`). Everything else it owns (the spike detector, the buffer snapshot,
 the counters).
 """
 
@@ -79,14 +79,14 @@ class BadStepPolicy:
         # A skipped step must also undo what its forward wrote into buffers (BatchNorm statistics).
         self.snapshot = BufferSnapshot(trainer.model) if self.skips else None
         self.rolled_back_from = 0  # the bad step of this process's latest rollback (0: none)
-        self.spikes: Optional[dict[str, SpikeDetector]] = None
+        self.spikes: Optional[SpikeDetector] = None
         if self.spike_policy.checked:
             # Each step is compared with a limit on the device; the statistics behind it are
-            # refreshed every log interval, and at least four times per window.
+            # refreshed every log interval, and at least four times per window. The loss and
+            # the gradient norm are two series of one detector: one set of operators for both.
             every = max(1, min(t.log_every_n_steps, g.spike_window // 4))
-            self.spikes = {k: SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup,
-                                            refresh_every=every)
-                           for k in ("loss", "grad_norm")}
+            self.spikes = SpikeDetector(g.spike_window, g.spike_threshold, g.spike_warmup,
+                                        refresh_every=every, series=("loss", "grad_norm"))
         # A skip policy decides at each step, so it needs each step's flag then; raise and
         # rollback act at log points and saves, so the steps are compared there, all at once
         # (`flag_steps`): no operator per step.
@@ -100,16 +100,16 @@ class BadStepPolicy:
     def spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss or the gradient norm spiked, the loss spiked), on the device."""
         assert self.spikes is not None
-        loss_spike = self.spikes["loss"].update(loss)
-        return loss_spike | self.spikes["grad_norm"].update(grad_norm), loss_spike
+        flags = self.spikes.update(torch.stack([loss, grad_norm]))
+        return flags.any(), flags[0]
 
     def flag_steps(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`spike` for several steps in order, at once (the log window's catch-up when no skip
         policy is on, `RunningTrainMetrics.catch_up`): `values` holds a (loss, gradient norm)
         row per step; 1-D flags, the same as step by step."""
         assert self.spikes is not None
-        loss_spike = self.spikes["loss"].update_many(values[:, 0])
-        return loss_spike | self.spikes["grad_norm"].update_many(values[:, 1]), loss_spike
+        flags = self.spikes.update_many(values)  # (a row per step: one per series, in order)
+        return flags.any(1), flags.select(1, 0)
 
     def bad_now(self, loss: torch.Tensor, grad_norm: torch.Tensor,
                 spike: Optional[torch.Tensor]) -> bool:

@@ -169,6 +169,20 @@ def test_a_state_saved_before_the_limit_was_kept_still_loads():
     resumed = SpikeDetector(window=16, warmup=4)
     resumed.load_state_dict(old)
     assert flags(resumed, [2.0, 30.0]) == flags(d, [2.0, 30.0]) == [False, True]
+    g = SpikeDetector(window=16, warmup=4)  # two such states load into a detector of two series
+    flags(g, noisy(20, level=5.0, seed=9))
+    saved = {"loss": old, "grad_norm": {k: g.state_dict()[k] for k in old}}
+    both = SpikeDetector(window=16, warmup=4, series=("loss", "grad_norm"))
+    both.load_state_dict(saved)
+    apart = [SpikeDetector(window=16, warmup=4), SpikeDetector(window=16, warmup=4)]
+    for d, name in zip(apart, saved):
+        d.load_state_dict(saved[name])
+    values = torch.tensor([[30.0, 5.0], [2.0, 50.0], [2.1, 5.1]])
+    got = both.update_many(values)
+    assert torch.equal(got, torch.stack([d.update_many(values[:, i]) for i, d in enumerate(apart)], 1))
+    assert got.tolist() == [[True, False], [False, True], [False, False]]
+    assert all(same_state(both.state_dict()[name], d.state_dict())
+               for name, d in zip(saved, apart))
 
 
 @pytest.mark.parametrize("kwargs", [{"window": 0}, {"window": 5, "warmup": 6}, {"warmup": 0},
@@ -181,7 +195,11 @@ def test_bad_settings_are_refused(kwargs):
 
 def state_equal(a: SpikeDetector, b: SpikeDetector) -> bool:
     """Bit for bit, the window's empty (NaN) slots included."""
-    x, y = a.state_dict(), b.state_dict()
+    return same_state(a.state_dict(), b.state_dict())
+
+
+def same_state(x: dict, y: dict) -> bool:
+    """Two state_dicts bit for bit (dtypes and shapes too), the empty (NaN) slots included."""
     return x.keys() == y.keys() and all(
         x[k].dtype == y[k].dtype and torch.equal(torch.nan_to_num(x[k], nan=-7.0),
                                                  torch.nan_to_num(y[k], nan=-7.0)) for k in x)
@@ -220,3 +238,166 @@ def test_update_many_and_update_interleave_and_an_empty_batch_changes_nothing():
     got += mixed.update_many(torch.tensor(values[58:])).tolist()
     assert got == expected and got[60]
     assert state_equal(one, mixed)
+
+
+# ---------------------------------------------------------------- several series, one detector
+
+SERIES = ("loss", "grad_norm")
+
+
+def pair_series(seed: int, n: int = 300) -> torch.Tensor:
+    """(n, 2): a loss and a gradient norm side by side, noise around a level, with planted
+    spikes of 1x to 21x on about 6 % of the values of either, and NaN, +Inf and -Inf on
+    about 3 %."""
+    g = torch.Generator().manual_seed(seed)
+    x = 1 + 0.05 * torch.randn(n, 2, generator=g)
+    spikes = torch.rand(n, 2, generator=g) < 0.06
+    x[spikes] *= 1 + 20 * torch.rand(int(spikes.sum()), generator=g)
+    bad = torch.rand(n, 2, generator=g) < 0.03
+    which = torch.randint(0, 3, (int(bad.sum()),), generator=g)
+    x[bad] = torch.tensor([float("nan"), float("inf"), float("-inf")])[which]
+    return x
+
+
+def states_of(detectors: list[SpikeDetector]) -> dict:
+    """Two single-series detectors' states as a checkpoint holds the spike guard's."""
+    return {name: d.state_dict() for name, d in zip(SERIES, detectors)}
+
+
+def same_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+
+
+SETTINGS = [{"window": 16, "warmup": 5, "refresh_every": 1},
+            {"window": 16, "warmup": 5, "refresh_every": 3},
+            {"window": 16, "warmup": 16, "refresh_every": 7},
+            {"window": 100, "warmup": 20, "refresh_every": 25},  # the loop's, at the defaults
+            {"window": 8, "warmup": 1, "refresh_every": 4}]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("chunk", [0, 1, 7, 100, 300])  # 0: `update`, one step at a time
+def test_two_series_in_one_detector_flag_and_keep_exactly_what_two_detectors_do(settings, chunk):
+    """The spike guard watches the loss and the gradient norm with one detector of two series
+    (one set of operators for both): after every update, the flags, each series' state and
+    the limits are those of a detector per series, bit for bit, through the warm-up, the
+    filling window, the ring's wrap, NaN and Inf, and spikes kept out of the window."""
+    x = pair_series(SETTINGS.index(settings))
+    both = SpikeDetector(**settings, series=SERIES)
+    apart = [SpikeDetector(**settings), SpikeDetector(**settings)]
+    found = []
+    for start in range(0, len(x), chunk or 1):
+        part = x[start:start + (chunk or 1)]
+        if chunk:
+            got = both.update_many(part)
+            expected = torch.stack([d.update_many(part[:, i]) for i, d in enumerate(apart)], 1)
+        else:
+            got = both.update(part[0]).unsqueeze(0)
+            expected = torch.stack([d.update(part[0, i]) for i, d in enumerate(apart)]).unsqueeze(0)
+        assert got.dtype == torch.bool and torch.equal(got, expected), f"values {start}-"
+        assert same_states(both.state_dict(), states_of(apart)), f"after value {start}"
+        assert both.last_limit is not None
+        assert torch.equal(both.last_limit, torch.stack([d.last_limit for d in apart]))
+        found.append(got)
+    flagged = torch.cat(found)
+    assert flagged[:, 0].any() and flagged[:, 1].any() and not flagged.all(0).any()
+
+
+@pytest.mark.parametrize("saved_by", ["two detectors", "one detector"])
+def test_a_state_saved_mid_refresh_resumes_exactly_in_either_layout(saved_by):
+    """A checkpoint holds each series' state as a detector of its own gives it (the layout of
+    the two detectors of before): saved by either, in the middle of a refresh period, it
+    resumes into either with the flags and state of the uninterrupted run."""
+    settings = {"window": 32, "warmup": 8, "refresh_every": 7}
+    x = pair_series(7, 160)
+    uninterrupted = SpikeDetector(**settings, series=SERIES)
+    uninterrupted.update_many(x[:79])  # refreshed at update 75 (every 7 once the window filled)
+    if saved_by == "two detectors":
+        first = [SpikeDetector(**settings), SpikeDetector(**settings)]
+        for i, d in enumerate(first):
+            d.update_many(x[:79, i])
+        saved = states_of(first)
+    else:
+        saved = SpikeDetector(**settings, series=SERIES)
+        saved.update_many(x[:79])
+        saved = saved.state_dict()
+    assert same_states(saved, uninterrupted.state_dict())
+    assert [int(saved[name]["due"]) for name in SERIES] == [2, 2]  # updates 75-79 not in the window yet
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    both = SpikeDetector(**settings, series=SERIES)
+    both.load_state_dict(loaded)
+    apart = [SpikeDetector(**settings), SpikeDetector(**settings)]
+    for name, d in zip(SERIES, apart):
+        d.load_state_dict(loaded[name])
+    expected = torch.stack([uninterrupted.update(v) for v in x[79:90]] +
+                           list(uninterrupted.update_many(x[90:])))
+    assert torch.equal(torch.stack([both.update(v) for v in x[79:90]] +
+                                   list(both.update_many(x[90:]))), expected)
+    assert torch.equal(torch.stack([d.update_many(x[79:, i]) for i, d in enumerate(apart)], 1),
+                       expected)
+    assert expected[:, 0].any() and expected[:, 1].any()
+    assert same_states(both.state_dict(), uninterrupted.state_dict())
+    assert same_states(states_of(apart), uninterrupted.state_dict())
+    # each series' window a tensor of its own: a view of the two-series window saves all of it
+    assert all(state["values"].untyped_storage().nbytes() == 32 * 4
+               for state in both.state_dict().values())
+
+
+def test_two_series_compare_and_refresh_without_a_host_sync():
+    d = SpikeDetector(window=16, warmup=4, refresh_every=3, series=SERIES)
+    x = pair_series(5, 60)
+    x[-1, 1] = 30.0
+    with HostSyncCounter() as counter:
+        out = [d.update(v) for v in x[:30]] + list(d.update_many(x[30:]))
+        d.state_dict()
+    assert counter.count == 0, counter.sites
+    assert out[-1].tolist() == [False, True] and d.last_limit is not None
+    assert d.last_limit.shape == (2,)
+
+
+def test_two_series_cost_the_operators_of_one():
+    """Each comparison and each refresh is one set of operators for all the series: a detector
+    of two dispatches what a detector of one does (counted, not timed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(series, values):
+        d = SpikeDetector(window=100, warmup=20, refresh_every=25, series=series)
+        d.update_many(values[:150])  # warmed up, the window filling
+        Count.ops = 0
+        with Count():
+            d.update(values[150])  # a refresh, then a comparison
+            d.update_many(values[151:250])  # four comparisons, four refreshes
+        return Count.ops
+
+    x = pair_series(3)
+    assert counted(SERIES, x) == counted((), x[:, 0]) > 0
+
+
+def test_several_series_refuse_values_and_states_that_do_not_fit():
+    d = SpikeDetector(window=8, warmup=2, series=SERIES)
+    with pytest.raises(ValueError, match=r"expected one value per series \['loss', 'grad_norm'\], "
+                                         r"got shape \(3,\)"):
+        d.update(torch.ones(3))
+    with pytest.raises(ValueError, match=r"per update, got shape \(4, 3\)"):
+        d.update_many(torch.ones(4, 3))
+    assert d.update_many(torch.zeros(0, 2)).shape == (0, 2)
+    one = SpikeDetector(window=8, warmup=2)
+    one.update_many(torch.ones(3))
+    with pytest.raises(ValueError, match=r"holds no series \['grad_norm'\]"):
+        d.load_state_dict({"loss": one.state_dict()})
+    other = SpikeDetector(window=8, warmup=2)
+    other.update_many(torch.ones(4))
+    with pytest.raises(ValueError, match="not updated together"):
+        d.load_state_dict({"loss": one.state_dict(), "grad_norm": other.state_dict()})
+    with pytest.raises(ValueError, match="must differ"):
+        SpikeDetector(series=("loss", "loss"))

@@ -30,6 +30,14 @@ STRICT_EXTRA_OVER_DEFAULTS = 0
 # 30,000 instructions per step in the allocator and at the log point's stack.
 EXTRA_KEPT_PER_STEP = 3
 STRICT_KEPT_OVER_DEFAULTS = 0  # (4 while the spike flags and the detectors' values were per step)
+# guards=strict's torch operators per log interval of 100 steps, all at its log point: the spike
+# guard's four refreshes (31 operators each) and comparisons, one set of operators for the loss
+# and the gradient norm (two series of one detector; 326 with a detector each), and the
+# parameter norm (9). Counts, the same on any machine: lower it when the log point gets leaner.
+STRICT_OPS_PER_LOG_INTERVAL = 153
+# A skip policy compares each step before its update: the loss and the gradient norm stacked,
+# nan_to_num, the comparison, and the two flags (the loss's, either's): as with a detector each.
+SPIKE_OPS_PER_COMPARED_STEP = 5
 
 
 @pytest.fixture
@@ -79,6 +87,28 @@ def test_strict_guards_dispatch_no_torch_operator_on_a_plain_step(loop_window):
     assert counted["strict"]["plain_step_torch_ops"] == counted["saferun"]["plain_step_torch_ops"]
     assert counted["strict"]["syncs_between_log_points"] == 0
     assert counted["strict"]["final_loss"] == counted["saferun"]["final_loss"]
+    # the window, steps 121-230, holds one log point (step 200)
+    at_log_point = round((counted["strict"]["torch_ops"] - counted["saferun"]["torch_ops"]) * 110)
+    assert 0 < at_log_point <= STRICT_OPS_PER_LOG_INTERVAL, at_log_point
+
+
+def test_a_step_compared_by_the_spike_guard_dispatches_five_operators(loop_window, monkeypatch):
+    # guards.nonfinite=skip makes every step wait for its verdict; guards.spikes=rollback then
+    # compares each step as it comes (StepOutput.spike) without adding to the verdict: the
+    # difference is the comparison alone
+    import torch
+
+    threads = torch.get_num_threads()
+    counted = {}
+    try:
+        for spikes in ("off", "rollback"):
+            monkeypatch.setattr(loop_window, "STRICT", {"nonfinite": "skip", "spikes": spikes})
+            counted[spikes] = loop_window.child("strict", "device", 230, 120)
+    finally:
+        torch.set_num_threads(threads)
+    assert counted["rollback"]["plain_step_torch_ops"] - counted["off"]["plain_step_torch_ops"] \
+        == SPIKE_OPS_PER_COMPARED_STEP
+    assert counted["rollback"]["final_loss"] == counted["off"]["final_loss"]  # nothing spiked
 
 
 class _StepCalls(saferun.Callback):

@@ -56,6 +56,19 @@ def test_a_batch_already_on_the_cpu_is_not_moved_and_one_that_is_not_still_is():
     with pytest.raises(saferun.SaferunError, match=r"cannot move batch\[1\] .* to cpu"):
         move_to_device([x, torch.ones(2, device=META)], cpu)  # not on the CPU: moved (here refused)
 
+    class Moves(torch.overrides.TorchFunctionMode):  # (saferun's host-sync counter is one)
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen += func is torch.Tensor.to
+            return func(*args, **(kwargs or {}))
+
+    with Moves() as moves:  # a mode that watches the moves sees them
+        move_to_device((x, y), cpu)
+    assert moves.seen == 2
+
 
 def test_object_with_its_own_to_is_moved_with_it():
     class Graph:
