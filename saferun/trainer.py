@@ -354,7 +354,7 @@ class Trainer:
             self._start_training()
             cbs.on_fit_start(self.view)
             with self._stop_signals:
-                control, validated = self._owed_step_end()  # resumed from a stop in validation
+                control = self._owed_step_end()  # resumed from a stop in validation
                 # (no local name for the generator: a stop must close it, and its workers, at once)
                 for micro_batches, epoch_end, where in (
                         () if control and control.stop else self._batches.groups()):
@@ -367,8 +367,7 @@ class Trainer:
                             control = self._strategy.agreement.rank_local(control)
                         if state.step % t.log_every_n_steps == 0:
                             control = _merge(control, self._log())
-                    validated = bool(control and control.evaluate) or self._validation_due(epoch_end)
-                    control = self._end_step(control, validated, bool(micro_batches))
+                    control = self._end_step(control, epoch_end, bool(micro_batches))
                     if (control and control.stop) or (state.step >= limit and self._last_log_point()):
                         break
                     if state.step == timer.before and not timer.on:  # the next step is timed
@@ -414,8 +413,8 @@ class Trainer:
             log.warning("The run ends at step %d, the checkpoint it rolled back to from step %d: "
                         "nothing was left to train after it (the epochs' data had run out, or a "
                         "callback asked to stop).", self.state.step, self._guard.rolled_back_from)
-        # (not the loop's flag: a validation that rolled back validated nothing, and the weights
-        # rolled back to are validated now unless their checkpoint's step was)
+        # (a validation that rolled back validated nothing, and the weights rolled back to are
+        # validated now unless their checkpoint's step was)
         if self.state.validated_at != self.state.step:
             self._validate_and_report(Control(stop=True))  # the loop has ended
         # Always saved: the final validation may have changed callback state since the last save.
@@ -725,12 +724,6 @@ class Trainer:
                             self._evaluator.evaluating,
                             self._autocast, self.cfg.trainer.compile_rtol, self.cfg.trainer.compile_atol)
 
-    def _validation_due(self, epoch_end: bool) -> bool:
-        if self.val_loader is None or self.state.validated_at == self.state.step:  # rolled back to it
-            return False
-        every = self.cfg.trainer.val_every_n_steps
-        return epoch_end if every is None else self.state.step % every == 0
-
     def _validate_and_report(self, pending: Optional[Control] = None) -> Optional[Control]:
         """Validate and tell the callbacks. `pending`: what the step still has to do after
         validation; a stop during validation saves it with the checkpoint, as owed."""
@@ -751,12 +744,17 @@ class Trainer:
             self._checkpointer.best_saved(self._save(best))
         return control
 
-    def _end_step(self, control: Optional[Control], validate: bool, stepped: bool = True
+    def _end_step(self, control: Optional[Control], epoch_end: bool, stepped: bool = True
                   ) -> Optional[Control]:
         """The rest of a step after its log point: validation (if due or asked), a save (if
-        due or asked), and a stop on a signal, raised here, at the step boundary. `stepped`:
-        False at a stream's end, after its last step, whose due save is made."""
-        if validate:
+        due or asked), and a stop on a signal, raised here, at the step boundary. `epoch_end`:
+        the step ended its epoch (validation is due then, without trainer.val_every_n_steps);
+        `stepped`: False at a stream's end, after its last step, whose due save is made."""
+        state, every = self.state, self.cfg.trainer.val_every_n_steps
+        # (not due for the weights of a checkpoint that a rollback went back to: validated)
+        due = self.val_loader is not None and state.validated_at != state.step and (
+            epoch_end if every is None else state.step % every == 0)
+        if due or (control and control.evaluate):
             control = _merge(control, self._validate_and_report(control))
         if (control and control.save) or (stepped and self._checkpointer.save_due()):
             self._save()
@@ -764,17 +762,16 @@ class Trainer:
             raise StopRequested
         return control
 
-    def _owed_step_end(self) -> tuple[Optional[Control], bool]:
+    def _owed_step_end(self) -> Optional[Control]:
         """Resumed from a checkpoint saved when a stop interrupted a validation: end that
         step as the uninterrupted run did (validate, callbacks, save, stop). Returns the
-        step's control and whether this step's validation is done."""
+        step's control."""
         owed, self.state.owed = self.state.owed, None
         if owed is None or owed["step"] != self.state.step:
-            # a checkpoint of a finished run: its final validation is done, not to be redone
-            return None, self.state.validated_at == self.state.step
+            return None  # (a checkpoint of a finished run: its final validation is done)
         log.info("Resumed from a stop during validation at step %d: validating first.",
                  self.state.step)
-        return self._end_step(Control(save=owed["save"], stop=owed["stop"]), True), True
+        return self._end_step(Control(evaluate=True, save=owed["save"], stop=owed["stop"]), False)
 
     # ------------------------------------------------------------------ checkpoints
 

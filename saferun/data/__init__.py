@@ -45,8 +45,13 @@ class IndexRecorder(Sampler[list[int]]):
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
-    def take(self) -> Optional[list[int]]:
-        return self.pending.popleft() if self.pending else None
+    def take(self, n: int = 1) -> list[Optional[list[int]]]:
+        """The indices of the next `n` batches the loop receives (None for one it drew before
+        this recorder saw its indices); one call per step, however many micro-batches."""
+        pending = self.pending
+        if n == 1:  # (one micro-batch, most steps: no comprehension's frame)
+            return [pending.popleft() if pending else None]
+        return [pending.popleft() if pending else None for _ in range(n)]
 
 
 def make_loader(

@@ -84,7 +84,7 @@ class BatchStream:
                     self._check_first_batch = False
                 state.batches_in_epoch += len(group)
                 # (`is not None`: an IndexRecorder's truth is its length, four calls deep)
-                where = (state.epoch, [recorder.take() for _ in group]) if recorder is not None else None
+                where = (state.epoch, recorder.take(len(group))) if recorder is not None else None
                 self.mid_step = True  # until the loop asks for the next step (see _preempted)
                 yield group, per_epoch is not None and state.batches_in_epoch >= per_epoch, where
                 self.mid_step = False
