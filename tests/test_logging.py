@@ -232,3 +232,33 @@ def test_a_shared_log_dir_keeps_the_other_runs_hparams_entry_and_says_so(tmp_pat
     assert "already holds" not in caplog.text
     entries = {p.name: p.read_bytes() for p in shared.glob("*.hparams")}
     assert len(entries) == 2 and all(entries[name] == data for name, data in first.items())
+
+
+def test_the_c_checksum_of_event_records_is_tensorboards_own():
+    # saferun/loggers/checksum.py: the record checksum in C gives the pure-Python one's values
+    import random
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as python_crc
+    from saferun.loggers.checksum import masked_crc32c
+
+    rng = random.Random(0)
+    for n in (0, 1, 3, 8, 12, 63, 600, 4097):
+        data = bytes(rng.randrange(256) for _ in range(n))
+        assert masked_crc32c(data) == python_crc(data), n
+
+
+def test_event_files_are_written_with_the_c_checksum_and_read_back_checked(tmp_path, monkeypatch):
+    # TensorBoard's reader checks each record's checksum with its own pure-Python code
+    from tensorboard.summary.writer import record_writer
+    from saferun.loggers import checksum
+
+    monkeypatch.setattr(record_writer, "masked_crc32c", record_writer.masked_crc32c)  # (restored)
+    ToyTrainer(toy_config(tmp_path, max_steps=8, log_every_n_steps=4, tensorboard=True)).fit()
+    assert record_writer.masked_crc32c is checksum.masked_crc32c  # the writer used it
+    assert [e.step for e in read_events(tmp_path / "run").Scalars("train/loss")] == [4, 8]
+
+    # a checksum that differs from TensorBoard's is refused: the writer keeps its own
+    monkeypatch.setattr(record_writer, "masked_crc32c", checksum._python_crc())
+    monkeypatch.setattr(checksum, "masked_crc32c", lambda data: checksum._python_crc()(data) ^ 1)
+    assert not checksum.use_c_checksum()
+    assert record_writer.masked_crc32c is checksum._python_crc()

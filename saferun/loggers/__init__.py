@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ..callbacks import Callback, Media, TrainerView
 from ..errors import ConfigError
+from .checksum import use_c_checksum
 
 log = logging.getLogger("saferun")
 
@@ -60,6 +61,7 @@ class TensorBoardLogger(Callback):
     def _open(self, resumed: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        use_c_checksum()  # (the writer thread's pure-Python checksum holds the GIL: ~0.16 ms an event)
         view = self._view
         assert view is not None
         # flush_secs: events reach the disk within 10 s (and at each checkpoint and the end)
