@@ -80,7 +80,13 @@ class RunningTrainMetrics:
             self.media += logged[1]
         if self.kept == len(self._rows):
             self._grow(output.loss.device, self.kept + 1)
-        torch.stack((output.loss, output.grad_norm), out=self._rows[self.kept])
+        row = self._rows[self.kept]
+        try:
+            torch.stack((output.loss, output.grad_norm), out=row)
+        except (RuntimeError, TypeError):  # a loss that requires grad, numbers (a train_step of
+            # one's own), or a gradient norm on another device than the loss (a model split)
+            torch.stack([torch.as_tensor(v).detach().to(row.device, torch.float32).reshape(())
+                         for v in (output.loss, output.grad_norm)], out=row)
         self.kept += 1
         if output.logs:
             self.logs.append(output.logs)

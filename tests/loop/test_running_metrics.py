@@ -80,3 +80,13 @@ def test_the_first_bad_step_is_found_past_the_first_capacity():
         running.add(StepOutput(loss=loss, grad_norm=norm, num_samples=1))
     assert running.first_bad() == (180, "non-finite", 0)
     assert running.first_bad(check_grads=False) == (200, "non-finite", 0)
+
+
+def test_a_loss_that_requires_grad_or_plain_numbers_are_kept_too():
+    # (a train_step of one's own may return them: StepOutput asks for detached tensors)
+    running = RunningTrainMetrics()
+    weight = torch.tensor(2.0, requires_grad=True)
+    running.add(StepOutput(loss=weight * 1.5, grad_norm=torch.tensor(0.5), num_samples=1))
+    running.add(StepOutput(loss=1.25, grad_norm=3, num_samples=1))
+    assert running.values.tolist() == [[3.0, 0.5], [1.25, 3.0]]
+    assert not running.values.requires_grad
