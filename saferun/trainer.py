@@ -87,6 +87,7 @@ class Trainer:
 
     _schedule: Any  # Schedule or NamedSchedules: set with the optimizer (loop/manual.py)
     _check_first_batch: bool
+    _samples_of: Optional[Callable[[Any], int]] = None  # fit(): batch_size_of, unless overridden
 
     def __init__(self, cfg: Config | Mapping[str, Any] | Any | None = None,
                  callbacks: Sequence[Callback] = (), storage: Optional[Storage] = None) -> None:
@@ -506,7 +507,7 @@ class Trainer:
         if len(micro_batches) != 1:
             return accumulate(self._forward_backward, micro_batches, self.batch_size)
         if not samples:
-            samples = self.batch_size(micro_batches[0])
+            samples = (self._samples_of or self.batch_size)(micro_batches[0])
             if type(samples) is not int or samples <= 0:  # (samples_in: an int, or the message)
                 samples = samples_in(micro_batches[0], self.batch_size, f"step {self.state.step + 1}")
         then = self._backward if share == 1.0 else (
@@ -668,6 +669,10 @@ class Trainer:
         self._guard.rolled_back_from = 0  # (a second fit(): the first's rollback is not this one's)
         # each parameter's gradient accumulator, held from here on (why: loop/update.py)
         self._accumulators = grad_accumulators(self._params)
+        # a batch's samples: batch_size_of itself, without the call through the hook that only
+        # forwards to it, unless batch_size is overridden
+        default = type(self).batch_size is Trainer.batch_size and "batch_size" not in vars(self)
+        self._samples_of = batch_size_of if default else None
 
     def _model_audit(self) -> ModelAudit:
         """guards.model_audit's state audit, set up (its warnings said) for this fit's first steps."""
@@ -750,13 +755,15 @@ class Trainer:
         due or asked), and a stop on a signal, raised here, at the step boundary. `epoch_end`:
         the step ended its epoch (validation is due then, without trainer.val_every_n_steps);
         `stepped`: False at a stream's end, after its last step, whose due save is made."""
-        state, every = self.state, self.cfg.trainer.val_every_n_steps
+        state, t = self.state, self.cfg.trainer
+        every, save_every = t.val_every_n_steps, t.save_every_n_steps
         # (not due for the weights of a checkpoint that a rollback went back to: validated)
         due = self.val_loader is not None and state.validated_at != state.step and (
             epoch_end if every is None else state.step % every == 0)
         if due or (control and control.evaluate):
             control = _merge(control, self._validate_and_report(control))
-        if (control and control.save) or (stepped and self._checkpointer.save_due()):
+        if (control and control.save) or (
+                stepped and save_every is not None and state.step % save_every == 0):
             self._save()
         if self._strategy.agreement.stop_agreed(self._stop_signals):
             raise StopRequested

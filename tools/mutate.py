@@ -718,8 +718,8 @@ mutation("the Controls of several callbacks are combined", "saferun/callbacks.py
          "    return a | b", "    return a",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(save=True) saves", T,
-         "        if (control and control.save) or (stepped and self._checkpointer.save_due()):",
-         "        if stepped and self._checkpointer.save_due():",
+         "        if (control and control.save) or (\n",
+         "        if False or (\n",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(evaluate=True) validates", T,
          "        if due or (control and control.evaluate):",
@@ -2216,6 +2216,17 @@ mutation("threads: the measure leaves out this process's own time", "saferun/loo
          "    return max(0.0, busy / total * len(mine) - own / seconds)",
          "    return max(0.0, busy / total * len(mine))",
          "tests/unit/test_threads.py::test_a_process_spinning_beside_this_one_is_measured_as_a_busy_core_and_this_one_is_not")
+
+# ---------------------------------------------------------------- issue 37: the step's end, the samples
+mutation("trainer.save_every_n_steps saves at its steps", T,
+         "                stepped and save_every is not None and state.step % save_every == 0):",
+         "                stepped and save_every is not None and False):",
+         "tests/test_event_order.py::test_two_epochs_with_logging_validation_and_checkpoints")
+mutation("an overridden batch_size counts the step's samples", T,
+         "        default = type(self).batch_size is Trainer.batch_size and \"batch_size\" not in vars(self)",
+         "        default = True",
+         "tests/loop/test_batch_sizes.py::test_a_count_that_is_not_a_whole_number_is_refused")
+
 
 # ---------------------------------------------------------------- the runner
 

@@ -485,10 +485,6 @@ class Checkpointer:
             log.info("EarlyStopping(restore_best=True): the model holds the best weights (%s %s "
                      "at step %d) again.", o.cfg.trainer.save_best, self.best.value, self.best.step)
 
-    def save_due(self) -> bool:
-        every = self._owner.cfg.trainer.save_every_n_steps
-        return every is not None and self._owner.state.step % every == 0
-
     def ensure_one(self, save: Callable[[], Path]) -> None:
         """Save now (the loop's checked `save`) if the run has no checkpoint yet (rollback and
         anomaly replay need one)."""
