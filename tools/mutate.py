@@ -650,6 +650,11 @@ mutation("declared modes: each module's mode read", "saferun/modes.py",
 mutation("a flat tuple batch stays a tuple on the device", "saferun/data/transfer.py",
          "            return moved if type(batch) is list else tuple(moved)", "            return moved",
          "tests/unit/test_data.py::test_a_flat_tuple_or_list_of_tensors_is_moved_and_keeps_its_type")
+mutation("a CPU batch list skipped by the move is still a new list", "saferun/data/transfer.py",
+         "            return batch if type(batch) is tuple else batch.copy()", "            return batch",
+         "tests/loop/test_loop_edges.py::"
+         "test_a_training_step_that_rewrites_its_batch_list_leaves_the_loaders_batch_alone",
+         "tests/unit/test_data.py::test_a_batch_already_on_the_cpu_is_not_moved_and_one_that_is_not_still_is")
 mutation("preflight errors stop the run", PREFLIGHT,
          "            report.raise_errors()", "            pass",
          f"{GUARDS}::test_spawn_workers_with_a_lambda_are_stopped_before_the_first_step")

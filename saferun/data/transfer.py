@@ -32,9 +32,11 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     if type(batch) in (list, tuple) and set(map(type, batch)) == _TENSOR:
         # On the CPU each .to() returns the tensor itself (about 5,000 instructions): skipped,
         # unless a torch function mode is on to see the moves (saferun's host-sync counter
-        # treats a moved tensor as on the device, as it would be on a GPU).
+        # treats a moved tensor as on the device, as it would be on a GPU). A list is still a
+        # new one, as on a GPU: a training_step that rewrites it (batch[0] = x / 255) must not
+        # rewrite the list a loader keeps and yields again.
         if device.type == "cpu" and not _function_modes() and all(map(_IS_CPU, batch)):
-            return batch
+            return batch if type(batch) is tuple else batch.copy()
         try:  # the common (inputs, targets) batch, without building a path per element
             moved = list(map(methodcaller("to", device, non_blocking=non_blocking), batch))
             return moved if type(batch) is list else tuple(moved)

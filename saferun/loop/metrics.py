@@ -13,6 +13,8 @@ from ..callbacks import Media, StepOutput
 from ..errors import SaferunError
 from .logbook import Folded
 
+_CPU = torch.device("cpu")
+
 
 class RunningTrainMetrics:
     """Collects each step's loss, grad norm, logged scalars and sample indices until a log point.
@@ -79,7 +81,8 @@ class RunningTrainMetrics:
             self.folded.merge(logged[0])
             self.media += logged[1]
         if self.kept == len(self._rows):
-            self._grow(output.loss.device, self.kept + 1)
+            # (a number, from a train_step of one's own, has no device: the CPU's)
+            self._grow(getattr(output.loss, "device", _CPU), self.kept + 1)
         row = self._rows[self.kept]
         try:
             torch.stack((output.loss, output.grad_norm), out=row)

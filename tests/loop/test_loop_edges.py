@@ -296,3 +296,52 @@ def test_a_stream_resumes_at_and_across_an_epoch_end_exactly(tmp_path, stop):
         assert first.pop()[:2] == (8, 1)
     assert first + then == seen
     assert_same(whole_state(resumed), whole_state(straight))
+
+
+def _as_is(batch):
+    return batch
+
+
+class StoredBatches(Dataset):
+    """Batches made once and kept (a dataset of pre-batched tensors): item i is the same list
+    object every epoch."""
+
+    def __init__(self) -> None:
+        x, y = make_classification(64)
+        self.batches = [[x[i:i + 16] * 255, y[i:i + 16]] for i in range(0, 64, 16)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+class ScalesInPlace(ToyTrainer):
+    """training_step scales the inputs by rewriting its batch list (batch[0] = ...)."""
+
+    def build_datasets(self):
+        return StoredBatches(), None
+
+    def build_dataloaders(self, train, val):
+        from torch.utils.data import DataLoader
+        return DataLoader(train, batch_size=None, collate_fn=_as_is), None
+
+    def training_step(self, batch):
+        self.seen.append(batch[0].clone())
+        batch[0] = batch[0] / 255
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(x), y)
+
+
+def test_a_training_step_that_rewrites_its_batch_list_leaves_the_loaders_batch_alone(tmp_path):
+    # The batch saferun hands training_step is its own list, on the CPU as on a GPU: a step
+    # that rewrites it in place (batch[0] = x / 255) must not rewrite the batch the loader
+    # keeps and yields again next epoch (scaled twice: silently other data).
+    trainer = ScalesInPlace(toy_config(tmp_path, max_steps=8, log_every_n_steps=4))
+    trainer.seen = []
+    stored = [[t.clone() for t in b] for b in trainer.build_datasets()[0].batches]
+    trainer.fit()
+    assert len(trainer.seen) == 8
+    for step, x in enumerate(trainer.seen):  # epoch 2 sees the inputs epoch 1 saw
+        assert torch.equal(x, stored[step % 4][0]), f"step {step + 1}"

@@ -90,3 +90,12 @@ def test_a_loss_that_requires_grad_or_plain_numbers_are_kept_too():
     running.add(StepOutput(loss=1.25, grad_norm=3, num_samples=1))
     assert running.values.tolist() == [[3.0, 0.5], [1.25, 3.0]]
     assert not running.values.requires_grad
+
+
+def test_plain_numbers_as_the_first_steps_values_are_kept():
+    # (the buffer is made on the first step's device: a number has none, the CPU's is taken)
+    running = RunningTrainMetrics()
+    running.add(StepOutput(loss=1.25, grad_norm=3, num_samples=1))
+    running.add(StepOutput(loss=torch.tensor(0.5), grad_norm=torch.tensor(2.0), num_samples=1))
+    assert running.values.tolist() == [[1.25, 3.0], [0.5, 2.0]]
+    assert running.read()["train/loss"] == 0.875

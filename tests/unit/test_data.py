@@ -53,6 +53,8 @@ def test_a_batch_already_on_the_cpu_is_not_moved_and_one_that_is_not_still_is():
     for batch in ((x, y), [x, y]):
         moved = move_to_device(batch, cpu)
         assert type(moved) is type(batch) and moved[0] is x and moved[1] is y
+        # a list is a new one, as on a GPU (training_step may rewrite it: the loader's stays)
+        assert (moved is batch) == (type(batch) is tuple)
     with pytest.raises(saferun.SaferunError, match=r"cannot move batch\[1\] .* to cpu"):
         move_to_device([x, torch.ones(2, device=META)], cpu)  # not on the CPU: moved (here refused)
 
