@@ -61,6 +61,10 @@ class Record(saferun.Callback):
     def __init__(self) -> None:
         self.logs: list[dict[str, float]] = []
         self.vals: list[dict[str, float]] = []
+        self.losses: list[float] = []  # this rank's own loss at each step
+
+    def on_train_step_end(self, view, output):  # type: ignore[no-untyped-def]
+        self.losses.append(output.loss.item())
 
     def on_log(self, view, metrics):  # type: ignore[no-untyped-def]
         self.logs.append({k: v for k, v in metrics.items() if not k.startswith("perf/")})
@@ -107,7 +111,8 @@ def main() -> None:
         record = Record()
         trainer = RankJob(cfg, callbacks=[record])
         trainer.fit()
-        out = {"micro": trainer.micro, "logs": record.logs, "vals": record.vals}
+        out = {"micro": trainer.micro, "logs": record.logs, "vals": record.vals,
+               "losses": record.losses}
         path = os.path.join(cfg["trainer"]["run_dir"], f"record_rank{trainer.ranks.rank}.json")
         with open(path, "w") as f:
             json.dump(out, f)

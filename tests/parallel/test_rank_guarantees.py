@@ -51,7 +51,10 @@ def test_logged_metrics_are_averaged_over_ranks(launched):
     assert [m["train/rank"] for m in r0["logs"]] == [0.5, 0.5]  # (0 + 1) / 2 at steps 2 and 4
     # a key one rank logs is its mean there, on every rank: not mixed with the other's column
     assert [(m["train/only_rank0"], m["train/only_rank1"]) for m in r0["logs"]] == [(10, 11)] * 2
-    assert all(m["train/loss"] > 0 for m in r0["logs"])
+    # train/loss: the mean over the ranks of each rank's own losses since the last log point
+    for i, m in enumerate(r0["logs"]):  # (log points at steps 2 and 4)
+        own = [sum(r["losses"][2 * i:2 * i + 2]) / 2 for r in (r0, r1)]
+        assert own[0] != own[1] and m["train/loss"] == pytest.approx(sum(own) / 2, rel=1e-6)
 
 
 def test_validation_counts_every_sample_once(launched):
