@@ -68,6 +68,10 @@ def did_you_mean(key: str, schema: type) -> str:
     for pool in ([k for k in known if k.split(".")[0] == parts[0]], known):
         ends = {k.rsplit(".", 1)[-1]: k for k in reversed(pool) if k != key}
         found = difflib.get_close_matches(last, list(ends), n=1, cutoff=0.8)
+        if found and found[0] == last:  # the right name in the wrong place: say where it goes
+            place = f"under {ends[last].rsplit('.', 1)[0]}" if "." in ends[last] else "at the top level"
+            given = f"under {'.'.join(parts[:-1])}" if len(parts) > 1 else "at the top level"
+            return f" Did you mean {ends[last]}? '{last}' is a key {place}, not {given}."
         if found:
             return f" Did you mean {ends[found[0]]}?"
     return ""

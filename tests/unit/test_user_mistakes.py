@@ -20,6 +20,9 @@ BAD_CONFIGS = [  # (config, the words the message names)
     ({"trainer": {"accumulate_grad_batches": 4}},
      ["trainer.accumulate_grad_batches", "Did you mean trainer.accumulate?"]),
     ({"trainer": {"learning_rate": 0.1}}, ["trainer.learning_rate", "Did you mean optim.lr?"]),
+    ({"trainer": {"resume": "auto"}},  # the right name in the wrong place: where it goes
+     ["trainer.resume", "Did you mean resume? 'resume' is a key at the top level, not under trainer."]),
+    ({"lr": 0.1}, ["Did you mean optim.lr? 'lr' is a key under optim, not at the top level."]),
     ({"scheduler": {"_target_": "x"}}, ["'scheduler'", "Did you mean sched?"]),
     ({"logger": ["tensorboard"]}, ["logger is a list", "{'tensorboard': {'_target_': "
                                    "'saferun.loggers.TensorBoardLogger'}}", "logger=tensorboard"]),
