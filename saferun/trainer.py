@@ -778,7 +778,8 @@ class Trainer:
             return None  # (a checkpoint of a finished run: its final validation is done)
         log.info("Resumed from a stop during validation at step %d: validating first.",
                  self.state.step)
-        return self._end_step(Control(evaluate=True, save=owed["save"], stop=owed["stop"]), False)
+        return self._end_step(Control(evaluate=True, save=owed["save"], stop=owed["stop"]),
+                              epoch_end=False)
 
     # ------------------------------------------------------------------ checkpoints
 

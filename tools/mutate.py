@@ -2231,6 +2231,10 @@ mutation("an overridden batch_size counts the step's samples", T,
          "        default = type(self).batch_size is Trainer.batch_size and \"batch_size\" not in vars(self)",
          "        default = True",
          "tests/loop/test_batch_sizes.py::test_a_count_that_is_not_a_whole_number_is_refused")
+mutation("a batch_size set on the instance counts the step's samples", T,
+         "        default = type(self).batch_size is Trainer.batch_size and \"batch_size\" not in vars(self)",
+         "        default = type(self).batch_size is Trainer.batch_size",
+         "tests/loop/test_batch_sizes.py::test_a_batch_size_set_on_the_instance_counts_the_samples_too")
 
 
 # ---------------------------------------------------------------- the runner

@@ -53,8 +53,8 @@ class RunningTrainMetrics:
 
     @property
     def values(self) -> torch.Tensor:
-        """The kept steps' (loss, gradient norm), one row per step: a (kept, 2) float32 view
-        (valid until the next `reset`)."""
+        """The kept steps' (loss, gradient norm), one row per step: a (kept, 2) float32 view,
+        to use at once (the next `add` may move the rows to a larger tensor, `reset` reuses them)."""
         if self._values is None:
             return torch.zeros(0, 2)
         return self._values[:self.kept]

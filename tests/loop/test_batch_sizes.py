@@ -157,3 +157,12 @@ def test_the_hook_counts_each_training_micro_batch_once(tmp_path):
                             val_every_n_steps=None))
     t.fit()
     assert Counting.calls == 3  # micro-batches of 16, 16 and 8 (the user's hook may be costly)
+
+
+def test_a_batch_size_set_on_the_instance_counts_the_samples_too(tmp_path):
+    # (the loop counts with batch_size_of directly only where batch_size is not overridden: on
+    # the class, or on the instance as here)
+    t = ToyTrainer(toy_config(tmp_path, batch_size=16, max_steps=3))
+    t.batch_size = lambda batch: 5
+    t.fit()
+    assert t.state.samples_seen == 15
