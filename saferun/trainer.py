@@ -44,6 +44,7 @@ from .diagnose.explain import StepContexts, explain_failure
 from .guards.model_audit import FirstStepAudits, ModelAudit
 from .guards.preflight import preflight
 from .guards.step_guards import StepGuards
+from .guards.trainable import TrainableSet
 from .guards.unused import UnusedParameters, window
 from .loggers import ensure_log_handler
 from .loop.batches import BatchStream, first_batch
@@ -332,6 +333,7 @@ class Trainer:
                                              window(self.cfg.trainer.max_steps, self.state.step)))
         if g.check_params:
             guards.register(ParamNorm(self._params, self._strategy.meshes))
+        guards.register(TrainableSet(self.model, self._params, self.state))  # (always: unfrozen mid-run)
         return guards
 
     def _setup_guards(self) -> None:

@@ -541,6 +541,15 @@ mutation("unused parameters named", T,
          "            id(UnusedParameters(self.model.named_parameters(),",
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
+mutation("a parameter made trainable mid-run is refused", T,
+         "        guards.register(TrainableSet(self.model, self._params, self.state))",
+         "        id(TrainableSet(self.model, self._params, self.state))",
+         "tests/guards/test_trainable.py::test_a_module_of_frozen_modules_unfrozen_mid_run_is_refused_at_the_next_log_point")
+mutation("the trainable set counts only parameters that require grad", "saferun/guards/trainable.py",
+         "                if p.requires_grad and id(p) not in self.known]",
+         "                if id(p) not in self.known]",
+         "tests/unit/test_modes.py::test_optimizer_over_all_parameters_with_a_frozen_part_warns_and_keeps_them")
+
 # ---------------------------------------------------------------- spikes
 mutation("spikes detected at their step (a skip policy)", UPD,
          "        spike, loss_spike = guard.spike(loss, norm) if guard.spikes_each_step else (None, None)",

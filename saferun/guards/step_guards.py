@@ -10,7 +10,8 @@ calls each hook's guards, in registration order, at its point:
                              steps no longer call it.
     at_log_point(extra)      at a log point, before the window's metrics are read: add device
                              values to `extra` ({name: tensor}); they are read with the other
-                             metrics in the one host read (guards.check_params' parameter norm)
+                             metrics in the one host read (guards.check_params' parameter norm),
+                             or refuse (the trainable set, always on: guards/trainable.py)
 
 `Trainer.setup` registers each guard its config turns on, one line each. A hook no guard has
 is an empty tuple, which the loop iterates at no Python call: the default hot path calls only

@@ -176,9 +176,10 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module,
         log.warning(
             "the optimizer%s also holds %d frozen parameters (%s). They stay unchanged: they get no "
             "gradient, and the optimizer skips parameters without one (no weight decay, no "
-            "momentum, no state for them). Only if something gave them a gradient (requires_grad "
-            "set back to True, a zero_grad(set_to_none=False)) would they move. To leave them "
-            "out, build the optimizer from build_optimizer's params argument.",
+            "momentum, no state for them). Only if something gave them a gradient (a "
+            "zero_grad(set_to_none=False)) would they move; requires_grad set back to True "
+            "mid-run is refused at the next log point. To leave them out, build the optimizer "
+            "from build_optimizer's params argument.",
             "" if name is None else f" {name!r} (self.optimize({name!r}, loss))", len(held),
             short(held, 3))
 

@@ -1,0 +1,93 @@
+"""Parameters that become trainable after fit() started are refused at the next log point:
+the optimizer, the clip and the gradient norm cover only those trainable at the start, so an
+unfrozen or added parameter would look trained and not be (guards/trainable.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+import saferun
+from toys import ToyTrainer, toy_config
+
+
+class Unfreeze(saferun.Callback):
+    """At the end of step `at`, `change(model)`: the user's mid-run course change (a callback
+    built with its trainer's model, as a user's own would be)."""
+
+    def __init__(self, at, change):
+        self.at, self.change, self.model = at, change, None
+
+    def on_train_step_end(self, view, output):
+        if view.step == self.at:
+            self.change(self.model)
+
+
+def run(tmp_path, change, at=3, trainer=ToyTrainer, **kw):
+    cb = Unfreeze(at, change)
+    t = trainer(toy_config(tmp_path, max_steps=20, log_every_n_steps=5, **kw), callbacks=[cb])
+    t.setup()
+    cb.model = t.model
+    return t, t.fit
+
+
+def test_a_module_of_frozen_modules_unfrozen_mid_run_is_refused_at_the_next_log_point(tmp_path):
+    t, fit = run(tmp_path, lambda m: m.backbone.requires_grad_(True), frozen_modules=["backbone"])
+    with pytest.raises(saferun.SaferunError) as info:
+        fit()
+    message = str(info.value)
+    assert message.startswith("step 5: parameters became trainable after training started")
+    assert "backbone.0.weight" in message and "backbone.1.bias" in message
+    assert "head.weight" not in message  # trainable from the start
+    assert "its own run" in message  # what to do instead
+
+
+def test_a_module_frozen_by_hand_and_in_the_optimizer_is_refused_too(tmp_path):
+    """The user's optimizer holds every parameter (torch's optimizers skip those without a
+    gradient), so the unfrozen ones would step, but outside the clip and the gradient norm."""
+    class HandFrozen(ToyTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.backbone.requires_grad_(False)
+            return model
+
+        def build_optimizer(self, params):
+            return torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+    t, fit = run(tmp_path, lambda m: m.backbone.requires_grad_(True), trainer=HandFrozen,
+                 max_grad_norm=1e-3)
+    with pytest.raises(saferun.SaferunError, match="backbone.0.weight"):
+        fit()
+
+
+def test_a_layer_added_mid_run_is_refused(tmp_path):
+    def add(model):
+        model.extra = nn.Linear(3, 3)
+
+    _, fit = run(tmp_path, add, at=6)
+    with pytest.raises(saferun.SaferunError, match=r"step 10: .*\[extra.weight, extra.bias\]"):
+        fit()
+
+
+def test_freezing_mid_run_is_fine_and_the_frozen_part_stays_as_it_was(tmp_path):
+    kept = {}
+
+    def freeze(model):
+        model.backbone.requires_grad_(False)
+        kept.update({k: v.clone() for k, v in model.backbone.named_parameters()})
+
+    t, fit = run(tmp_path, freeze, at=3)
+    head = t.model.head.weight.detach().clone()
+    fit()
+    assert t.state.step == 20 and kept
+    assert all(torch.equal(kept[k], v) for k, v in t.model.backbone.named_parameters())
+    assert not torch.equal(head, t.model.head.weight)  # the rest trained on
+
+
+def test_unfreezing_between_two_fits_is_refused_in_the_second(tmp_path):
+    t = ToyTrainer(toy_config(tmp_path, max_steps=10, log_every_n_steps=5,
+                              frozen_modules=["backbone"]))
+    t.fit()
+    t.model.backbone.requires_grad_(True)
+    t.cfg.trainer.max_steps = 20
+    with pytest.raises(saferun.SaferunError, match="step 15: parameters became trainable"):
+        t.fit()
