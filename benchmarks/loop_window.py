@@ -1,6 +1,8 @@
 """The whole loop's fixed cost: saferun's `fit()` against a hand-written loop, step window 201-2000.
 
     python benchmarks/loop_window.py                   # 9 interleaved rounds, fresh processes
+    python benchmarks/loop_window.py --lockstep 100    # 9 rounds, the variants in turns on one core
+    python benchmarks/loop_window.py --lockstep 100 --baseline ../old   # and an older checkout's
     python benchmarks/loop_window.py --count           # counts per step: no timing
     python benchmarks/loop_window.py --quick           # a smoke run (seconds)
     python benchmarks/loop_window.py --count --workload cnn --steps 400   # the CNN's counts
@@ -23,6 +25,14 @@ step 200 to the end of step 2000, divided by 1800 (log points and the checkpoint
 included; the end of each step is marked by a callback for saferun, inline for the hand loop).
 The headline is, per variant, the median over rounds of its ratio to the hand loop of the same
 round, with the absolute microseconds per step it adds.
+
+`--lockstep BLOCK` times on a machine whose speed drifts (other tenants of a virtual machine):
+the three variants run at once, each a fresh process pinned to the same core, and take turns
+of BLOCK steps through the window, passing a token through pipes, so neighbouring turns of
+all three see the machine alike; each times only its own turns (every turn holds one log point
+when BLOCK is a multiple of 100). A round's ratio is a variant's time over its turns to the
+hand loop's over the same turns; each run also reports its median step (no log point, no
+checkpoint). Between turns the core's caches hold another variant's data, alike for all.
 
 `--count` replaces the clock with counts that do not depend on the machine's load, per step of
 the same window: Python function calls and C calls (`sys.setprofile`), generation-0 garbage
@@ -47,6 +57,7 @@ import gc
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -76,9 +87,16 @@ class Window:
         self.op_counts: list[int] = []
         self.call_counts: list[int] = []  # Python calls so far, at the end of each step
         self.kept_counts: list[int] = []  # with `kept`: gc-tracked objects alive at each step's end
+        self.baton: Optional[Baton] = None  # in a lockstep run
 
     def tick(self) -> None:
         self.step += 1
+        if self.baton is not None:
+            if self.start < self.step <= self.end:
+                self.baton.stamp()
+            if self.start <= self.step <= self.end and (self.step - self.start) % self.baton.block == 0:
+                self.baton.turn(first=self.step == self.start, last=self.step == self.end)
+            return
         if self.syncs is not None:
             self.sync_counts.append(self.syncs.count)
             self.op_counts.append(self.ops.count)
@@ -97,6 +115,7 @@ class Window:
                                                               else "off"), str(os.getpid())],
                            check=True, capture_output=True)
         if self.step == self.start:
+            self.r0 = resource.getrusage(resource.RUSAGE_SELF)
             self.t0 = time.perf_counter_ns()
             if self.mode == "calls":
                 gc.callbacks.append(self._gc)
@@ -106,6 +125,7 @@ class Window:
                 sys.setprofile(None)
                 gc.callbacks.remove(self._gc)
             self.t1 = time.perf_counter_ns()
+            self.r1 = resource.getrusage(resource.RUSAGE_SELF)
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
@@ -120,8 +140,20 @@ class Window:
     def result(self) -> dict[str, Any]:
         n = self.end - self.start
         out: dict[str, Any] = {"steps": self.step, "window": [self.start + 1, self.end]}
+        if self.baton is not None:
+            out["block_us_per_step"] = [t / 1e3 / self.baton.block for t in self.baton.times]
+            out["us_per_step"] = sum(self.baton.times) / 1e3 / n
+            out["median_step_us"] = statistics.median(self.baton.steps) / 1e3
+            out["turn_spans_ns"] = self.baton.spans
+            return out
         if self.mode in ("time", "instructions"):  # (instructions: valgrind's report has them)
             out["us_per_step"] = (self.t1 - self.t0) / 1e3 / n
+            r0, r1 = self.r0, self.r1
+            out["rusage_per_step"] = {
+                "user_us": (r1.ru_utime - r0.ru_utime) * 1e6 / n,
+                "system_us": (r1.ru_stime - r0.ru_stime) * 1e6 / n,
+                "minor_faults": (r1.ru_minflt - r0.ru_minflt) / n,
+                "context_switches": (r1.ru_nvcsw + r1.ru_nivcsw - r0.ru_nvcsw - r0.ru_nivcsw) / n}
         elif self.mode == "calls":
             c = self.call_counts  # c[i]: at the end of step start + i
             per = {k: c[k - self.start] - c[k - 1 - self.start] for k in range(self.start + 1, self.end + 1)}
@@ -145,6 +177,44 @@ class Window:
                        torch_ops=(o[self.end - 1] - o[self.start - 1]) / n,
                        plain_step_torch_ops=statistics.median(o[k - 1] - o[k - 2] for k in plain))
         return out
+
+
+class Baton:
+    """Turns in a lockstep run: the variants' processes share one core and run `block` steps
+    each in turn, passing a token through pipes; each times only its own turns. The machine's
+    drift (other tenants, frequency) falls on neighbouring turns alike, so a variant's ratio to
+    the hand loop over the same turns resolves what fresh processes one after another cannot."""
+
+    def __init__(self, block: int, mine: int, following: int, ready: int) -> None:
+        self.block, self.mine, self.following, self.ready = block, mine, following, ready
+        self.times: list[int] = []  # per turn
+        self.spans: list[tuple[int, int]] = []  # each turn's start and end (the clock is the machine's)
+        self.steps: list[int] = []  # per step of the window
+        self.t0 = self.last = 0
+
+    def stamp(self) -> None:
+        now = time.perf_counter_ns()
+        self.steps.append(now - self.last)
+        self.last = now
+
+    def turn(self, first: bool, last: bool) -> None:
+        now = time.perf_counter_ns()
+        if first:
+            os.write(self.ready, b"r")  # at the window's start: wait for every variant
+        else:
+            self.times.append(now - self.t0)
+            self.spans.append((self.t0, now))
+            self._pass()
+        os.read(self.mine, 1)
+        if last:  # one lap more, untimed: no variant ends (and tears down) in another's turn
+            self._pass()
+        self.t0 = self.last = time.perf_counter_ns()
+
+    def _pass(self) -> None:
+        try:
+            os.write(self.following, b"t")
+        except BrokenPipeError:  # the following variant has ended (after its extra lap)
+            pass
 
 
 class OpCounter:
@@ -235,13 +305,15 @@ def saferun_loop(steps: int, window: Window, guards: dict[str, Any], run_dir: st
     return Job(cfg, callbacks=[Tick()]).fit()["train/loss"]
 
 
-def child(variant: str, mode: str, steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
+def child(variant: str, mode: str, steps: int, start: int, workload: str = "mlp",
+          baton: Optional[Baton] = None) -> dict[str, Any]:
     """One run of `variant` in this process."""
     sys.path.insert(0, HERE)
     import torch
 
     torch.set_num_threads(1)
     window = Window(start, steps, mode)
+    window.baton = baton
     counter = None
     if mode == "device":
         from saferun.guards.syncs import HostSyncCounter
@@ -249,16 +321,20 @@ def child(variant: str, mode: str, steps: int, start: int, workload: str = "mlp"
         window.ops = OpCounter()
         counter.__enter__()
         window.ops.mode.__enter__()
+    loop = variant.split("@")[0]  # (saferun@baseline: the baseline's saferun, on PYTHONPATH)
     with tempfile.TemporaryDirectory() as run_dir:
-        if variant == "hand":
+        if loop == "hand":
             loss = hand_loop(steps, window, workload)
         else:
-            loss = saferun_loop(steps, window, STRICT if variant == "strict" else {}, run_dir,
+            loss = saferun_loop(steps, window, STRICT if loop == "strict" else {}, run_dir,
                                 workload)
     if counter is not None:
         window.ops.mode.__exit__(None, None, None)
         counter.__exit__(None, None, None)
-    return {"variant": variant, "mode": mode, "final_loss": loss, **window.result()}
+    out = {"variant": variant, "mode": mode, "final_loss": loss, **window.result()}
+    if loop != "hand":  # which saferun ran (a baseline's: its checkout's)
+        out["saferun"] = os.path.dirname(os.path.dirname(sys.modules["saferun"].__file__ or ""))
+    return out
 
 
 def spawn(variant: str, mode: str, steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
@@ -309,8 +385,14 @@ def timed(rounds: int, steps: int, start: int, say: Callable[[str], None],
             runs.append(got[v])
         say(f"round {r + 1}/{rounds}: " + ", ".join(
             f"{v} {got[v]['us_per_step']:.1f} us ({got[v]['ratio']:.3f}x)" for v in VARIANTS))
+    return {"rounds": rounds, "runs": runs, "summary": summarize(runs)}
+
+
+def summarize(runs: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Per variant: the median over rounds of its time, its ratio to the round's hand loop and
+    the microseconds per step it adds."""
     summary = {}
-    for v in VARIANTS:
+    for v in variants:
         mine = [x for x in runs if x["variant"] == v]
         hand = [x["us_per_step"] for x in runs if x["variant"] == "hand"]
         summary[v] = {"median_us_per_step": statistics.median(x["us_per_step"] for x in mine),
@@ -318,7 +400,69 @@ def timed(rounds: int, steps: int, start: int, say: Callable[[str], None],
                       "ratio_range": [min(x["ratio"] for x in mine), max(x["ratio"] for x in mine)],
                       "median_added_us": statistics.median(
                           x["us_per_step"] - h for x, h in zip(mine, hand))}
-    return {"rounds": rounds, "runs": runs, "summary": summary}
+        if "median_step_ratio" in mine[0]:  # lockstep: the typical step alone (no log point)
+            summary[v]["median_step_ratio"] = statistics.median(x["median_step_ratio"] for x in mine)
+    return summary
+
+
+def lockstep(rounds: int, steps: int, start: int, block: int, say: Callable[[str], None],
+             workload: str = "mlp", cpu: Optional[int] = None,
+             baseline: Optional[str] = None) -> dict[str, Any]:
+    """`rounds` rounds; in each, the variants run at once on one core, taking turns of `block`
+    steps through the window (the order rotating from round to round). A round's ratio is a
+    variant's time over all its turns to the hand loop's over the same turns. `baseline`:
+    another checkout's root; its saferun runs the two saferun variants too, in the same turns
+    (`saferun@baseline`, `strict@baseline`)."""
+    cpu = max(os.sched_getaffinity(0)) if cpu is None else cpu
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    variants = VARIANTS + (("saferun@baseline", "strict@baseline") if baseline else ())
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        tokens = {v: os.pipe() for v in order}
+        ready_r, ready_w = os.pipe()
+        procs = {}
+        for i, v in enumerate(order):
+            mine, following = tokens[v][0], tokens[order[(i + 1) % len(order)]][1]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", v, "--mode", "lockstep",
+                   "--steps", str(steps), "--start", str(start), "--workload", workload,
+                   "--baton", f"{block},{mine},{following},{ready_w}"]
+            procs[v] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env={**env, "PYTHONPATH": baseline or ""} if "@" in v else env,
+                                        cwd=HERE, pass_fds=(mine, following, ready_w),
+                                        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        os.close(ready_w)  # (the children hold their ends of every pipe)
+        for v in order:
+            os.close(tokens[v][0])
+            if v != order[0]:
+                os.close(tokens[v][1])
+        waiting = len(order)
+        while waiting:  # every variant at the window's start (or gone: its error follows)
+            seen = os.read(ready_r, waiting)
+            waiting = 0 if not seen else waiting - len(seen)
+        os.close(ready_r)
+        try:
+            os.write(tokens[order[0]][1], b"t")  # the first turn
+        except BrokenPipeError:
+            pass
+        os.close(tokens[order[0]][1])
+        got = {}
+        for v, proc in procs.items():
+            out, err = proc.communicate()
+            if proc.returncode != 0:
+                sys.exit(f"{v} (lockstep) failed:\n{out}\n{err}")
+            got[v] = json.loads(out.strip().splitlines()[-1])
+        hand_blocks = got["hand"]["block_us_per_step"]
+        for v in variants:
+            got[v].update(round=r, ratio=got[v]["us_per_step"] / got["hand"]["us_per_step"],
+                          median_step_ratio=got[v]["median_step_us"] / got["hand"]["median_step_us"],
+                          block_ratios=[b / h for b, h in zip(got[v]["block_us_per_step"], hand_blocks)])
+            runs.append(got[v])
+        say(f"round {r + 1}/{rounds}: " + ", ".join(
+            f"{v} {got[v]['us_per_step']:.1f} us ({got[v]['ratio']:.3f}x; median step "
+            f"{got[v]['median_step_us']:.1f} us, {got[v]['median_step_ratio']:.3f}x)" for v in variants))
+    return {"rounds": rounds, "block": block, "cpu": cpu, "baseline": baseline, "runs": runs,
+            "summary": summarize(runs, variants)}
 
 
 def counted(steps: int, start: int, workload: str = "mlp") -> dict[str, Any]:
@@ -349,13 +493,23 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="the job's model and data (benchmarks/common.py); the same loop")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 150 steps (window 51-150), one round, and the counts")
+    p.add_argument("--lockstep", type=int, metavar="BLOCK", default=0,
+                   help="time the variants at once on one core, in turns of BLOCK steps "
+                        "(a multiple of 100 keeps one log point per turn)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="time", choices=("time", "calls", "device", "instructions"),
+    p.add_argument("--baseline", metavar="DIR",
+                   help="with --lockstep: also run the saferun variants with the saferun of the "
+                        "checkout at DIR (e.g. a git worktree of an earlier commit), in the same turns")
+    p.add_argument("--child", choices=VARIANTS + ("saferun@baseline", "strict@baseline"),
                    help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="time",
+                   choices=("time", "calls", "device", "instructions", "lockstep"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--baton", help=argparse.SUPPRESS)  # a lockstep child's block and pipes
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.mode, a.steps, a.start, a.workload)))
+        baton = Baton(*map(int, a.baton.split(","))) if a.baton else None
+        print(json.dumps(child(a.child, a.mode, a.steps, a.start, a.workload, baton)))
         return {}
     if a.quick:
         a.rounds, a.steps, a.start = 1, 150, 50
@@ -388,12 +542,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   f"{c['plain_step_torch_ops']:.0f})  gc0/1000 steps {c['gc0_per_1000_steps']:5.1f}"
                   f"  syncs/step {c['syncs_per_step']:.3f}, between log points "
                   f"{c['syncs_between_log_points']}")
+    if a.lockstep and (a.steps - a.start) % a.lockstep:
+        p.error(f"--lockstep {a.lockstep}: the window's {a.steps - a.start} steps must be whole turns")
     if not a.count and not a.instructions:
-        results["timed"] = timed(a.rounds, a.steps, a.start, print, a.workload)
+        if a.baseline and not (a.lockstep and os.path.isdir(os.path.join(a.baseline, "saferun"))):
+            p.error("--baseline DIR needs --lockstep and a checkout of saferun at DIR")
+        results["timed"] = (lockstep(a.rounds, a.steps, a.start, a.lockstep, print, a.workload,
+                                     baseline=a.baseline and os.path.abspath(a.baseline))
+                            if a.lockstep else timed(a.rounds, a.steps, a.start, print, a.workload))
         for v, s in results["timed"]["summary"].items():
             print(f"  {v:8s} {s['median_us_per_step']:8.1f} us/step  median ratio "
                   f"{s['median_ratio']:.3f}x ({s['ratio_range'][0]:.3f}-{s['ratio_range'][1]:.3f})"
-                  f"  adds {s['median_added_us']:+.1f} us/step")
+                  f"  adds {s['median_added_us']:+.1f} us/step"
+                  + (f"; the median step {s['median_step_ratio']:.3f}x" if "median_step_ratio" in s else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

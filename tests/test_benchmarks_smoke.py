@@ -136,6 +136,35 @@ def test_loop_window_benchmark_quick_run_reports_times_and_counts(tmp_path):
     assert counts["saferun"]["plain_step_torch_ops"] <= counts["hand"]["plain_step_torch_ops"]
 
 
+@pytest.mark.slow  # three fresh processes at once, on one core
+def test_loop_window_lockstep_runs_the_variants_in_turns_that_never_overlap(tmp_path):
+    """With a baseline checkout (here a copy of this one): five variants in turns."""
+    baseline = tmp_path / "baseline"
+    shutil.copytree(os.path.join(REPO, "saferun"), baseline / "saferun")
+    out = tmp_path / "lockstep.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "loop_window.py"), "--lockstep", "25",
+           "--rounds", "1", "--steps", "150", "--start", "50", "--baseline", str(baseline),
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    runs = {x["variant"]: x for x in r["timed"]["runs"]}
+    assert set(runs) == {"hand", "saferun", "strict", "saferun@baseline", "strict@baseline"}
+    assert r["timed"]["block"] == 25
+    for v in ("saferun", "strict"):  # each ran its own checkout's saferun
+        assert runs[v]["saferun"] != str(baseline) and runs[v + "@baseline"]["saferun"] == str(baseline)
+    turns = sorted((t0, t1, v) for v, x in runs.items() for t0, t1 in x["turn_spans_ns"])
+    assert len(turns) == 5 * 4  # the window's 100 steps in turns of 25, per variant
+    for (_, end, _), (start, _, _) in zip(turns, turns[1:]):
+        assert end <= start  # one variant at a time
+    order = [v for _, _, v in turns]
+    assert order == order[:5] * 4  # in a fixed rotation
+    for x in runs.values():
+        assert len(x["block_us_per_step"]) == 4 and x["median_step_us"] > 0
+        assert x["us_per_step"] == pytest.approx(sum(x["block_us_per_step"]) / 4)
+    assert r["timed"]["summary"]["hand"]["median_ratio"] == 1.0
+
+
 @pytest.mark.slow  # three runs under valgrind (a minute or two each, mostly imports)
 @pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
                     reason="needs valgrind's callgrind")
