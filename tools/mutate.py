@@ -546,9 +546,14 @@ mutation("a parameter made trainable mid-run is refused", T,
          "        id(TrainableSet(self.model, self._params, self.state))",
          "tests/guards/test_trainable.py::test_a_module_of_frozen_modules_unfrozen_mid_run_is_refused_at_the_next_log_point")
 mutation("the trainable set counts only parameters that require grad", "saferun/guards/trainable.py",
-         "                if p.requires_grad and id(p) not in self.known]",
+         "                if (p.requires_grad or p.grad is not None) and id(p) not in self.known]",
          "                if id(p) not in self.known]",
          "tests/unit/test_modes.py::test_optimizer_over_all_parameters_with_a_frozen_part_warns_and_keeps_them")
+mutation("the trainable set sees a parameter trained on some steps by the gradient it got",
+         "saferun/guards/trainable.py",
+         "                if (p.requires_grad or p.grad is not None) and id(p) not in self.known]",
+         "                if p.requires_grad and id(p) not in self.known]",
+         "tests/guards/test_trainable.py::test_a_module_unfrozen_inside_training_step_and_frozen_at_log_points_is_refused")
 
 # ---------------------------------------------------------------- spikes
 mutation("spikes detected at their step (a skip policy)", UPD,

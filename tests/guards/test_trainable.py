@@ -91,3 +91,25 @@ def test_unfreezing_between_two_fits_is_refused_in_the_second(tmp_path):
     t.cfg.trainer.max_steps = 20
     with pytest.raises(saferun.SaferunError, match="step 15: parameters became trainable"):
         t.fit()
+
+
+class TogglesTheBackbone(ToyTrainer):
+    """Trains the frozen backbone on every other step by turning requires_grad on inside
+    training_step, and off again on the steps between: off at every log point."""
+
+    def training_step(self, batch):
+        self.model.backbone.requires_grad_(self.state.step % 2 == 0)  # on for steps 1, 3, 5...
+        return super().training_step(batch)
+
+
+def test_a_module_unfrozen_inside_training_step_and_frozen_at_log_points_is_refused(tmp_path):
+    """Off at each log point, the backbone got gradients on half the steps, which the optimizer
+    (built from the parameters trainable at the start) never applied: they linger in .grad."""
+    t = TogglesTheBackbone(toy_config(tmp_path, max_steps=20, log_every_n_steps=4,
+                                      frozen_modules=["backbone"]))
+    with pytest.raises(saferun.SaferunError) as info:
+        t.fit()
+    message = str(info.value)
+    assert message.startswith("step 4: parameters became trainable after training started")
+    assert "backbone.0.weight" in message and "head.weight" not in message
+    assert "gradient" in message  # how it was seen: not requires_grad (off now), its gradient
