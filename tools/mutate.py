@@ -555,6 +555,11 @@ mutation("the trainable set sees a parameter trained on some steps by the gradie
          "                if p.requires_grad and id(p) not in self.known]",
          "tests/guards/test_trainable.py::test_a_module_unfrozen_inside_training_step_and_frozen_at_log_points_is_refused")
 
+mutation("several optimizers: one over frozen parameters only is refused at setup",
+         "saferun/loop/optimizers.py",
+         "    check_some_trainable(named, model)\n", "",
+         "tests/loop/test_optimize_errors.py::test_an_optimizer_over_only_frozen_parameters_is_refused_at_setup")
+
 # ---------------------------------------------------------------- spikes
 mutation("spikes detected at their step (a skip policy)", UPD,
          "        spike, loss_spike = guard.spike(loss, norm) if guard.spikes_each_step else (None, None)",
