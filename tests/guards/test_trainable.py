@@ -157,3 +157,15 @@ def test_freezing_at_a_resume_is_fine_though_the_optimizer_holds_state_for_the_f
     now = dict(t.model.named_parameters())
     assert all(torch.equal(kept[k], now[k]) for k in kept if k.startswith("backbone."))
     assert not torch.equal(kept["head.weight"], now["head.weight"])  # the rest trained on
+
+
+def test_an_unfreeze_after_the_last_regular_log_point_is_refused_at_the_runs_last_step(tmp_path):
+    """max_steps not a multiple of log_every_n_steps: the steps after step 20 still get their
+    log point, at the run's last step, before the final save calls the run done."""
+    cb = Unfreeze(21, lambda m: m.backbone.requires_grad_(True))
+    t = ToyTrainer(toy_config(tmp_path, max_steps=22, log_every_n_steps=5,
+                              frozen_modules=["backbone"]), callbacks=[cb])
+    t.setup()
+    cb.model = t.model
+    with pytest.raises(saferun.SaferunError, match="^step 22: parameters became trainable"):
+        t.fit()
