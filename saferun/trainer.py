@@ -333,7 +333,9 @@ class Trainer:
                                              window(self.cfg.trainer.max_steps, self.state.step)))
         if g.check_params:
             guards.register(ParamNorm(self._params, self._strategy.meshes))
-        guards.register(TrainableSet(self.model, self._params, self.state))  # (always: unfrozen mid-run)
+        self._trainable = TrainableSet(self.model, self._params, self.state,  # (always: unfrozen mid-run)
+                                       self.optimizer.values() if several else [self.optimizer])  # type: ignore[attr-defined]  # several: a dict
+        guards.register(self._trainable)
         return guards
 
     def _setup_guards(self) -> None:
@@ -669,6 +671,7 @@ class Trainer:
         self._frame.count_first_step(FlopCount(self._perf) if self._perf.counting else None)
         self._timer.plan(self.state.step, self.state.max_steps, starting=True)  # (perf/*_ms)
         self._guard.rolled_back_from = 0  # (a second fit(): the first's rollback is not this one's)
+        self._trainable.begin()  # the optimizer state held as this fit starts (a resume's too)
         # each parameter's gradient accumulator, held from here on (why: loop/update.py)
         self._accumulators = grad_accumulators(self._params)
         # a batch's samples: batch_size_of itself, without the call through the hook that only

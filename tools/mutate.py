@@ -542,13 +542,33 @@ mutation("unused parameters named", T,
          f"{NONFINITE}::test_unused_parameters_are_named_once")
 
 mutation("a parameter made trainable mid-run is refused", T,
-         "        guards.register(TrainableSet(self.model, self._params, self.state))",
-         "        id(TrainableSet(self.model, self._params, self.state))",
+         "        guards.register(self._trainable)",
+         "        id(self._trainable)",
          "tests/guards/test_trainable.py::test_a_module_of_frozen_modules_unfrozen_mid_run_is_refused_at_the_next_log_point")
 mutation("the trainable set counts only parameters that require grad", "saferun/guards/trainable.py",
-         "                if p.requires_grad and id(p) not in self.known]",
-         "                if id(p) not in self.known]",
+         "                if id(p) not in self.known and (p.requires_grad or p.grad is not None or (",
+         "                if id(p) not in self.known and (True or p.grad is not None or (",
          "tests/unit/test_modes.py::test_optimizer_over_all_parameters_with_a_frozen_part_warns_and_keeps_them")
+mutation("the trainable set sees a parameter trained on some steps by the gradient it got",
+         "saferun/guards/trainable.py",
+         "                if id(p) not in self.known and (p.requires_grad or p.grad is not None or (",
+         "                if id(p) not in self.known and (p.requires_grad or False or (",
+         "tests/guards/test_trainable.py::test_a_module_unfrozen_inside_training_step_and_frozen_at_log_points_is_refused")
+
+mutation("the trainable set sees a part of the user's optimizer stepped on some steps by its state",
+         "saferun/guards/trainable.py",
+         "                    id(p) not in self.held_before and any(p in o.state for o in self.optimizers)))]",
+         "                    False))]",
+         "tests/guards/test_trainable.py::test_a_module_in_the_users_optimizer_switched_on_inside_training_step_is_refused")
+mutation("the trainable set counts the optimizer state held at the start (a resume's) as no update",
+         "saferun/guards/trainable.py",
+         "        self.held_before = {id(p) for opt in self.optimizers for p in opt.state}",
+         "        pass",
+         "tests/guards/test_trainable.py::test_freezing_at_a_resume_is_fine_though_the_optimizer_holds_state_for_the_frozen_part")
+mutation("several optimizers: one over frozen parameters only is refused at setup",
+         "saferun/loop/optimizers.py",
+         "    check_some_trainable(named, model)\n", "",
+         "tests/loop/test_optimize_errors.py::test_an_optimizer_over_only_frozen_parameters_is_refused_at_setup")
 
 # ---------------------------------------------------------------- spikes
 mutation("spikes detected at their step (a skip policy)", UPD,

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError, SaferunError
 from ..schedules import NamedSchedules
+from ..text import short
 from .steps import check_optimizer_params
 
 NAMED = "named"  # the key that marks a state dict of several optimizers or schedulers
@@ -104,6 +105,25 @@ def check_named(named: NamedOptimizers, model: nn.Module) -> None:
                                f"torch.optim.Optimizer.")
         check_optimizer_params(opt, model, name)
     check_held(named, model)
+    check_some_trainable(named, model)
+
+
+def check_some_trainable(named: NamedOptimizers, model: nn.Module) -> None:
+    """Each of several optimizers holds a parameter trainable now: its optimize() backpropagates
+    into those only (loop/manual.py), so one over frozen parameters alone would train nothing."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, opt in named.items():
+        held = [p for g in opt.param_groups for p in g["params"]]
+        if held and not any(p.requires_grad for p in held):
+            raise SaferunError(
+                f"build_optimizer: {name!r} holds only frozen parameters (requires_grad=False "
+                f"when training starts: {short([names[id(p)] for p in held])}), so its "
+                f"optimize() would train nothing. Each optimizer trains the parameters it holds "
+                f"that are trainable when fit() starts: one switched on only inside "
+                f"training_step (a GAN's discriminator, on for its own optimize()) is never "
+                f"updated. Leave them trainable in build_model (switching them off for the other "
+                f"losses inside training_step is harmless: each optimize() backpropagates into "
+                f"its own optimizer's parameters only), or drop {name!r}.")
 
 
 def check_held(optimizers: Mapping[str, torch.optim.Optimizer], model: nn.Module) -> None:

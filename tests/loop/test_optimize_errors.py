@@ -295,6 +295,37 @@ def test_the_frozen_parameter_warning_names_the_optimizer(tmp_path, caplog):
         "head.bias]"), said
 
 
+class HeadOnOnlyForItsStep(TwoOptimizers):
+    """A GAN's habit: the discriminator (here the head) frozen in build_model, switched on by
+    training_step for its own optimize() and off again for the other's."""
+
+    def build_model(self):
+        model = super().build_model()
+        model.head.requires_grad_(False)
+        return model
+
+    def training_step(self, batch):
+        x, y = batch
+        h = self.model.enc(x)
+        self.model.head.requires_grad_(True)
+        self.optimize("head", F.cross_entropy(self.model.head(h.detach()), y))
+        self.model.head.requires_grad_(False)
+        self.optimize("enc", F.cross_entropy(self.model.head(h), y))
+
+
+def test_an_optimizer_over_only_frozen_parameters_is_refused_at_setup(tmp_path):
+    """Each optimize() backpropagates into the parameters its optimizer held trainable when
+    training started: one switched on only inside training_step would train nothing (autograd's
+    bare "inputs cannot be empty" at step 1, before). Refused before training, with the way out."""
+    t = HeadOnOnlyForItsStep(config(tmp_path))
+    with pytest.raises(SaferunError) as info:
+        t.setup()
+    message = str(info.value)
+    assert message.startswith("build_optimizer: 'head' holds only frozen parameters")
+    assert "head.weight" in message and "trainable in build_model" in message
+    assert t.state.step == 0
+
+
 class StepRaises(torch.optim.SGD):
     """An optimizer whose step fails at the loop's second step (a user's optimizer bug)."""
 
