@@ -3,6 +3,7 @@
     python benchmarks/loop_window.py                   # 9 interleaved rounds, fresh processes
     python benchmarks/loop_window.py --lockstep 100    # 9 rounds, the variants in turns on one core
     python benchmarks/loop_window.py --lockstep 100 --baseline ../old   # and an older checkout's
+                                                       # (git worktree add ../old <commit>)
     python benchmarks/loop_window.py --count           # counts per step: no timing
     python benchmarks/loop_window.py --quick           # a smoke run (seconds)
     python benchmarks/loop_window.py --count --workload cnn --steps 400   # the CNN's counts

@@ -169,3 +169,30 @@ def test_an_unfreeze_after_the_last_regular_log_point_is_refused_at_the_runs_las
     cb.model = t.model
     with pytest.raises(saferun.SaferunError, match="^step 22: parameters became trainable"):
         t.fit()
+
+
+class TwoOptimizersFrozenBias(ToyTrainer):
+    """Several optimizers (the manual path): "body" holds the backbone, whose first layer's bias
+    is frozen by hand, "head" the head; each loss is its own optimize()."""
+
+    def build_model(self):
+        model = super().build_model()
+        model.backbone[0].bias.requires_grad_(False)
+        return model
+
+    def build_optimizer(self, params):
+        return {"body": torch.optim.AdamW(self.model.backbone.parameters(), lr=0.01),
+                "head": torch.optim.SGD(self.model.head.parameters(), lr=0.05)}
+
+    def training_step(self, batch):
+        x, y = batch
+        h = self.model.backbone(x)
+        self.optimize("head", torch.nn.functional.cross_entropy(self.model.head(h.detach()), y))
+        self.optimize("body", torch.nn.functional.cross_entropy(self.model.head(h), y))
+
+
+def test_several_optimizers_an_unfreeze_mid_run_is_refused_too(tmp_path):
+    _, fit = run(tmp_path, lambda m: m.backbone[0].bias.requires_grad_(True), at=7,
+                 trainer=TwoOptimizersFrozenBias)
+    with pytest.raises(saferun.SaferunError, match=r"^step 10: .*\[backbone\.0\.bias\]"):
+        fit()
