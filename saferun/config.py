@@ -388,7 +388,6 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
     if isinstance(cfg, Mapping):
         _check_named_nodes(cfg)
     if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):  # {"mlflow": {...}}
-        from .loggers import with_targets
         cfg = {**cfg, "logger": with_targets(cfg["logger"])}
     try:
         merged = schema if cfg is None else OmegaConf.merge(schema, cfg)
@@ -397,7 +396,6 @@ def load_config(cfg: Config | Mapping[str, Any] | Any | None) -> Config:
         raise ConfigError(_describe_omegaconf_error(e)) from None
     assert isinstance(result, Config)
     if isinstance(cfg, Mapping) and isinstance(cfg.get("logger"), Mapping):  # merged into the defaults
-        from .loggers import chosen_loggers
         result.logger = chosen_loggers(cfg["logger"], result.logger, default_loggers())
     return result
 
@@ -528,3 +526,31 @@ def _one_of(cfg: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in choices:
         raise ConfigError(f"trainer.{name} must be one of {', '.join(choices)}; got {value!r}.")
+
+
+# The loggers a config may name without `_target_` ({"mlflow": {...}} in Python).
+# Here, not in saferun.loggers: a config is checked without importing torch (the command line's
+# checks of a sweep's values, before any job).
+NAMED_LOGGERS = {"tensorboard": "saferun.loggers.TensorBoardLogger",
+                 "jsonl": "saferun.loggers.MetricsJsonl",
+                 "mlflow": "saferun.loggers.trackers.MLflowLogger",
+                 "wandb": "saferun.loggers.trackers.WandbLogger"}
+
+
+def with_targets(given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` logger nodes with the `_target_` of each known name that has none."""
+    return {k: {"_target_": NAMED_LOGGERS[k], **v} if isinstance(v, Mapping) and k in NAMED_LOGGERS
+            and "_target_" not in v else v for k, v in given.items()}
+
+
+def chosen_loggers(given: Mapping[str, Any], merged: Mapping[str, Any],
+                   defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The `logger` set of a config: `given` is the whole set (`{}`: none) unless a name in it
+    maps to None; then it edits the defaults (`merged`: the defaults updated by it), as
+    `logger.NAME=null` does on the command line. A None for a name that is not a default
+    logger is refused: a misspelt removal would remove nothing, silently."""
+    removed = {k for k, v in given.items() if v is None}
+    if removed - set(defaults):
+        raise ConfigError(f"logger: None removes a default logger ({', '.join(defaults)}), not "
+                          f"{', '.join(sorted(removed - set(defaults)))}.")
+    return {k: v for k, v in merged.items() if v is not None and (removed or k in given)}

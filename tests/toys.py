@@ -131,12 +131,15 @@ def weights(trainer: saferun.Trainer) -> dict[str, torch.Tensor]:
 
 class SelfSignalling(AugmentedTrainer):
     """Plants events at a chosen step, on a chosen rank: a real signal (in training or during
-    validation), an exception, or a NaN loss. Used by the subprocess and torchrun tests."""
+    validation), an exception, a NaN loss, or a frozen module made trainable. Used by the
+    subprocess and torchrun tests."""
 
     def __init__(self, cfg: Any, signal_at: int = -1, signum: int = 0, in_validation: bool = False,
                  on_rank: int = -1, fail_at: int = -1, nan_at: int = -1, plain: bool = False,
-                 spike_at: int = -1, hold_at: int = -1, val_size: int = 64, **kw: Any) -> None:
+                 spike_at: int = -1, hold_at: int = -1, val_size: int = 64, unfreeze_at: int = -1,
+                 **kw: Any) -> None:
         super().__init__(cfg, **kw)
+        self.unfreeze_at = unfreeze_at
         self.signal_at, self.signum, self.in_validation = signal_at, signum, in_validation
         self.on_rank, self.fail_at, self.nan_at, self.plain = on_rank, fail_at, nan_at, plain
         self.spike_at, self.hold_at, self.val_size = spike_at, hold_at, val_size
@@ -162,6 +165,9 @@ class SelfSignalling(AugmentedTrainer):
             hold(self.state.run_dir)
         if self._planted(self.fail_at):
             raise RuntimeError(f"planted failure on rank {self.ranks.rank}")
+        if self._planted(self.unfreeze_at):  # every parameter trainable again, on this rank alone
+            for p in self.model.parameters():
+                p.requires_grad_(True)
         loss = super().training_step(batch)
         if self._planted(self.spike_at):
             return loss * 1000

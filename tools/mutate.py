@@ -834,6 +834,13 @@ mutation("golden losses fail on a drift", "saferun/testing/golden.py",
 mutation("host syncs in training_step fail the test", "saferun/testing/checks.py",
          "    if any(kept):", "    if False:",
          f"{TESTING}::test_host_syncs_are_named_with_their_line")
+mutation("a command line refused before the job imports no torch", "saferun/cli/run.py",
+         "    import hydra\n\n    global _ARGS",
+         "    import hydra\n\n    from ..distributed import ranks_from_env  # noqa: F401\n    global _ARGS",
+         "tests/cli/test_first_hour.py::test_a_command_line_refused_before_the_job_never_imports_torch")
+mutation("the run directory's checks import no torch", "saferun/checkpoint/rundir.py",
+         "from ..errors import SaferunError\n", "from .. import distributed  # noqa: F401\nfrom ..errors import SaferunError\n",
+         "tests/cli/test_first_hour.py::test_a_command_line_refused_before_the_job_never_imports_torch")
 mutation("the pytest plugin imports nothing heavy", "saferun/pytest_plugin.py",
          "from .testing import options  #", "from .testing import options, jobs  #",
          "tests/testing/test_plugin.py::"

@@ -19,7 +19,6 @@ import socket
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from .. import distributed
 from ..errors import SaferunError
 
 LOCK_FILE = ".saferun.lock"
@@ -58,6 +57,8 @@ def claim(run_dir: str, main: bool = True) -> RunDirLock:
 
     Under torchrun only rank 0 (`main`) writes, so only it locks; every rank gets its verdict.
     """
+    from .. import distributed  # (here: the command line checks a run directory before torch)
+
     lock, error = RunDirLock(), None
     if main:
         try:
@@ -113,6 +114,8 @@ def default_run_dir() -> str:
     """The run directory of a Trainer given no trainer.run_dir: runs/<YYYYmmdd-HHMMSS>-<4 hex>,
     one that does not exist yet, so that two fit()s started within a second (a loop over
     learning rates, k folds) never meet in one directory; rank 0's on every rank."""
+    from .. import distributed
+
     while True:
         path = os.path.join("runs", f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
         if not os.path.exists(path):

@@ -50,9 +50,8 @@ def _end_rank(code: Any) -> None:
 
 
 def _run(args: list[str]) -> None:
+    # (no torch before the job: a mistaken command line is refused in a second, not three)
     import hydra
-
-    from ..distributed import ranks_from_env
 
     global _ARGS
     args, problem = flags_first(args, "run")
@@ -75,7 +74,7 @@ def _run(args: list[str]) -> None:
         # every job (in this process, or started by a launcher) resolves the same sweep dir
         os.environ["SAFERUN_RUN_ID"] = run_id()
         prepare_multirun(args)
-    if ranks_from_env().world_size > 1:
+    if _several_ranks():
         args, task = _join_torchrun_job(args)
     global _WRITE_HYDRA_DIR
     # conf/config.yaml sets hydra.output_subdir to null: .hydra/ is written by _train once the
@@ -143,7 +142,6 @@ def _check_override_keys(args: list[str]) -> None:
     """A misspelt key: name the closest valid one before Hydra suggests '+key' (which the
     schema then refuses anyway)."""
     from ..config import Config
-    from ..distributed import ranks_from_env
     from ..suggest import unknown_override
     from .compose import kept_recipe_note
 
@@ -153,7 +151,7 @@ def _check_override_keys(args: list[str]) -> None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)
     note = kept_recipe_note(overrides)
-    if note is not None and ranks_from_env().rank == 0:
+    if note is not None and os.environ.get("RANK", "0") == "0":
         print(f"saferun: warning: {note}", file=sys.stderr)
 
 

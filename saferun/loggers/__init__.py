@@ -18,7 +18,6 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from ..callbacks import Callback, Media, TrainerView
-from ..errors import ConfigError
 from .checksum import use_c_checksum
 
 log = logging.getLogger("saferun")
@@ -372,30 +371,6 @@ class LogLines(Callback):
 
     def on_test_end(self, view: TrainerView, metrics: Mapping[str, float]) -> None:
         log.info(format_metrics(view, metrics))
-
-
-# The loggers a config may name without `_target_` ({"mlflow": {...}} in Python).
-NAMED = {"tensorboard": "saferun.loggers.TensorBoardLogger", "jsonl": "saferun.loggers.MetricsJsonl",
-         "mlflow": "saferun.loggers.trackers.MLflowLogger", "wandb": "saferun.loggers.trackers.WandbLogger"}
-
-
-def with_targets(given: Mapping[str, Any]) -> dict[str, Any]:
-    """`given` logger nodes with the `_target_` of each known name that has none."""
-    return {k: {"_target_": NAMED[k], **v} if isinstance(v, Mapping) and k in NAMED
-            and "_target_" not in v else v for k, v in given.items()}
-
-
-def chosen_loggers(given: Mapping[str, Any], merged: Mapping[str, Any],
-                   defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The `logger` set of a config: `given` is the whole set (`{}`: none) unless a name in it
-    maps to None; then it edits the defaults (`merged`: the defaults updated by it), as
-    `logger.NAME=null` does on the command line. A None for a name that is not a default
-    logger is refused: a misspelt removal would remove nothing, silently."""
-    removed = {k for k, v in given.items() if v is None}
-    if removed - set(defaults):
-        raise ConfigError(f"logger: None removes a default logger ({', '.join(defaults)}), not "
-                          f"{', '.join(sorted(removed - set(defaults)))}.")
-    return {k: v for k, v in merged.items() if v is not None and (removed or k in given)}
 
 
 def format_metrics(view: TrainerView, metrics: Mapping[str, float]) -> str:

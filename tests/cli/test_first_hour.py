@@ -157,6 +157,21 @@ def test_a_mistaken_command_line_gets_one_error_line_and_leaves_nothing(tmp_path
     assert list(tmp_path.rglob("*")) == []
 
 
+@pytest.mark.parametrize("args", [["trainer.num_train_epochs=3"], ["sched=cosin"], ["seed=abc"],
+                                  ["--bogus"]], ids=lambda a: a[0])
+def test_a_command_line_refused_before_the_job_never_imports_torch(tmp_path, args):
+    # A misspelt key, group option or type is refused in a fraction of a second: torch's import
+    # (two seconds and more) comes with the job. The command's own entry point, in a process of
+    # its own, reports what it imported.
+    code = ("import sys\nfrom saferun.cli import main\ntry:\n    main(['run', *sys.argv[1:]])\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *FAST, *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.stderr.startswith("saferun: error: "), proc.stderr
+    exit_code, imported_torch = proc.stdout.split()
+    assert exit_code != "0" and imported_torch == "False", proc.stdout
+
+
 @pytest.mark.parametrize("args, warned", [
     (["task._target_=saferun.recipes.tabular.TabularTrainer"], True),  # digits' settings stay
     (["task._target_=saferun.recipes.tabular.TabularTrainer", "recipe=tabular"], False),

@@ -190,6 +190,20 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert out.count("non-finite values at step 2 on rank 1: loss nan") == 2, out
 
 
+def test_an_unfreeze_on_one_rank_ends_every_rank_with_its_reason(tmp_path):
+    # rank 1 alone makes the frozen first layer trainable at step 3: its log point (step 4)
+    # refuses it, and the job ends: rank 0, left in the log point's collective, says that
+    # another rank failed first instead of waiting (TIMEOUT turns a hang into a failure)
+    cfg = plain_config(tmp_path / "run", batch_size=16, frozen_modules=["0"])
+    proc = torchrun(cfg, {"plain": True, "unfreeze_at": 3, "on_rank": 1})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "[rank1]: saferun.errors.SaferunError: step 4: parameters became trainable after " \
+           "training started: [0.weight, 0.bias]" in out, out
+    assert "rank 0 stopped after step 4: a collective with the other ranks failed" in out, out
+    assert not list((tmp_path / "run").glob("final_weights_rank*.pt"))  # neither rank finished
+
+
 def spike_config(run_dir, max_steps):
     cfg = plain_config(run_dir, batch_size=16, save_every_n_steps=10)
     cfg["trainer"]["max_steps"] = max_steps
