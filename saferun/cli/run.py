@@ -38,6 +38,11 @@ def _several_ranks() -> bool:
     return int(os.environ.get("WORLD_SIZE", 1)) > 1
 
 
+def _main_rank() -> bool:
+    """Rank 0 of a torchrun job, or a process alone (read from the environment: no torch)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _end_rank(code: Any) -> None:
     """A torchrun rank ends here, with `code` as SystemExit takes it (None: 0; a text: printed,
     then 1), and without interpreter teardown (`distributed.end_process`)."""
@@ -50,7 +55,7 @@ def _end_rank(code: Any) -> None:
 
 
 def _run(args: list[str]) -> None:
-    # (no torch before the job: a mistaken command line is refused in a second, not three)
+    # (no torch before the job: a mistaken command line is refused in a third of a second)
     import hydra
 
     global _ARGS
@@ -104,7 +109,7 @@ def _intend_from_args(args: list[str]) -> Optional[str]:
 
     given = {key.lstrip("+"): value for key, _, value in (a.partition("=") for a in args)}
     run_dir, resume = given.get("hydra.run.dir"), given.get("resume")
-    main = os.environ.get("RANK", "0") == "0"
+    main = _main_rank()
     if "-m" in args or "--multirun" in args or run_dir is None or "${" in run_dir + str(resume):
         return None
     try:
@@ -151,7 +156,7 @@ def _check_override_keys(args: list[str]) -> None:
         print(f"saferun: error: {problem}", file=sys.stderr)
         raise SystemExit(1)
     note = kept_recipe_note(overrides)
-    if note is not None and os.environ.get("RANK", "0") == "0":
+    if note is not None and _main_rank():
         print(f"saferun: warning: {note}", file=sys.stderr)
 
 
@@ -228,7 +233,7 @@ def _train(cfg: Any) -> Optional[float]:
     resume = OmegaConf.to_container(cfg, resolve=False).get("resume")  # type: ignore[union-attr]  # a job's config is a mapping
     intended = intent.intend(HydraConfig.get().runtime.output_dir,
                              resume if isinstance(resume, str) and "${" not in resume else None,
-                             os.environ.get("RANK", "0") == "0")
+                             _main_rank())
 
     from ..checkpoint.rundir import update_summary, when_accepted
     from ..checkpoint.superseded import note_log_files
