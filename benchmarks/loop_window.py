@@ -68,6 +68,10 @@ from typing import Any, Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("hand", "saferun", "strict")
+# `lean` (with --lockstep --variants): the hand loop with its clipping and zeroing written the way
+# saferun's loop runs them on one device (torch's kernels, bit for bit torch's result, without
+# clip_grad_norm_'s and zero_grad's per-call generality): saferun's own cost, like for like
+EXTRA = ("lean",)
 # spike_threshold 12: the default 6 flags a gradient-norm outlier of this small job near step
 # 1600 (and raise ends the run); the threshold changes no work per step.
 STRICT = {"spikes": "raise", "check_params": True, "anomaly_replay": True, "spike_threshold": 12.0}
@@ -236,8 +240,9 @@ class OpCounter:
         self.mode = Mode()
 
 
-def hand_loop(steps: int, window: Window, workload: str = "mlp") -> float:
-    """The reference: the job written by hand, as a careful user writes it."""
+def hand_loop(steps: int, window: Window, workload: str = "mlp", lean: bool = False) -> float:
+    """The reference: the job written by hand, as a careful user writes it. `lean`: its
+    clipping and zeroing written out with torch's kernels, as saferun's loop runs them."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -253,14 +258,28 @@ def hand_loop(steps: int, window: Window, workload: str = "mlp") -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = list(model.parameters())
     loss_sum, last, step = torch.zeros(()), 0.0, 0
+
+    def clip_lean(max_norm: float) -> torch.Tensor:  # clip_grad_norm_'s kernels, in its order
+        grads = [p.grad for p in params if p.grad is not None]
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+            torch._foreach_mul_(grads, torch.clamp((norm + 1e-6).reciprocal() * max_norm, max=1.0))
+        return norm
+
     model.train()
     while step < steps:
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if lean:
+                clip_lean(1.0)
+                opt.step()
+                for p in params:
+                    p.grad = None
+            else:
+                nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
             step += 1
             window.tick()
@@ -324,8 +343,8 @@ def child(variant: str, mode: str, steps: int, start: int, workload: str = "mlp"
         window.ops.mode.__enter__()
     loop = variant.split("@")[0]  # (saferun@baseline: the baseline's saferun, on PYTHONPATH)
     with tempfile.TemporaryDirectory() as run_dir:
-        if loop == "hand":
-            loss = hand_loop(steps, window, workload)
+        if loop in ("hand", "lean"):
+            loss = hand_loop(steps, window, workload, lean=loop == "lean")
         else:
             loss = saferun_loop(steps, window, STRICT if loop == "strict" else {}, run_dir,
                                 workload)
@@ -333,7 +352,7 @@ def child(variant: str, mode: str, steps: int, start: int, workload: str = "mlp"
         window.ops.mode.__exit__(None, None, None)
         counter.__exit__(None, None, None)
     out = {"variant": variant, "mode": mode, "final_loss": loss, **window.result()}
-    if loop != "hand":  # which saferun ran (a baseline's: its checkout's)
+    if loop not in ("hand", "lean"):  # which saferun ran (a baseline's: its checkout's)
         out["saferun"] = os.path.dirname(os.path.dirname(sys.modules["saferun"].__file__ or ""))
     return out
 
@@ -408,7 +427,8 @@ def summarize(runs: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS) 
 
 def lockstep(rounds: int, steps: int, start: int, block: int, say: Callable[[str], None],
              workload: str = "mlp", cpu: Optional[int] = None,
-             baseline: Optional[str] = None) -> dict[str, Any]:
+             baseline: Optional[str] = None,
+             variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """`rounds` rounds; in each, the variants run at once on one core, taking turns of `block`
     steps through the window (the order rotating from round to round). A round's ratio is a
     variant's time over all its turns to the hand loop's over the same turns. `baseline`:
@@ -416,7 +436,7 @@ def lockstep(rounds: int, steps: int, start: int, block: int, say: Callable[[str
     (`saferun@baseline`, `strict@baseline`)."""
     cpu = max(os.sched_getaffinity(0)) if cpu is None else cpu
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    variants = VARIANTS + (("saferun@baseline", "strict@baseline") if baseline else ())
+    variants += ("saferun@baseline", "strict@baseline") if baseline else ()
     runs: list[dict[str, Any]] = []
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
@@ -489,7 +509,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="instructions per step under valgrind (window: steps 201-400 unless "
                         "--steps says otherwise)")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="with --instructions: which of hand,saferun,strict to run (comma-separated)")
+                   help="with --instructions or --lockstep: which of hand,saferun,strict to run "
+                        "(comma-separated; --lockstep needs hand and also takes lean)")
     p.add_argument("--workload", default="mlp", choices=("mlp", "cnn"),
                    help="the job's model and data (benchmarks/common.py); the same loop")
     p.add_argument("--quick", action="store_true",
@@ -501,7 +522,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--baseline", metavar="DIR",
                    help="with --lockstep: also run the saferun variants with the saferun of the "
                         "checkout at DIR (e.g. a git worktree of an earlier commit), in the same turns")
-    p.add_argument("--child", choices=VARIANTS + ("saferun@baseline", "strict@baseline"),
+    p.add_argument("--child", choices=VARIANTS + EXTRA + ("saferun@baseline", "strict@baseline"),
                    help=argparse.SUPPRESS)
     p.add_argument("--mode", default="time",
                    choices=("time", "calls", "device", "instructions", "lockstep"),
@@ -523,8 +544,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                "window": [a.start + 1, a.steps], "threads": 1,
                                "python": sys.version.split()[0]}
     variants = tuple(v for v in a.variants.split(",") if v)
-    if not variants or set(variants) - set(VARIANTS):
-        p.error(f"--variants takes some of {','.join(VARIANTS)}; got {a.variants!r}")
+    if not variants or set(variants) - set(VARIANTS + (EXTRA if a.lockstep else ())) or (
+            a.lockstep and "hand" not in variants):
+        p.error(f"--variants takes some of {','.join(VARIANTS)} (--lockstep: with hand, and "
+                f"also lean); got {a.variants!r}")
     if a.instructions:
         results["instructions"] = counts = instructions(a.steps, a.start, a.workload, variants)
         print(f"instructions per step, steps {a.start + 1}-{a.steps}:")
@@ -549,7 +572,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if a.baseline and not (a.lockstep and os.path.isdir(os.path.join(a.baseline, "saferun"))):
             p.error("--baseline DIR needs --lockstep and a checkout of saferun at DIR")
         results["timed"] = (lockstep(a.rounds, a.steps, a.start, a.lockstep, print, a.workload,
-                                     baseline=a.baseline and os.path.abspath(a.baseline))
+                                     baseline=a.baseline and os.path.abspath(a.baseline),
+                                     variants=variants)
                             if a.lockstep else timed(a.rounds, a.steps, a.start, print, a.workload))
         for v, s in results["timed"]["summary"].items():
             print(f"  {v:8s} {s['median_us_per_step']:8.1f} us/step  median ratio "

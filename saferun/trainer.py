@@ -66,7 +66,7 @@ from .loop.throughput import FlopCount, Throughput
 from .data.transfer import batch_size_of, samples_in
 from .loop import averaging, stateful
 from .state import LoopState  # noqa: F401  (saferun.trainer.LoopState, as before)
-from .loop.update import OptimizerUpdate, ParamNorm, grad_accumulators
+from .loop.update import Gradients, OptimizerUpdate, ParamNorm, grad_accumulators
 from .loop.steps import (accumulate, check_same_parameters, explained, loss_and_logs,
                          resolve_device, trainable_parameters)
 from . import distributed
@@ -289,8 +289,8 @@ class Trainer:
         if self._guard.spikes is not None and not self._guard.spikes_each_step:
             self._running.spike_flagger = self._guard.flag_steps  # compared at log points
         self._timer = StepTimer(self.device, t.log_every_n_steps, phases=not several)
-        self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm,
-                                       self._strategy.meshes, self._timer)
+        self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm, self._timer)
+        self._grads = Gradients(self._params, self._strategy.meshes)  # (again as each fit starts)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -466,7 +466,7 @@ class Trainer:
         if timer.on:
             timer.lap("guards")
         grad_norm, skipped, spike, loss_spike = self._update(  # (a skip policy: one host sync)
-            self.optimizer, self._params, self._schedule, loss)
+            self.optimizer, self._grads, self._schedule, loss)
         if self._update.scaling:  # fp16: after the step (a skipped one too: it saw the gradients)
             self._scaler.update()
         if timer.on:
@@ -674,6 +674,11 @@ class Trainer:
         self._trainable.begin()  # the optimizer state held as this fit starts (a resume's too)
         # each parameter's gradient accumulator, held from here on (why: loop/update.py)
         self._accumulators = grad_accumulators(self._params)
+        # how their gradients are measured and clipped, for the parameters as they are now (a
+        # cast between two fit() calls changes it); with several optimizers, per optimizer
+        self._grads = Gradients(self._params, self._strategy.meshes)
+        if self._manual is not None:
+            self._manual.begin(self._strategy.meshes)
         # a batch's samples: batch_size_of itself, without the call through the hook that only
         # forwards to it, unless batch_size is overridden
         default = type(self).batch_size is Trainer.batch_size and "batch_size" not in vars(self)

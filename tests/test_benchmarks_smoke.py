@@ -87,9 +87,11 @@ def test_step_micro_benchmark_runs_and_reports(tmp_path, monkeypatch, capsys):
                     "ratio_of_medians", "hand_median_us", "saferun_median_us"):
             assert key in r[clock], key
     # Counts, not timings: the same model, loss and optimizer dispatch the same torch ops,
-    # and neither step reads a value from the device.
+    # and neither step reads a value from the device; but for two: the hand step's
+    # zero_grad() opens a profiler annotation (an enter and an exit op) that saferun's zeroing
+    # leaves out when no profiler runs (loop/update.py's release_grads).
     saferun, hand = r["per_step"]["saferun"], r["per_step"]["hand"]
-    assert saferun["torch_ops"] == hand["torch_ops"] > 0
+    assert saferun["torch_ops"] == hand["torch_ops"] - 2 > 0
     assert saferun["host_syncs"] == hand["host_syncs"] == 0
     assert saferun["python_calls"] > 0 and hand["python_calls"] > 0
     # The MLP's 6 parameters, plus AdamW's step, exp_avg and exp_avg_sq for each.

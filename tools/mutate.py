@@ -130,19 +130,43 @@ mutation("predict runs in eval mode without autograd", EVAL,
 # the one update after backward (loop/update.py): the single-optimizer step and each optimize()
 UPD = "saferun/loop/update.py"
 mutation("zero_grad(set_to_none=True)", UPD,
-         "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
+         "        release_grads(optimizer)  # zero_grad(set_to_none=True)\n",
          "        type(optimizer).zero_grad(optimizer, set_to_none=False)\n",
          f"{STEP}::test_grads_are_set_to_none_after_each_step")
 mutation("clip after unscale", UPD,
          "            scaler.unscale_(optimizer)  # clip and measure the true gradients, not fp16-scaled ones\n",
          "            pass\n",
          f"{STEP}::test_gradients_are_unscaled_before_they_are_clipped_or_measured",
-         also=(("        norm = clip_or_measure(params, self._max_grad_norm, self._meshes)\n",
-                "        norm = clip_or_measure(params, self._max_grad_norm, self._meshes)\n        scaler.unscale_(optimizer)\n"),))
+         also=(("        norm = grads.norm(self._max_grad_norm)\n",
+                "        norm = grads.norm(self._max_grad_norm)\n        scaler.unscale_(optimizer)\n"),))
 mutation("clip to max_grad_norm", UPD,
-         "clip_or_measure(params, self._max_grad_norm, self._meshes)",
-         "clip_or_measure(params, None, self._meshes)",
+         "grads.norm(self._max_grad_norm)",
+         "grads.norm(None)",
          f"{STEP}::test_clipping_uses_the_configured_norm_and_reports_the_pre_clip_norm")
+GRADS = "tests/loop/test_gradients.py"
+mutation("direct clip: torch's coefficient max_norm / (norm + 1e-6)", UPD,
+         "(norm + 1e-6).reciprocal()", "(norm + 1e-5).reciprocal()",
+         f"{GRADS}::test_the_norm_and_the_clipped_gradients_equal_torchs_bit_for_bit")
+mutation("direct clip: the coefficient is clamped at 1", UPD,
+         "_clamp((norm + 1e-6).reciprocal() * max_norm, max=1.0)", "(norm + 1e-6).reciprocal() * max_norm",
+         f"{GRADS}::test_the_norm_and_the_clipped_gradients_equal_torchs_bit_for_bit")
+mutation("direct clip: only one plain set of one dtype on one CPU or CUDA device", UPD,
+         "not meshes and len(kinds) == 1", "not meshes and len(kinds) >= 1",
+         f"{GRADS}::test_the_norm_and_the_clipped_gradients_equal_torchs_bit_for_bit",
+         also=(('next(iter(kinds))[0].type in ("cpu", "cuda")', "True"),
+               ("and all(type(p) is nn.Parameter for p in params)", "")))
+mutation("direct clip: no graph, and the grad mode restored", UPD,
+         "            _set_grad_enabled(grad_mode)", "            pass",
+         f"{GRADS}::test_the_norm_records_no_graph_and_leaves_the_grad_mode_as_it_found_it")
+mutation("release_grads: every gradient the optimizer holds", UPD,
+         "                p.grad = None", "                pass",
+         f"{GRADS}::test_releasing_sets_every_gradient_the_optimizer_holds_to_none")
+mutation("release_grads: a class's own zero_grad runs", UPD,
+         "if zero_grad is not _ZERO_GRAD or _profiling():", "if _profiling():",
+         f"{GRADS}::test_an_optimizer_class_with_its_own_zero_grad_gets_it_called")
+mutation("release_grads: torch's zero_grad under the profiler", UPD,
+         "if zero_grad is not _ZERO_GRAD or _profiling():", "if zero_grad is not _ZERO_GRAD:",
+         f"{GRADS}::test_under_the_profiler_torchs_zero_grad_runs_so_the_trace_names_it")
 mutation("measure the norm without clip_grad_norm_(inf)", "saferun/loop/steps.py",
          "        return total_norm([p.grad for p in params if p.grad is not None], meshes)",
          '        return torch.nn.utils.clip_grad_norm_(params, float("inf"))',
@@ -210,10 +234,10 @@ mutation("several optimizers: a loss's gradients only in its optimizer's paramet
 mutation("several optimizers: unscale_ per optimizer before its clip", UPD,
          "            scaler.unscale_(optimizer)  #", "            pass  #", HAND_WRITTEN)
 mutation("several optimizers: zero_grad(set_to_none=True) after each update", UPD,
-         "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n", "        pass\n", HAND_WRITTEN)
+         "        release_grads(optimizer)  # zero_grad(set_to_none=True)\n", "        pass\n", HAND_WRITTEN)
 mutation("several optimizers: each scheduler steps after its optimizer", MANUAL,
-         "self._update(opt, params, self._schedule.by_name[name], loss)",
-         "self._update(opt, params, self._schedule.by_name[self.names[0]], loss)", HAND_WRITTEN)
+         "self._update(opt, grads, self._schedule.by_name[name], loss)",
+         "self._update(opt, grads, self._schedule.by_name[self.names[0]], loss)", HAND_WRITTEN)
 mutation("the scheduler steps after the optimizer", UPD,
          "            schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)\n",
          "            pass\n", HAND_WRITTEN, "tests/unit/test_schedules.py")
@@ -505,8 +529,8 @@ mutation("skip leaves the scheduler untouched", UPD,
          "                schedule.scheduler.step()\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip drops the bad gradients", UPD,
-         "        type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
-         "        if not skipped:\n            type(optimizer).zero_grad(optimizer, set_to_none=True)\n",
+         "        release_grads(optimizer)  # zero_grad(set_to_none=True)\n",
+         "        if not skipped:\n            release_grads(optimizer)\n",
          f"{NONFINITE}::test_skip_leaves_the_optimizer_and_the_schedule_one_step_behind")
 mutation("skip stops after max_consecutive", BADSTEP,
          "        if self._skips_in_a_row >= self._g.max_consecutive:", "        if False:",
@@ -1325,8 +1349,8 @@ mutation("failure site: validation and predict errors are explained", "saferun/l
          "        record(exc, phase=phase, batch=batch)", "        pass",
          "tests/guards/test_explain_paths.py::test_validate_and_predict_alone_explain_their_steps")
 mutation("failure site: an optimizer's failing step is named", "saferun/loop/update.py",
-         '                record(exc, optimize_part="step")\n                raise\n        # the class',
-         '                raise\n        # the class',
+         '                record(exc, optimize_part="step")\n                raise\n        release_grads',
+         '                raise\n        release_grads',
          f"{ERRS}::test_an_error_in_an_optimizers_step_names_the_call_and_the_step")
 mutation("failure site: a failing backward in optimize() is named", MANUAL,
          '                if slip is None:\n                    record(exc, optimize_part="backward")\n',

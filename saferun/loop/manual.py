@@ -40,7 +40,7 @@ from .metrics import scalar_dict
 from .optimizers import build_named, check_held
 from ..schedules import Schedule
 from .steps import check_optimizer_params
-from .update import OptimizerUpdate
+from .update import Gradients, OptimizerUpdate
 from ..guards.unused import UnusedParameters, window
 from ..data.transfer import samples_in
 
@@ -82,6 +82,14 @@ class ManualSteps:
         self._unused = {name: UnusedParameters(params, left, name) for name, params in
                         self.params.items()} if trainer.cfg.guards.unused_params else {}
         self._replay: Optional[bool] = None  # an explanation's replay: optimize() updates nothing
+        self._grads: dict[str, Gradients] = {}
+        self.begin(frame.strategy.meshes)
+
+    def begin(self, meshes: bool) -> None:
+        """As each fit() starts: how each optimizer's gradients are measured and clipped, for
+        its parameters as they are now (`meshes`: the strategy's; see Gradients)."""
+        self._grads = {name: Gradients([p for _, p in params], meshes)
+                       for name, params in self.params.items()}
 
     def step(self, micro_batches: Sequence[Any]) -> StepOutput:
         """One step: training_step on the batch, which calls optimize() once per optimizer."""
@@ -146,7 +154,8 @@ class ManualSteps:
                 f"follow the loop's steps); to update it twice, combine the losses or take "
                 f"another step.")
         loss = checked_loss(name, loss, step)
-        opt, scaler, params = tr.optimizer[name], self._scaler, [p for _, p in self.params[name]]
+        opt, scaler, grads = tr.optimizer[name], self._scaler, self._grads[name]
+        params = grads.params
         with torch.autocast(tr.device.type, enabled=False):  # backward and step in full precision
             # Only this optimizer's parameters get gradients: another optimizer's loss flowing
             # through them (the generator's loss through the discriminator) leaves them alone.
@@ -168,7 +177,7 @@ class ManualSteps:
             loss = loss.detach()
             self._habits.saferun_steps = True  # inside training_step: this update's step,
             try:  # zero_grad and scheduler step are saferun's own
-                norm, skipped, _, _ = self._update(opt, params, self._schedule.by_name[name], loss)
+                norm, skipped, _, _ = self._update(opt, grads, self._schedule.by_name[name], loss)
             finally:
                 self._habits.saferun_steps = False
             if skipped:

@@ -4,6 +4,10 @@
     policy: drop a non-finite or spiking update) -> optimizer.step via the scaler ->
     zero_grad(set_to_none=True) -> its scheduler (only if the optimizer really stepped)
 
+The norm and the zeroing are torch's (`clip_grad_norm_`, `get_total_norm`,
+`Optimizer.zero_grad`) in result, bit for bit; where the parameters allow it (`Gradients`,
+`release_grads`) they run without what those functions redo on every call for the general case.
+
 The single-optimizer step (`Trainer.train_step`) runs it once per step; with several named
 optimizers, each `optimize(name, loss)` runs it for that optimizer (`loop/manual.py`). The
 scaler's `update()` stays with the caller: once per step, after every optimizer's step.
@@ -22,25 +26,85 @@ from .steptimer import StepTimer
 # torch's function itself: saferun's own clipping never goes through the wrapper that refuses a
 # clip inside training_step (loop/habits.py), so it costs no call per step
 _clip_grad_norm = torch.nn.utils.clip_grad.clip_grad_norm_
+_foreach_norm, _foreach_mul_, _stack, _clamp = (torch._foreach_norm, torch._foreach_mul_,
+                                                torch.stack, torch.clamp)
+_vector_norm, _set_grad_enabled = torch.linalg.vector_norm, torch._C._set_grad_enabled
+_profiling = torch._C._autograd._profiler_enabled
+_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+class Gradients:
+    """The gradients of one optimizer's trainable parameters: their total 2-norm before
+    clipping, and the clipping, as `clip_grad_norm_(params, max_norm)` computes them.
+
+    Plain parameters on one CPU or CUDA device in one dtype (a single process, DDP) take a
+    direct path: torch's own kernels in torch's own order (`_foreach_norm`, the norm of their
+    stack, the coefficient max_norm / (norm + 1e-6) clamped at 1, `_foreach_mul_`), so the norm
+    and the clipped gradients equal torch's bit for bit, without what its functions redo on
+    every call for any set of tensors (grouping them by device and dtype, twice; three no_grad
+    contexts; scripting and compile checks): about 25 us per step on a CPU, as much as the rest
+    of the loop's own per-step cost on a small model. Any other set (several devices or dtypes,
+    DTensors, FSDP shards, several meshes) goes through torch's functions. Decided from the
+    parameters when built: the Trainer builds it as each fit() starts."""
+
+    def __init__(self, params: list[nn.Parameter], meshes: bool = False) -> None:
+        self.params, self._meshes = params, meshes
+        kinds = {(p.device, p.dtype) for p in params}
+        self.direct = (not meshes and len(kinds) == 1 and next(iter(kinds))[0].type in ("cpu", "cuda")
+                       and all(type(p) is nn.Parameter for p in params))
+
+    def norm(self, max_norm: Optional[float]) -> torch.Tensor:
+        """The total 2-norm of the gradients before clipping; with `max_norm`, the gradients
+        are clipped to it. Without, they are only measured (never clip_grad_norm_(inf): one
+        inf gradient would turn every gradient into NaN)."""
+        if not self.direct:
+            return clip_or_measure(self.params, max_norm, self._meshes)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return clip_or_measure(self.params, max_norm)  # (torch's zero)
+        grad_mode = torch.is_grad_enabled()
+        _set_grad_enabled(False)  # as torch's functions run (a C call: no context object)
+        try:
+            norm = _vector_norm(_stack(_foreach_norm(grads, 2.0)), 2.0)
+            if max_norm is not None:  # (max_norm / t is torch's t.reciprocal() * max_norm)
+                _foreach_mul_(grads, _clamp((norm + 1e-6).reciprocal() * max_norm, max=1.0))
+        finally:
+            _set_grad_enabled(grad_mode)
+        return norm
+
+
+def release_grads(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer.zero_grad(set_to_none=True)`: every parameter's .grad set to None, as torch's
+    does, without the profiler annotation it opens on each call (about 9 us per step on a CPU).
+    Under the profiler, and for an optimizer class that defines its own zero_grad, that
+    zero_grad runs: the class's, never the instance's wrapper that refuses a zero_grad inside
+    training_step (loop/habits.py)."""
+    zero_grad = type(optimizer).zero_grad
+    if zero_grad is not _ZERO_GRAD or _profiling():
+        zero_grad(optimizer, set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad = None
 
 
 class OptimizerUpdate:
     """Applies one optimizer's update from the gradients its backward left."""
 
     def __init__(self, scaler: Any, guard: Any, max_grad_norm: Optional[float],
-                 meshes: bool = False, timer: Optional[StepTimer] = None) -> None:
+                 timer: Optional[StepTimer] = None) -> None:
         """`scaler`: the GradScaler (disabled outside fp16); `guard`: the BadStepPolicy (its
-        spike detectors and skip verdict); `meshes`: the parameters may lie on several device
-        meshes (the strategy's `meshes`); `timer`: the loop's StepTimer, told which part of
+        spike detectors and skip verdict); `timer`: the loop's StepTimer, told which part of
         the update is the guards'."""
         self.scaler, self.guard = scaler, guard
         # fp16: the scaler scales, unscales and steps; disabled it passes everything through,
         # so the steps do not call it (four Python calls per step)
         self.scaling: bool = scaler.is_enabled()
-        self._max_grad_norm, self._meshes = max_grad_norm, meshes
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)  # (torch's)
         self._timer = timer or StepTimer(torch.device("cpu"), 1)  # (never started: never on)
 
-    def __call__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+    def __call__(self, optimizer: torch.optim.Optimizer, grads: Gradients,
                  schedule: Any, loss: torch.Tensor
                  ) -> tuple[torch.Tensor, bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(gradient norm before clipping, skipped, spiked, the loss spiked): the two spike
@@ -54,7 +118,7 @@ class OptimizerUpdate:
             except BaseException as exc:  # several optimizers: the explanation names this part
                 record(exc, optimize_part="step")
                 raise
-        norm = clip_or_measure(params, self._max_grad_norm, self._meshes)
+        norm = grads.norm(self._max_grad_norm)
         timer = self._timer
         if timer.on:
             timer.lap("optimizer")
@@ -69,8 +133,7 @@ class OptimizerUpdate:
             except BaseException as exc:
                 record(exc, optimize_part="step")
                 raise
-        # the class's zero_grad, not the instance's wrapper that refuses one inside training_step
-        type(optimizer).zero_grad(optimizer, set_to_none=True)
+        release_grads(optimizer)  # zero_grad(set_to_none=True)
         if schedule.scheduler is not None:  # (none: no rate changes, nothing to step)
             schedule.after_step()  # steps the scheduler if the optimizer stepped (GradScaler)
         return norm, skipped, spike, loss_spike
