@@ -1683,6 +1683,10 @@ mutation("issue 31: the error says whether the newest checkpoint was checked", B
 
 # issues 35/37: speed
 COST = "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step"
+mutation("loop cost: the norm and clipping take the direct path where they can", UPD,
+         "        if not self.direct:\n            return clip_or_measure(",
+         "        if True:\n            return clip_or_measure(",
+         "tests/loop/test_loop_cost.py::test_the_loop_adds_few_python_calls_and_keeps_few_objects_per_step")
 mutation("loop cost: fit() holds the gradient accumulators", T,
          "        self._accumulators = grad_accumulators(self._params)",
          "        self._accumulators = grad_accumulators([])",
