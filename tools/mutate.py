@@ -153,11 +153,16 @@ mutation("direct clip: the coefficient is clamped at 1", UPD,
 mutation("direct clip: only one plain set of one dtype on one CPU or CUDA device", UPD,
          "not meshes and len(kinds) == 1", "not meshes and len(kinds) >= 1",
          f"{GRADS}::test_the_norm_and_the_clipped_gradients_equal_torchs_bit_for_bit",
-         also=(('next(iter(kinds))[0].type in ("cpu", "cuda")', "True"),
+         also=(('next(iter(kinds))[1].type in ("cpu", "cuda")', "True"),
                ("and all(type(p) is nn.Parameter for p in params)", "")))
 mutation("direct clip: no graph, and the grad mode restored", UPD,
          "            _set_grad_enabled(grad_mode)", "            pass",
          f"{GRADS}::test_the_norm_records_no_graph_and_leaves_the_grad_mode_as_it_found_it")
+mutation("direct clip: checked at each step (a part cast or moved mid-fit: torch's)", UPD,
+         "        if not grads or set(map(_KIND, grads)) != self._kinds:",
+         "        if not grads:",
+         f"{GRADS}::test_a_part_cast_to_another_dtype_after_the_choice_gets_torchs_result_still",
+         f"{GRADS}::test_a_block_cast_to_bf16_inside_training_step_trains_as_a_hand_written_loop")
 mutation("release_grads: every gradient the optimizer holds", UPD,
          "                p.grad = None", "                pass",
          f"{GRADS}::test_releasing_sets_every_gradient_the_optimizer_holds_to_none")

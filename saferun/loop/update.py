@@ -15,6 +15,7 @@ scaler's `update()` stays with the caller: once per step, after every optimizer'
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -31,6 +32,7 @@ _foreach_norm, _foreach_mul_, _stack, _clamp = (torch._foreach_norm, torch._fore
 _vector_norm, _set_grad_enabled = torch.linalg.vector_norm, torch._C._set_grad_enabled
 _profiling = torch._C._autograd._profiler_enabled
 _ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_KIND = operator.attrgetter("__class__", "device", "dtype")  # (C calls only: ~0.2 us a tensor)
 
 
 class Gradients:
@@ -45,13 +47,17 @@ class Gradients:
     contexts; scripting and compile checks): about 25 us per step on a CPU, as much as the rest
     of the loop's own per-step cost on a small model. Any other set (several devices or dtypes,
     DTensors, FSDP shards, several meshes) goes through torch's functions. Decided from the
-    parameters when built: the Trainer builds it as each fit() starts."""
+    parameters when built (the Trainer builds it as each fit() starts), and checked on the
+    gradients at each step: a part of the model cast or moved during a fit(), or a gradient
+    of another tensor type, goes through torch's functions from that step on (their norms are
+    grouped by device and dtype, a different order of summation)."""
 
     def __init__(self, params: list[nn.Parameter], meshes: bool = False) -> None:
         self.params, self._meshes = params, meshes
-        kinds = {(p.device, p.dtype) for p in params}
-        self.direct = (not meshes and len(kinds) == 1 and next(iter(kinds))[0].type in ("cpu", "cuda")
+        kinds = {(torch.Tensor, p.device, p.dtype) for p in params}  # (their gradients')
+        self.direct = (not meshes and len(kinds) == 1 and next(iter(kinds))[1].type in ("cpu", "cuda")
                        and all(type(p) is nn.Parameter for p in params))
+        self._kinds = kinds if self.direct else set()
 
     def norm(self, max_norm: Optional[float]) -> torch.Tensor:
         """The total 2-norm of the gradients before clipping; with `max_norm`, the gradients
@@ -60,8 +66,8 @@ class Gradients:
         if not self.direct:
             return clip_or_measure(self.params, max_norm, self._meshes)
         grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return clip_or_measure(self.params, max_norm)  # (torch's zero)
+        if not grads or set(map(_KIND, grads)) != self._kinds:  # none (torch's zero), or changed
+            return clip_or_measure(self.params, max_norm)
         grad_mode = torch.is_grad_enabled()
         _set_grad_enabled(False)  # as torch's functions run (a C call: no context object)
         try:
