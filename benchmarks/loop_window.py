@@ -2,6 +2,9 @@
 
     python benchmarks/loop_window.py                   # 9 interleaved rounds, fresh processes
     python benchmarks/loop_window.py --lockstep 100    # 9 rounds, the variants in turns on one core
+    python benchmarks/loop_window.py --lockstep 100 --rounds 7 --variants hand,lean,saferun,strict
+                                                       # and `lean`: the hand loop clipping and
+                                                       # zeroing as saferun does (like for like)
     python benchmarks/loop_window.py --lockstep 100 --baseline ../old   # and an older checkout's
                                                        # (git worktree add ../old <commit>)
     python benchmarks/loop_window.py --count           # counts per step: no timing
