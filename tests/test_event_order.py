@@ -162,6 +162,23 @@ def test_the_controls_of_several_callbacks_are_combined(tmp_path):
         ("validation_end", 2), ("checkpoint", 2), ("train_step_end", 3)]
 
 
+def test_the_controls_of_several_callbacks_at_a_log_point_are_combined(tmp_path):
+    # on_log's requests go through the same combination as on_validation_end's (the per-step
+    # event combines its own): one callback's evaluate and another's save both happen
+    class AsksAtLog(Callback):
+        def __init__(self, **control):
+            self.control = Control(**control)
+
+        def on_log(self, view, metrics):
+            return self.control if view.step == 4 else None
+
+    rec = Recorder()
+    ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=4),
+               callbacks=[AsksAtLog(evaluate=True), AsksAtLog(save=True), AsksAtLog(), rec]).fit()
+    assert rec.events[:9] == [("fit_start", 0)] + steps(1, 4) + [
+        ("log", 4), ("validation_end", 4), ("checkpoint", 4), ("train_step_end", 5)]
+
+
 class Duck:
     """A callback that does not subclass Callback: every event is its own."""
 

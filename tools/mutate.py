@@ -779,6 +779,10 @@ mutation("configured callbacks and loggers built", COMPONENTS,
 # ---------------------------------------------------------------- callbacks and logging
 mutation("the Controls of several callbacks are combined", "saferun/callbacks.py",
          "    return a | b", "    return a",
+         "tests/test_event_order.py::test_the_controls_of_several_callbacks_at_a_log_point_are_combined")
+mutation("the Controls of several callbacks are combined at the end of a step", "saferun/callbacks.py",
+         "control = asked if control is None else control | asked",
+         "control = asked if control is None else control",
          "tests/test_event_order.py::test_the_controls_of_several_callbacks_are_combined")
 mutation("Control(save=True) saves", T,
          "        if (control and control.save) or (\n",
@@ -840,7 +844,8 @@ mutation("setup warns of a module frozen by hand", DATA, "        if moving:\n",
 mutation("check: train/validation overlap", DATA, "    if hits:\n", "    if False:\n", MISTAKES)
 mutation("check: loss at initialisation", DATA, "    if loss > 2.0 * ln_c + 1.0:\n",
          "    if False:\n", MISTAKES)
-mutation("check: batch independence", DATA, "    if others:\n", "    if False:\n", MISTAKES)
+mutation("check: batch independence", DATA, "    if others:\n", "    if False:\n", MISTAKES,
+         "tests/guards/test_real_models.py::test_batchnorm_without_running_stats_is_by_design")
 mutation("check: input-independent baseline", DATA,
          "    if math.isclose(real, zeroed, rel_tol=1e-6, abs_tol=1e-12):", "    if False:", MISTAKES)
 mutation("a misspelt config key gets the closest valid one", "saferun/suggest.py",
