@@ -290,7 +290,7 @@ class Trainer:
             self._running.spike_flagger = self._guard.flag_steps  # compared at log points
         self._timer = StepTimer(self.device, t.log_every_n_steps, phases=not several)
         self._update = OptimizerUpdate(self._scaler, self._guard, t.max_grad_norm, self._timer)
-        self._grads = Gradients(self._params, self._strategy.meshes)  # (again as each fit starts)
+        self._grads = Gradients(self._params, self._strategy.meshes)  # (checked at each step)
         if self.val_loader is not None and type(self).validation_step is Trainer.validation_step:
             self.validation_step(None)  # raises the "override validation_step" error now
         if t.compile:
@@ -674,11 +674,6 @@ class Trainer:
         self._trainable.begin()  # the optimizer state held as this fit starts (a resume's too)
         # each parameter's gradient accumulator, held from here on (why: loop/update.py)
         self._accumulators = grad_accumulators(self._params)
-        # how their gradients are measured and clipped, for the parameters as they are now (a
-        # cast between two fit() calls changes it); with several optimizers, per optimizer
-        self._grads = Gradients(self._params, self._strategy.meshes)
-        if self._manual is not None:
-            self._manual.begin(self._strategy.meshes)
         # a batch's samples: batch_size_of itself, without the call through the hook that only
         # forwards to it, unless batch_size is overridden
         default = type(self).batch_size is Trainer.batch_size and "batch_size" not in vars(self)

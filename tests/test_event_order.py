@@ -147,17 +147,27 @@ def test_task_hooks_finish_validation_and_after_fit(tmp_path):
     assert ("after_fit", 0) not in rec.events
 
 
+class Asks(Callback):
+    """Returns its Control from `event` ("train_step_end" or "log") at `step`, else None."""
+
+    def __init__(self, event, step, **control):
+        self.event, self.step, self.control = event, step, Control(**control)
+
+    def _asked(self, event, view):
+        return self.control if event == self.event and view.step == self.step else None
+
+    def on_train_step_end(self, view, output):
+        return self._asked("train_step_end", view)
+
+    def on_log(self, view, metrics):
+        return self._asked("log", view)
+
+
 def test_the_controls_of_several_callbacks_are_combined(tmp_path):
-    class Asks(Callback):
-        def __init__(self, **control):
-            self.control = Control(**control)
-
-        def on_train_step_end(self, view, output):
-            return self.control if view.step == 2 else None
-
     rec = Recorder()
+    asks = [Asks("train_step_end", 2, **c) for c in ({"evaluate": True}, {"save": True}, {})]
     ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=100),
-               callbacks=[Asks(evaluate=True), Asks(save=True), Asks(), rec]).fit()
+               callbacks=[*asks, rec]).fit()
     assert rec.events[:6] == [("fit_start", 0)] + steps(1, 2) + [
         ("validation_end", 2), ("checkpoint", 2), ("train_step_end", 3)]
 
@@ -165,16 +175,10 @@ def test_the_controls_of_several_callbacks_are_combined(tmp_path):
 def test_the_controls_of_several_callbacks_at_a_log_point_are_combined(tmp_path):
     # on_log's requests go through the same combination as on_validation_end's (the per-step
     # event combines its own): one callback's evaluate and another's save both happen
-    class AsksAtLog(Callback):
-        def __init__(self, **control):
-            self.control = Control(**control)
-
-        def on_log(self, view, metrics):
-            return self.control if view.step == 4 else None
-
     rec = Recorder()
+    asks = [Asks("log", 4, **c) for c in ({"evaluate": True}, {"save": True}, {})]
     ToyTrainer(toy_config(tmp_path, max_steps=16, log_every_n_steps=4),
-               callbacks=[AsksAtLog(evaluate=True), AsksAtLog(save=True), AsksAtLog(), rec]).fit()
+               callbacks=[*asks, rec]).fit()
     assert rec.events[:9] == [("fit_start", 0)] + steps(1, 4) + [
         ("log", 4), ("validation_end", 4), ("checkpoint", 4), ("train_step_end", 5)]
 

@@ -82,13 +82,8 @@ class ManualSteps:
         self._unused = {name: UnusedParameters(params, left, name) for name, params in
                         self.params.items()} if trainer.cfg.guards.unused_params else {}
         self._replay: Optional[bool] = None  # an explanation's replay: optimize() updates nothing
-        self._grads: dict[str, Gradients] = {}
-        self.begin(frame.strategy.meshes)
-
-    def begin(self, meshes: bool) -> None:
-        """As each fit() starts: how each optimizer's gradients are measured and clipped, for
-        its parameters as they are now (`meshes`: the strategy's; see Gradients)."""
-        self._grads = {name: Gradients([p for _, p in params], meshes)
+        # how each optimizer's gradients are measured and clipped (checked at each step)
+        self._grads = {name: Gradients([p for _, p in params], frame.strategy.meshes)
                        for name, params in self.params.items()}
 
     def step(self, micro_batches: Sequence[Any]) -> StepOutput:

@@ -47,10 +47,10 @@ class Gradients:
     contexts; scripting and compile checks): about 25 us per step on a CPU, as much as the rest
     of the loop's own per-step cost on a small model. Any other set (several devices or dtypes,
     DTensors, FSDP shards, several meshes) goes through torch's functions. Decided from the
-    parameters when built (the Trainer builds it as each fit() starts), and checked on the
-    gradients at each step: a part of the model cast or moved during a fit(), or a gradient
-    of another tensor type, goes through torch's functions from that step on (their norms are
-    grouped by device and dtype, a different order of summation)."""
+    parameters when built (at the Trainer's setup), and checked on the gradients at each step:
+    a part of the model cast or moved during a fit(), or a gradient of another tensor type,
+    goes through torch's functions from that step on (their norms are grouped by device and
+    dtype, a different order of summation)."""
 
     def __init__(self, params: list[nn.Parameter], meshes: bool = False) -> None:
         self.params, self._meshes = params, meshes
